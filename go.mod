@@ -1,0 +1,3 @@
+module github.com/goalloc/goalloc
+
+go 1.26
