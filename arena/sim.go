@@ -1,0 +1,319 @@
+package arena
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// DefaultSimMemory is the simulated device's capacity when GOALLOC_SIM_MEMORY
+// is not set: 80 GiB, an A100/H100-sized card.
+const DefaultSimMemory = 80 << 30
+
+// SimFaults injects driver failures into a Sim. Each hook, when set, is
+// called before the operation it names; a non-nil return makes the operation
+// fail with that error and change nothing.
+type SimFaults struct {
+	Alloc       func(size uint64, s Stream) error
+	EventRecord func(s Stream) error
+	EventQuery  func(e Event) error
+}
+
+// Sim is a simulated device. Its streams run work in order; an event recorded
+// on a stream completes once the stream has run everything enqueued before
+// the record. In auto mode (the default, used by the library and the replay
+// tool) every stream completes its work at once. In manual mode (SetManual)
+// work completes only when a test calls Complete, which lets tests hold a
+// stream busy for as long as they like, or forever.
+type Sim struct {
+	mu      sync.Mutex
+	ordinal int
+	pool    *simPool
+	manual  bool
+	faults  SimFaults
+	streams map[Stream]*simStream
+	events  map[Event]*simEvent
+	nextEv  Event
+	capture map[Stream]CaptureStatus
+	stalled map[Stream]bool
+	closed  bool
+
+	// Counters tests read: how often each primitive ran.
+	Allocs, Frees, Syncs, Trims uint64
+}
+
+type simStream struct {
+	enqueued  uint64 // position of the last operation put on the stream
+	completed uint64 // position of the last operation that has finished
+}
+
+type simEvent struct {
+	recorded bool
+	stream   Stream
+	seq      uint64
+}
+
+// NewSim makes a simulated device with capacity bytes of memory.
+func NewSim(ordinal int, capacity uint64) *Sim {
+	if capacity == 0 {
+		capacity = DefaultSimMemory
+	}
+	return &Sim{
+		ordinal: ordinal,
+		pool:    newSimPool(capacity),
+		streams: map[Stream]*simStream{},
+		events:  map[Event]*simEvent{},
+		capture: map[Stream]CaptureStatus{},
+		stalled: map[Stream]bool{},
+	}
+}
+
+// SetManual switches between auto mode (false: work completes at once) and
+// manual mode (true: work completes only on Complete or Synchronize).
+func (d *Sim) SetManual(manual bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.manual = manual
+	if !manual {
+		for s, st := range d.streams {
+			if !d.stalled[s] {
+				st.completed = st.enqueued
+			}
+		}
+	}
+}
+
+// Stall makes s never complete its work again, not even on Synchronize (a
+// hung kernel). The real cuCtxSynchronize would then hang; the simulation
+// returns, so a test can see that the allocator survives it.
+func (d *Sim) Stall(s Stream) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.stalled[s] = true
+}
+
+// SetFaults installs failure hooks; the zero SimFaults removes them.
+func (d *Sim) SetFaults(f SimFaults) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.faults = f
+}
+
+// Launch enqueues one piece of work (a kernel, say) on s, as user code does
+// between an allocation and its free. In manual mode it stays unfinished until
+// Complete(s).
+func (d *Sim) Launch(s Stream) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.enqueue(s)
+}
+
+// Complete finishes all work enqueued on s so far.
+func (d *Sim) Complete(s Stream) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if st := d.stream(s); !d.stalled[s] {
+		st.completed = st.enqueued
+	}
+}
+
+// Busy says whether s has unfinished work.
+func (d *Sim) Busy(s Stream) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	st := d.stream(s)
+	return st.completed < st.enqueued
+}
+
+// SetCapture marks s as being captured (or not) into a CUDA graph.
+func (d *Sim) SetCapture(s Stream, status CaptureStatus) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.capture[s] = status
+}
+
+func (d *Sim) stream(s Stream) *simStream {
+	st, ok := d.streams[s]
+	if !ok {
+		st = &simStream{}
+		d.streams[s] = st
+	}
+	return st
+}
+
+// enqueue puts one operation on s and returns its position.
+func (d *Sim) enqueue(s Stream) uint64 {
+	st := d.stream(s)
+	st.enqueued++
+	if !d.manual && !d.stalled[s] {
+		st.completed = st.enqueued
+	}
+	return st.enqueued
+}
+
+func (d *Sim) completed(s Stream) uint64 { return d.stream(s).completed }
+
+var errClosed = errors.New("sim: device is closed")
+
+func (d *Sim) Ordinal() int { return d.ordinal }
+
+func (d *Sim) Alloc(size uint64, s Stream) (uintptr, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return 0, errClosed
+	}
+	if d.faults.Alloc != nil {
+		if err := d.faults.Alloc(size, s); err != nil {
+			return 0, err
+		}
+	}
+	ptr, err := d.pool.alloc(size, s, d.completed)
+	if err != nil {
+		return 0, err
+	}
+	d.Allocs++
+	return uintptr(ptr), nil
+}
+
+func (d *Sim) Free(ptr uintptr, size uint64, s Stream) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return errClosed
+	}
+	if r, ok := d.pool.used[uint64(ptr)]; ok && r.size != roundUp(max(size, 1), d.pool.allocAlign) {
+		return fmt.Errorf("sim: cuMemFreeAsync of %#x with size %d, allocated with %d", ptr, size, r.size)
+	}
+	seq := d.enqueue(s)
+	if err := d.pool.freeRange(uint64(ptr), s, seq, d.completed(s) >= seq); err != nil {
+		return err
+	}
+	d.Frees++
+	return nil
+}
+
+func (d *Sim) Trim(keep uint64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.Trims++
+	d.pool.trim(keep, d.completed)
+	return nil
+}
+
+func (d *Sim) SetReleaseThreshold(uint64) error { return nil }
+
+func (d *Sim) PoolUsage() (PoolUsage, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p := d.pool
+	return PoolUsage{ReservedCurrent: p.reserved, ReservedHigh: p.reservedHigh,
+		UsedCurrent: p.usedBytes, UsedHigh: p.usedHigh}, nil
+}
+
+func (d *Sim) ResetPoolHigh() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.pool.reservedHigh, d.pool.usedHigh = d.pool.reserved, d.pool.usedBytes
+	return nil
+}
+
+func (d *Sim) MemInfo() (free, total uint64, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.pool.capacity - d.pool.reserved, d.pool.capacity, nil
+}
+
+func (d *Sim) NewEvent() (Event, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.nextEv++
+	d.events[d.nextEv] = &simEvent{}
+	return d.nextEv, nil
+}
+
+func (d *Sim) RecordEvent(e Event, s Stream) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ev, ok := d.events[e]
+	if !ok {
+		return fmt.Errorf("sim: cuEventRecord on unknown event %d", e)
+	}
+	if d.faults.EventRecord != nil {
+		if err := d.faults.EventRecord(s); err != nil {
+			return err
+		}
+	}
+	ev.recorded, ev.stream, ev.seq = true, s, d.stream(s).enqueued
+	return nil
+}
+
+func (d *Sim) EventDone(e Event) (bool, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ev, ok := d.events[e]
+	if !ok {
+		return false, fmt.Errorf("sim: cuEventQuery on unknown event %d", e)
+	}
+	if d.faults.EventQuery != nil {
+		if err := d.faults.EventQuery(e); err != nil {
+			return false, err
+		}
+	}
+	// An event never recorded counts as complete, as in CUDA.
+	return !ev.recorded || d.completed(ev.stream) >= ev.seq, nil
+}
+
+func (d *Sim) DestroyEvent(e Event) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.events[e]; !ok {
+		return fmt.Errorf("sim: cuEventDestroy on unknown event %d", e)
+	}
+	delete(d.events, e)
+	return nil
+}
+
+// Synchronize completes all work on every stream, as cuCtxSynchronize waits
+// for it. In manual mode a test that never wants a stream to finish must not
+// let the allocator reach this; the allocator only calls it on explicit user
+// request or as the last step before an out-of-memory.
+func (d *Sim) Synchronize() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.Syncs++
+	for s, st := range d.streams {
+		if !d.stalled[s] {
+			st.completed = st.enqueued
+		}
+	}
+	return nil
+}
+
+func (d *Sim) CaptureStatus(s Stream) (CaptureStatus, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.capture[s], nil
+}
+
+func (d *Sim) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.closed = true
+	return nil
+}
+
+// Events is how many events exist; tests use it to find leaks.
+func (d *Sim) Events() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.events)
+}
+
+// LiveAllocations is how many pool allocations are outstanding; tests use it
+// to find leaks.
+func (d *Sim) LiveAllocations() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.pool.used)
+}
