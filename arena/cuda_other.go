@@ -1,0 +1,46 @@
+//go:build !(linux && cgo)
+
+// Without cgo on Linux there is no way to reach libcuda.so.1: this file keeps
+// the CUDA API so everything compiles, and every entry point says why it
+// cannot work. The real implementation is cuda.go.
+
+package arena
+
+import "errors"
+
+var errNoCUDA = errors.New("goalloc was built without cgo/linux; the CUDA device is unavailable; use GOALLOC_DEVICE=sim")
+
+// CUDA is unavailable in this build; see cuda.go for the real device.
+type CUDA struct{}
+
+var _ Device = (*CUDA)(nil)
+
+// CUDADeviceCount always fails in this build.
+func CUDADeviceCount() (int, error) { return 0, errNoCUDA }
+
+// NewCUDA always fails in this build.
+func NewCUDA(ordinal int, releaseThreshold uint64) (*CUDA, error) { return nil, errNoCUDA }
+
+func (d *CUDA) Ordinal() int                                  { return 0 }
+func (d *CUDA) Alloc(size uint64, s Stream) (uintptr, error)  { return 0, errNoCUDA }
+func (d *CUDA) Free(ptr uintptr, size uint64, s Stream) error { return errNoCUDA }
+func (d *CUDA) Trim(keep uint64) error                        { return errNoCUDA }
+func (d *CUDA) SetReleaseThreshold(bytes uint64) error        { return errNoCUDA }
+func (d *CUDA) PoolUsage() (PoolUsage, error)                 { return PoolUsage{}, errNoCUDA }
+func (d *CUDA) ResetPoolHigh() error                          { return errNoCUDA }
+func (d *CUDA) MemInfo() (free, total uint64, err error)      { return 0, 0, errNoCUDA }
+func (d *CUDA) NewEvent() (Event, error)                      { return 0, errNoCUDA }
+func (d *CUDA) RecordEvent(e Event, s Stream) error           { return errNoCUDA }
+func (d *CUDA) EventDone(e Event) (bool, error)               { return false, errNoCUDA }
+func (d *CUDA) DestroyEvent(e Event) error                    { return errNoCUDA }
+func (d *CUDA) Synchronize() error                            { return errNoCUDA }
+func (d *CUDA) CaptureStatus(s Stream) (CaptureStatus, error) { return CaptureNone, errNoCUDA }
+func (d *CUDA) Close() error                                  { return nil }
+
+// CaptureID always fails in this build.
+func (d *CUDA) CaptureID(s Stream) (status CaptureStatus, id uint64, err error) {
+	return CaptureNone, 0, errNoCUDA
+}
+
+// ExchangeCaptureMode always fails in this build.
+func (d *CUDA) ExchangeCaptureMode(mode int) (int, error) { return 0, errNoCUDA }

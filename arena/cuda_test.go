@@ -1,0 +1,344 @@
+//go:build linux && cgo
+
+package arena
+
+import (
+	"errors"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+)
+
+var _ Device = (*CUDA)(nil)
+
+// needCUDA skips the test unless the driver is there and sees a device.
+func needCUDA(t *testing.T, devices int) {
+	t.Helper()
+	n, err := CUDADeviceCount()
+	if err != nil {
+		t.Skipf("no CUDA driver: %v", err)
+	}
+	if n < devices {
+		t.Skipf("needs %d CUDA device(s), the driver sees %d", devices, n)
+	}
+}
+
+func openCUDA(t *testing.T, ordinal int) *CUDA {
+	t.Helper()
+	d, err := NewCUDA(ordinal, ^uint64(0))
+	if err != nil {
+		t.Fatalf("NewCUDA(%d): %v", ordinal, err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+// onFreshThread runs f on a goroutine locked to its OS thread and never
+// unlocked, so that thread exits with the goroutine and whatever f did to its
+// CUDA context state dies with it.
+func onFreshThread(t *testing.T, f func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread()
+		f()
+	}()
+	<-done
+}
+
+func TestCUDADevice(t *testing.T) {
+	needCUDA(t, 1)
+	d := openCUDA(t, 0)
+	if d.Ordinal() != 0 {
+		t.Fatalf("Ordinal() = %d", d.Ordinal())
+	}
+
+	free, total, err := d.MemInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if total == 0 || free > total {
+		t.Fatalf("MemInfo: free %d, total %d", free, total)
+	}
+
+	const size = 1 << 20
+	p, err := d.Alloc(size, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p == 0 {
+		t.Fatal("Alloc returned a null pointer")
+	}
+	u, err := d.PoolUsage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after Alloc(%d): %+v", size, u)
+	if u.UsedCurrent < size || u.ReservedCurrent < u.UsedCurrent || u.UsedHigh < u.UsedCurrent ||
+		u.ReservedHigh < u.ReservedCurrent {
+		t.Fatalf("PoolUsage after Alloc(%d): %+v", size, u)
+	}
+
+	ev, err := d.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.RecordEvent(ev, 0); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		done, err := d.EventDone(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if done {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("event recorded on an idle stream did not complete in 10s")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := d.DestroyEvent(ev); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := d.Free(p, size, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if u, err = d.PoolUsage(); err != nil {
+		t.Fatal(err)
+	}
+	if u.UsedCurrent != 0 {
+		t.Fatalf("PoolUsage after Free: %+v", u)
+	}
+	if err := d.Trim(0); err != nil {
+		t.Fatal(err)
+	}
+	if u, err = d.PoolUsage(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after Free and Trim(0): %+v", u)
+	if u.ReservedCurrent != 0 {
+		t.Errorf("Trim(0) left %d bytes reserved", u.ReservedCurrent)
+	}
+	if err := d.ResetPoolHigh(); err != nil {
+		t.Fatal(err)
+	}
+	if u, err = d.PoolUsage(); err != nil {
+		t.Fatal(err)
+	}
+	if u.ReservedHigh != u.ReservedCurrent || u.UsedHigh != u.UsedCurrent {
+		t.Errorf("PoolUsage after ResetPoolHigh: %+v", u)
+	}
+	if err := d.SetReleaseThreshold(0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.SetReleaseThreshold(^uint64(0)); err != nil {
+		t.Fatal(err)
+	}
+
+	if st, err := d.CaptureStatus(0); err != nil || st != CaptureNone {
+		t.Fatalf("CaptureStatus(0) = %v, %v", st, err)
+	}
+	if st, _, err := d.CaptureID(0); err != nil || st != CaptureNone {
+		t.Fatalf("CaptureID(0) = %v, %v", st, err)
+	}
+	onFreshThread(t, func() {
+		prev, err := d.ExchangeCaptureMode(2)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		back, err := d.ExchangeCaptureMode(prev)
+		if err != nil || back != 2 {
+			t.Errorf("ExchangeCaptureMode back to %d: got %d, %v", prev, back, err)
+		}
+	})
+
+	_, err = d.Alloc(1<<60, 0)
+	if err == nil {
+		t.Fatal("Alloc(1<<60) succeeded")
+	}
+	var de *DriverError
+	if !errors.As(err, &de) {
+		t.Fatalf("Alloc(1<<60): %v is not a *DriverError", err)
+	}
+	if !errors.Is(err, ErrOutOfMemory) {
+		t.Logf("Alloc(1<<60) failed, but not as out-of-memory: %v", err)
+	} else {
+		t.Logf("Alloc(1<<60): %v", err)
+	}
+
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if _, err := d.Alloc(size, 0); err == nil {
+		t.Fatal("Alloc after Close succeeded")
+	}
+}
+
+func TestCUDABadOrdinal(t *testing.T) {
+	needCUDA(t, 1)
+	n, _ := CUDADeviceCount()
+	if _, err := NewCUDA(n, 0); err == nil {
+		t.Fatalf("NewCUDA(%d) with %d devices succeeded", n, n)
+	}
+	if _, err := NewCUDA(-1, 0); err == nil {
+		t.Fatal("NewCUDA(-1) succeeded")
+	}
+}
+
+// A thread with no current context (PyTorch's autograd thread) gets the
+// device's primary context, and keeps it.
+func TestCUDAThreadWithoutContext(t *testing.T) {
+	needCUDA(t, 1)
+	d := openCUDA(t, 0)
+	onFreshThread(t, func() {
+		if err := setCurrentContext(0); err != nil {
+			t.Error(err)
+			return
+		}
+		if c, err := currentContext(); err != nil || c != 0 {
+			t.Errorf("after cuCtxSetCurrent(NULL): current %#x, %v", c, err)
+			return
+		}
+		p, err := d.Alloc(4096, 0)
+		if err != nil {
+			t.Errorf("Alloc on a thread with no context: %v", err)
+			return
+		}
+		if c, err := currentContext(); err != nil || c != d.primaryContext() {
+			t.Errorf("after Alloc: current %#x, want the primary context %#x (%v)", c, d.primaryContext(), err)
+		}
+		if err := d.Free(p, 4096, 0); err != nil {
+			t.Error(err)
+		}
+		if err := d.Synchronize(); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+// A thread whose current context is another one keeps it: each call borrows
+// the primary context and puts the caller's back.
+func TestCUDARestoresCallersContext(t *testing.T) {
+	needCUDA(t, 1)
+	d := openCUDA(t, 0)
+	var skip error
+	onFreshThread(t, func() {
+		other, err := d.newTestContext()
+		if err != nil {
+			skip = err // t.Skip must run on the test's goroutine
+			return
+		}
+		defer destroyTestContext(other)
+		if other == d.primaryContext() {
+			t.Error("cuCtxCreate returned the primary context")
+			return
+		}
+		expect := func(what string) {
+			if c, err := currentContext(); err != nil || c != other {
+				t.Errorf("after %s: current %#x, want the caller's %#x (%v)", what, c, other, err)
+			}
+		}
+		expect("cuCtxCreate")
+		p, err := d.Alloc(1<<16, 0)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		expect("Alloc")
+		if _, _, err := d.MemInfo(); err != nil {
+			t.Error(err)
+		}
+		expect("MemInfo")
+		if err := d.Free(p, 1<<16, 0); err != nil {
+			t.Error(err)
+		}
+		expect("Free")
+		if err := d.Synchronize(); err != nil {
+			t.Error(err)
+		}
+		expect("Synchronize")
+	})
+	if skip != nil {
+		t.Skip(skip)
+	}
+}
+
+// Two devices: a call for device 0 from a thread whose current context is
+// device 1's leaves device 1 current.
+func TestCUDAMultiDevice(t *testing.T) {
+	needCUDA(t, 2)
+	d0, d1 := openCUDA(t, 0), openCUDA(t, 1)
+	onFreshThread(t, func() {
+		if err := setCurrentContext(d1.primaryContext()); err != nil {
+			t.Error(err)
+			return
+		}
+		p, err := d0.Alloc(1<<20, 0)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		if c, _ := currentContext(); c != d1.primaryContext() {
+			t.Errorf("after d0.Alloc: current %#x, want device 1's %#x", c, d1.primaryContext())
+		}
+		if err := d0.Free(p, 1<<20, 0); err != nil {
+			t.Error(err)
+		}
+		if err := d0.Synchronize(); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+func TestCUDAConcurrent(t *testing.T) {
+	needCUDA(t, 1)
+	d := openCUDA(t, 0)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; i < 500; i++ {
+				size := uint64(512 * (1 + (g*31+i)%64))
+				p, err := d.Alloc(size, 0)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if err := d.Free(p, size, 0); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	u, err := d.PoolUsage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.UsedCurrent != 0 {
+		t.Fatalf("after concurrent alloc/free: %+v", u)
+	}
+}

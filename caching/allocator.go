@@ -1,0 +1,847 @@
+package caching
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"sync"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/streams"
+)
+
+// MaxRequest is the largest size Malloc considers a request at all (256 TiB);
+// anything larger is a caller bug (a negative ssize_t cast to unsigned, say),
+// reported as bad input rather than as an out-of-memory.
+const MaxRequest = 1 << 48
+
+// Allocator is the caching allocator of one device. All its methods are safe
+// for concurrent use; each takes the one mutex once.
+type Allocator struct {
+	mu  sync.Mutex
+	dev arena.Device
+	cfg Config
+	// total is the device's memory, read once at creation.
+	total uint64
+	// limit caps reserved bytes; 0 means no cap. Invariant: no pool
+	// allocation is made that would take reserved above limit.
+	limit uint64
+	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
+	// pool down to it, not below.
+	reserveBytes uint64
+
+	// lists has one StreamFreeList per stream seen; last is the one used
+	// most recently, checked first because one stream does most work.
+	lists []*StreamFreeList
+	last  *StreamFreeList
+
+	// blocks holds every large Block, indexed by blockID; unusedIDs are
+	// slots of blocks that went back to the pool, ready for reuse.
+	blocks    []Block
+	unusedIDs []blockID
+	// largeByAddr finds every large block goalloc holds (live, pending or cached).
+	largeByAddr map[uintptr]blockID
+	// lru lists every cached large block, least recently freed first.
+	lru blockList
+	// cachedLarge is the bytes of cached large blocks. Invariant: it equals
+	// the sum of the sizes of blocks in state blockCached.
+	cachedLarge uint64
+
+	// segments holds every small segment, sorted by address, so a pointer
+	// finds its segment by binary search.
+	segments []*Segment
+
+	events   *streams.EventPool
+	deferred *streams.DeferredFrees
+	// recorded maps a live pointer to the streams other than its owner that
+	// Tensor.record_stream said use it.
+	recorded map[uintptr][]arena.Stream
+
+	stats   Stats
+	history *history
+}
+
+// New makes the caching allocator of dev. It pre-warms cfg.Reserve of the
+// device into the pool and sets the pool's release threshold.
+func New(dev arena.Device, cfg Config) (*Allocator, error) {
+	_, total, err := dev.MemInfo()
+	if err != nil {
+		return nil, fmt.Errorf("goalloc: reading device %d memory: %w", dev.Ordinal(), err)
+	}
+	a := &Allocator{
+		dev:         dev,
+		cfg:         cfg,
+		total:       total,
+		largeByAddr: map[uintptr]blockID{},
+		lru:         emptyList(),
+		recorded:    map[uintptr][]arena.Stream{},
+		stats:       Stats{BadInput: map[string]int64{}},
+	}
+	a.events = streams.NewEventPool(dev)
+	a.deferred = streams.NewDeferredFrees(a.events)
+	if cfg.Fraction > 0 {
+		a.limit = uint64(cfg.Fraction * float64(total))
+	}
+	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
+		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
+	}
+	if cfg.Reserve > 0 {
+		if err := a.prewarm(uint64(cfg.Reserve * float64(total))); err != nil {
+			return nil, err
+		}
+	}
+	return a, nil
+}
+
+// prewarm makes the pool reserve n bytes by allocating and freeing them, so
+// that the pool holds them (release threshold permitting) for later requests.
+func (a *Allocator) prewarm(n uint64) error {
+	n = roundUp(n, segmentSize)
+	if a.limit > 0 && n > a.limit {
+		return fmt.Errorf("goalloc: reserve of %d bytes is above the cap of %d bytes on device %d", n, a.limit, a.dev.Ordinal())
+	}
+	p, err := a.dev.Alloc(n, 0)
+	if err != nil {
+		return fmt.Errorf("goalloc: pre-warming %d bytes on device %d: %w", n, a.dev.Ordinal(), err)
+	}
+	if err := a.dev.Free(p, n, 0); err != nil {
+		return fmt.Errorf("goalloc: pre-warming device %d: %w", a.dev.Ordinal(), err)
+	}
+	a.reserveBytes = n
+	return a.dev.Synchronize()
+}
+
+// Device is the device this allocator takes memory from.
+func (a *Allocator) Device() arena.Device { return a.dev }
+
+// Total is the device's memory in bytes.
+func (a *Allocator) Total() uint64 { return a.total }
+
+// Malloc returns size bytes usable by work on stream s. Size 0 gets a unique
+// 512-byte block, so that every successful call returns a distinct pointer.
+//
+// The fast path (a cached slot or block of the right size on s) takes the
+// mutex once, allocates nothing on the Go heap and never calls the driver.
+func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if size > MaxRequest {
+		return 0, a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: larger than any device (a negative size?)", size, a.dev.Ordinal()))
+	}
+	l := a.last
+	if l == nil || l.stream != s {
+		l = a.streamList(s)
+	}
+	if size <= smallMax {
+		c := sizeToClass[(size+classAlign-1)/classAlign]
+		if seg := l.small[c].head; seg != nil {
+			a.stats.CacheHits++
+			return a.takeSlot(l, seg, size), nil
+		}
+		return a.mallocSmallSlow(l, c, size)
+	}
+	n := roundUp(size, classAlign)
+	if id := a.findCached(l, n); id != noBlock {
+		a.stats.CacheHits++
+		return a.takeBlock(id, size), nil
+	}
+	return a.mallocLargeSlow(l, n, size)
+}
+
+// streamList finds or makes the StreamFreeList of s and makes it last.
+func (a *Allocator) streamList(s arena.Stream) *StreamFreeList {
+	for _, l := range a.lists {
+		if l.stream == s {
+			a.last = l
+			return l
+		}
+	}
+	l := newStreamFreeList(s)
+	for c := range l.small {
+		l.small[c] = segmentList{}
+	}
+	a.lists = append(a.lists, l)
+	a.last = l
+	return l
+}
+
+// takeSlot hands out a free slot of seg, the head of its avail list.
+func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintptr {
+	n := len(seg.freeSlots) - 1
+	i := seg.freeSlots[n]
+	seg.freeSlots = seg.freeSlots[:n]
+	seg.state[i] = slotLive
+	seg.requested[i] = uint32(size)
+	slot := int64(seg.slotSize)
+	if seg.used == 0 {
+		// The segment was empty: it becomes split, its other slots inactive.
+		l.small[seg.class].empty--
+		a.stats.InactiveSplit.add(StatSmall, int64(seg.nslots-1))
+		a.stats.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
+	} else {
+		a.stats.InactiveSplit.sub(StatSmall, 1)
+		a.stats.InactiveSplitBytes.sub(StatSmall, slot)
+	}
+	seg.used++
+	if n == 0 {
+		l.small[seg.class].remove(seg)
+	}
+	a.countAlloc(StatSmall, slot, size)
+	p := seg.slotAddr(i)
+	a.history.add(actionAlloc, p, uint64(slot), seg.stream)
+	return p
+}
+
+func (a *Allocator) countAlloc(t StatType, held int64, requested uint64) {
+	st := &a.stats
+	st.Allocation.add(t, 1)
+	st.AllocatedBytes.add(t, held)
+	st.RequestedBytes.add(t, int64(requested))
+	st.Active.add(t, 1)
+	st.ActiveBytes.add(t, held)
+}
+
+// findCached returns a cached block of s for an n-byte request: the smallest
+// one of at least n bytes and at most n plus the configured slack.
+func (a *Allocator) findCached(l *StreamFreeList, n uint64) blockID {
+	most := n + uint64(float64(n)*a.cfg.LargeSlack)
+	for i := l.bucketIndex(n); i < len(l.buckets) && l.buckets[i].size <= most; i++ {
+		if b := &l.buckets[i]; b.count > 0 {
+			return b.list.head
+		}
+	}
+	return noBlock
+}
+
+// takeBlock hands out the cached block id.
+func (a *Allocator) takeBlock(id blockID, size uint64) uintptr {
+	b := &a.blocks[id]
+	a.uncache(id)
+	b.state = blockLive
+	b.requested = size
+	a.countAlloc(StatLarge, int64(b.size), size)
+	a.history.add(actionAlloc, b.addr, b.size, b.stream)
+	return b.addr
+}
+
+func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (uintptr, error) {
+	a.stats.CacheMisses++
+	a.pollDeferred()
+	if seg := l.small[c].head; seg != nil { // a deferred free completed into it
+		return a.takeSlot(l, seg, size), nil
+	}
+	p, err := a.poolAlloc(segmentSize, l.stream, size)
+	if err != nil {
+		return 0, err
+	}
+	seg := newSegment(p, c, l.stream)
+	a.insertSegment(seg)
+	l.small[c].pushBack(seg)
+	l.small[c].empty++
+	a.stats.Segment.add(StatSmall, 1)
+	a.stats.ReservedBytes.add(StatSmall, int64(seg.size))
+	a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
+	return a.takeSlot(l, seg, size), nil
+}
+
+func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr, error) {
+	a.stats.CacheMisses++
+	if a.pollDeferred() > 0 {
+		if id := a.findCached(l, n); id != noBlock {
+			return a.takeBlock(id, size), nil
+		}
+	}
+	l.pruneBuckets()
+	p, err := a.poolAlloc(n, l.stream, size)
+	if err != nil {
+		return 0, err
+	}
+	id := a.newBlock()
+	b := &a.blocks[id]
+	*b = Block{addr: p, size: n, requested: size, stream: l.stream, state: blockLive,
+		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
+	a.largeByAddr[p] = id
+	a.stats.Segment.add(StatLarge, 1)
+	a.stats.ReservedBytes.add(StatLarge, int64(n))
+	a.history.add(actionSegmentAlloc, p, n, l.stream)
+	a.countAlloc(StatLarge, int64(n), size)
+	a.history.add(actionAlloc, p, n, l.stream)
+	return p, nil
+}
+
+func (a *Allocator) newBlock() blockID {
+	if k := len(a.unusedIDs); k > 0 {
+		id := a.unusedIDs[k-1]
+		a.unusedIDs = a.unusedIDs[:k-1]
+		return id
+	}
+	a.blocks = append(a.blocks, Block{})
+	return blockID(len(a.blocks) - 1)
+}
+
+func (a *Allocator) reserved() uint64 { return uint64(a.stats.ReservedBytes[StatAll].Current) }
+
+// poolAlloc takes n bytes from the pool for a request of size bytes,
+// respecting the cap. When the cap or the driver says no, it reclaims in two
+// rounds before giving up (see doc.go, "Out of memory").
+func (a *Allocator) poolAlloc(n uint64, s arena.Stream, size uint64) (uintptr, error) {
+	var cause error
+	for round := 0; ; round++ {
+		if a.limit > 0 && a.reserved()+n > a.limit {
+			cause = errCap
+		} else {
+			p, err := a.dev.Alloc(n, s)
+			if err == nil {
+				a.stats.NumDeviceAlloc++
+				return p, nil
+			}
+			if !errors.Is(err, arena.ErrOutOfMemory) {
+				return 0, fmt.Errorf("goalloc: device %d: %w", a.dev.Ordinal(), err)
+			}
+			cause = err
+		}
+		if round == 2 || n > a.total || (a.limit > 0 && n > a.limit) {
+			// Nothing to reclaim can make a request larger than the device
+			// or the cap fit.
+			return 0, a.outOfMemory(size, cause)
+		}
+		a.stats.NumAllocRetries++
+		a.reclaim(round == 1)
+	}
+}
+
+var errCap = errors.New("the cap on reserved memory was reached")
+
+// reclaim gives every cached byte back to the pool and trims the pool.
+// With sync it first waits for the whole device, which completes every
+// deferred free: the last step before an out-of-memory.
+func (a *Allocator) reclaim(sync bool) {
+	if sync {
+		if err := a.dev.Synchronize(); err == nil {
+			a.stats.NumSyncAllStreams++
+			a.deferred.AllComplete(a.completeFree)
+		}
+	} else {
+		a.pollDeferred()
+	}
+	a.releaseCached(0)
+	a.releaseEmptySegments(0)
+	_ = a.dev.Trim(a.reserveBytes)
+}
+
+// OOMError is a request that failed for lack of memory, with what a person
+// needs to understand why.
+type OOMError struct {
+	Device                        int
+	Requested                     uint64
+	Limit, Total                  uint64
+	Reserved, Allocated, Cached   uint64
+	LargestFree                   uint64
+	Cause                         error
+}
+
+func (e *OOMError) Error() string {
+	limit := "no cap"
+	if e.Limit > 0 {
+		limit = fmt.Sprintf("cap %s", fmtBytes(e.Limit))
+	}
+	return fmt.Sprintf("goalloc: out of memory on device %d: %s requested; %s of %s total; reserved %s, allocated %s, cached free %s, largest free cached block %s (%v)",
+		e.Device, fmtBytes(e.Requested), limit, fmtBytes(e.Total), fmtBytes(e.Reserved),
+		fmtBytes(e.Allocated), fmtBytes(e.Cached), fmtBytes(e.LargestFree), e.Cause)
+}
+
+func (e *OOMError) Unwrap() error { return arena.ErrOutOfMemory }
+
+func (a *Allocator) outOfMemory(size uint64, cause error) error {
+	a.stats.NumOOMs++
+	f := a.fragmentation()
+	a.history.add(actionOOM, 0, size, 0)
+	return &OOMError{
+		Device: a.dev.Ordinal(), Requested: size, Limit: a.limit, Total: a.total,
+		Reserved: a.reserved(), Allocated: uint64(a.stats.AllocatedBytes[StatAll].Current),
+		Cached: f.FreeBytes, LargestFree: f.LargestFreeBlock, Cause: cause,
+	}
+}
+
+// Free returns ptr, which Malloc returned for size bytes on stream s. The
+// pointer decides what is freed: a wrong size or stream is reported (as an
+// *InputError) but the block is freed all the same, on the stream it was
+// allocated on, since that is the stream its memory is ordered on.
+func (a *Allocator) Free(ptr uintptr, size uint64, s arena.Stream) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if id, ok := a.largeByAddr[ptr]; ok {
+		return a.freeBlock(id, ptr, size, s)
+	}
+	if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 {
+			return a.freeSlot(seg, i, ptr, size, s)
+		}
+		return a.badInput("unknown_pointer", fmt.Sprintf("free of %#x on device %d: inside a goalloc segment but not the start of a block", ptr, a.dev.Ordinal()))
+	}
+	if ptr == 0 {
+		return a.badInput("null_pointer", fmt.Sprintf("free of a NULL pointer on device %d", a.dev.Ordinal()))
+	}
+	return a.badInput("unknown_pointer", fmt.Sprintf("free of %#x on device %d: goalloc did not allocate it on this device", ptr, a.dev.Ordinal()))
+}
+
+func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stream) error {
+	b := &a.blocks[id]
+	if b.state != blockLive {
+		return a.badInput("double_free", fmt.Sprintf("double free of %#x (%d bytes) on device %d", ptr, size, a.dev.Ordinal()))
+	}
+	a.countFree(StatLarge, int64(b.size), b.requested)
+	a.history.add(actionFreeRequested, ptr, b.size, b.stream)
+	warn := a.checkFree(ptr, size, b.requested, s, b.stream)
+	if a.deferIfRecorded(ptr, b.stream) {
+		b.state = blockPending
+		return warn
+	}
+	a.stats.Active.sub(StatLarge, 1)
+	a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
+	a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+	a.cacheBlock(id)
+	return warn
+}
+
+func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s arena.Stream) error {
+	if seg.state[i] != slotLive {
+		return a.badInput("double_free", fmt.Sprintf("double free of %#x (%d bytes) on device %d", ptr, size, a.dev.Ordinal()))
+	}
+	req := uint64(seg.requested[i])
+	a.countFree(StatSmall, int64(seg.slotSize), req)
+	a.history.add(actionFreeRequested, ptr, seg.slotSize, seg.stream)
+	warn := a.checkFree(ptr, size, req, s, seg.stream)
+	if a.deferIfRecorded(ptr, seg.stream) {
+		seg.state[i] = slotPending
+		return warn
+	}
+	a.releaseSlot(seg, i)
+	return warn
+}
+
+func (a *Allocator) countFree(t StatType, held int64, requested uint64) {
+	st := &a.stats
+	st.Allocation.sub(t, 1)
+	st.AllocatedBytes.sub(t, held)
+	st.RequestedBytes.sub(t, int64(requested))
+}
+
+// checkFree reports a free whose size or stream differ from the allocation's.
+func (a *Allocator) checkFree(ptr uintptr, size, requested uint64, s, owner arena.Stream) error {
+	if size != requested && !(size == 0 && requested == 0) {
+		return a.badInput("size_mismatch", fmt.Sprintf("free of %#x with size %d, allocated with size %d, on device %d; freed by pointer", ptr, size, requested, a.dev.Ordinal()))
+	}
+	if s != owner {
+		return a.badInput("stream_mismatch", fmt.Sprintf("free of %#x on stream %#x, allocated on stream %#x, on device %d; freed in the allocation stream's order", ptr, s, owner, a.dev.Ordinal()))
+	}
+	return nil
+}
+
+// deferIfRecorded starts a deferred free when other streams used ptr.
+func (a *Allocator) deferIfRecorded(ptr uintptr, owner arena.Stream) bool {
+	if len(a.recorded) == 0 {
+		return false
+	}
+	used, ok := a.recorded[ptr]
+	if !ok {
+		return false
+	}
+	delete(a.recorded, ptr)
+	a.deferred.Add(ptr, used)
+	a.stats.DeferredFrees++
+	return true
+}
+
+// releaseSlot makes slot i of seg free (its events, if any, completed).
+func (a *Allocator) releaseSlot(seg *Segment, i int32) {
+	slot := int64(seg.slotSize)
+	a.stats.Active.sub(StatSmall, 1)
+	a.stats.ActiveBytes.sub(StatSmall, slot)
+	a.history.add(actionFreeCompleted, seg.slotAddr(i), seg.slotSize, seg.stream)
+	seg.state[i] = slotFree
+	seg.freeSlots = append(seg.freeSlots, i)
+	seg.used--
+	l := a.streamListNoTouch(seg.stream)
+	if !seg.inAvail {
+		l.small[seg.class].pushBack(seg)
+	}
+	if seg.used > 0 {
+		a.stats.InactiveSplit.add(StatSmall, 1)
+		a.stats.InactiveSplitBytes.add(StatSmall, slot)
+		return
+	}
+	a.stats.InactiveSplit.sub(StatSmall, int64(seg.nslots-1))
+	a.stats.InactiveSplitBytes.sub(StatSmall, int64(seg.size)-slot)
+	cl := &l.small[seg.class]
+	cl.empty++
+	// Keep one empty segment per stream and class as a buffer against
+	// churn; give the others back to the pool, where any size can use them.
+	if cl.empty > 1 {
+		_ = a.releaseSegment(l, seg)
+	}
+}
+
+// streamListNoTouch finds the list of s without changing last.
+func (a *Allocator) streamListNoTouch(s arena.Stream) *StreamFreeList {
+	if a.last != nil && a.last.stream == s {
+		return a.last
+	}
+	for _, l := range a.lists {
+		if l.stream == s {
+			return l
+		}
+	}
+	panic("goalloc: a segment's stream has no free list")
+}
+
+// cacheBlock puts the free large block id into its stream's cache, then
+// keeps the cache within its budget.
+func (a *Allocator) cacheBlock(id blockID) {
+	b := &a.blocks[id]
+	b.state = blockCached
+	l := a.streamListNoTouch(b.stream)
+	bucket := l.bucketFor(b.size)
+	if bucket.count == 0 {
+		l.emptyBucket--
+	}
+	bucket.count++
+	a.pushFront(&bucket.list, id, sizeLinks)
+	a.pushBack(&a.lru, id, lruLinks)
+	a.cachedLarge += b.size
+	for a.cachedLarge > a.cfg.LargeCache && a.lru.head != noBlock {
+		if a.releaseBlock(a.lru.head) != nil {
+			break
+		}
+	}
+}
+
+// uncache takes the cached block id out of its bucket and the LRU list.
+func (a *Allocator) uncache(id blockID) {
+	b := &a.blocks[id]
+	l := a.streamListNoTouch(b.stream)
+	i := l.bucketIndex(b.size)
+	bucket := &l.buckets[i]
+	a.unlink(&bucket.list, id, sizeLinks)
+	bucket.count--
+	if bucket.count == 0 {
+		l.emptyBucket++
+	}
+	a.unlink(&a.lru, id, lruLinks)
+	a.cachedLarge -= b.size
+}
+
+// releaseBlock gives the cached block id back to the pool, ordered on its
+// stream.
+func (a *Allocator) releaseBlock(id blockID) error {
+	b := &a.blocks[id]
+	if err := a.dev.Free(b.addr, b.size, b.stream); err != nil {
+		return err
+	}
+	a.stats.NumDeviceFree++
+	a.uncache(id)
+	a.stats.Segment.sub(StatLarge, 1)
+	a.stats.ReservedBytes.sub(StatLarge, int64(b.size))
+	a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
+	delete(a.largeByAddr, b.addr)
+	*b = Block{state: blockUnused}
+	a.unusedIDs = append(a.unusedIDs, id)
+	return nil
+}
+
+// releaseCached gives cached large blocks back to the pool, oldest first,
+// until at most keep bytes stay cached.
+func (a *Allocator) releaseCached(keep uint64) {
+	for a.cachedLarge > keep && a.lru.head != noBlock {
+		if a.releaseBlock(a.lru.head) != nil {
+			return
+		}
+	}
+}
+
+// releaseEmptySegments gives empty small segments back to the pool, keeping
+// at most keep per stream and class.
+func (a *Allocator) releaseEmptySegments(keep int) {
+	for _, l := range a.lists {
+		for c := range l.small {
+			cl := &l.small[c]
+			for seg := cl.head; seg != nil && cl.empty > keep; {
+				next := seg.next
+				if seg.used == 0 {
+					if a.releaseSegment(l, seg) != nil {
+						break
+					}
+				}
+				seg = next
+			}
+		}
+	}
+}
+
+func (a *Allocator) releaseSegment(l *StreamFreeList, seg *Segment) error {
+	if err := a.dev.Free(seg.addr, seg.size, seg.stream); err != nil {
+		return err
+	}
+	a.stats.NumDeviceFree++
+	cl := &l.small[seg.class]
+	cl.remove(seg)
+	cl.empty--
+	a.removeSegment(seg)
+	a.stats.Segment.sub(StatSmall, 1)
+	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
+	a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
+	return nil
+}
+
+func (a *Allocator) insertSegment(seg *Segment) {
+	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr > seg.addr })
+	a.segments = append(a.segments, nil)
+	copy(a.segments[i+1:], a.segments[i:])
+	a.segments[i] = seg
+}
+
+func (a *Allocator) removeSegment(seg *Segment) {
+	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr >= seg.addr })
+	a.segments = append(a.segments[:i], a.segments[i+1:]...)
+}
+
+// findSegment returns the small segment holding ptr, or nil.
+func (a *Allocator) findSegment(ptr uintptr) *Segment {
+	s := a.segments
+	lo, hi := 0, len(s)
+	for lo < hi { // first segment with addr > ptr
+		m := int(uint(lo+hi) >> 1)
+		if s[m].addr <= ptr {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	if lo == 0 {
+		return nil
+	}
+	if seg := s[lo-1]; ptr < seg.addr+uintptr(seg.size) {
+		return seg
+	}
+	return nil
+}
+
+// pollDeferred completes the deferred frees whose events have completed.
+func (a *Allocator) pollDeferred() int {
+	if a.deferred.Len() == 0 {
+		return 0
+	}
+	return a.deferred.Poll(a.completeFree)
+}
+
+// completeFree finishes a deferred free: its block becomes reusable by its
+// owner stream.
+func (a *Allocator) completeFree(ptr uintptr) {
+	if id, ok := a.largeByAddr[ptr]; ok && a.blocks[id].state == blockPending {
+		b := &a.blocks[id]
+		a.stats.Active.sub(StatLarge, 1)
+		a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
+		a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+		a.cacheBlock(id)
+		return
+	}
+	if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 && seg.state[i] == slotPending {
+			a.releaseSlot(seg, i)
+			return
+		}
+	}
+	panic(fmt.Sprintf("goalloc: deferred free of %#x completed, but no pending block has that address", ptr))
+}
+
+// RecordStream notes that stream s uses the live block at ptr, so that its
+// free waits for s (PyTorch's Tensor.record_stream).
+func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	owner, live := arena.Stream(0), false
+	if id, ok := a.largeByAddr[ptr]; ok {
+		owner, live = a.blocks[id].stream, a.blocks[id].state == blockLive
+	} else if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 {
+			owner, live = seg.stream, seg.state[i] == slotLive
+		}
+	} else {
+		return a.badInput("unknown_pointer", fmt.Sprintf("record_stream of %#x on device %d: goalloc did not allocate it on this device", ptr, a.dev.Ordinal()))
+	}
+	if !live {
+		return a.badInput("record_stream_not_live", fmt.Sprintf("record_stream of %#x on device %d: the block is not allocated", ptr, a.dev.Ordinal()))
+	}
+	if s == owner {
+		return nil
+	}
+	for _, r := range a.recorded[ptr] {
+		if r == s {
+			return nil
+		}
+	}
+	a.recorded[ptr] = append(a.recorded[ptr], s)
+	return nil
+}
+
+// EmptyCache is torch.cuda.empty_cache: it waits for the device, completes
+// every deferred free, gives every cached byte back to the pool and trims the
+// pool down to the pre-warmed reserve.
+func (a *Allocator) EmptyCache() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var errs []error
+	if err := a.dev.Synchronize(); err != nil {
+		errs = append(errs, err)
+		a.pollDeferred()
+	} else {
+		a.stats.NumSyncAllStreams++
+		a.deferred.AllComplete(a.completeFree)
+	}
+	a.releaseCached(0)
+	a.releaseEmptySegments(0)
+	if err := a.dev.Trim(a.reserveBytes); err != nil {
+		errs = append(errs, err)
+	}
+	a.history.add(actionEmptyCache, 0, 0, 0)
+	return errors.Join(errs...)
+}
+
+// SetFraction caps reserved memory at fraction x the device's memory, as
+// torch.cuda.set_per_process_memory_fraction does.
+func (a *Allocator) SetFraction(fraction float64) error {
+	if math.IsNaN(fraction) || fraction <= 0 || fraction > 1 {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return a.badInput("invalid_fraction", fmt.Sprintf("memory fraction %v for device %d is outside (0, 1]", fraction, a.dev.Ordinal()))
+	}
+	return a.SetLimit(uint64(fraction * float64(a.total)))
+}
+
+// SetLimit caps reserved memory at limit bytes (0: no cap). Lowering the cap
+// releases cached memory until reserved fits under it, as far as live
+// memory allows.
+func (a *Allocator) SetLimit(limit uint64) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.limit = limit
+	if limit > 0 && a.reserved() > limit {
+		a.pollDeferred()
+		a.releaseCached(0)
+		a.releaseEmptySegments(0)
+		return a.dev.Trim(a.reserveBytes)
+	}
+	return nil
+}
+
+// Limit is the cap on reserved bytes, 0 if none.
+func (a *Allocator) Limit() uint64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.limit
+}
+
+// Stats returns a copy of the statistics, after collecting completed
+// deferred frees so that active figures are current.
+func (a *Allocator) Stats() Stats {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.pollDeferred()
+	return a.stats.clone()
+}
+
+// ResetPeakStats sets every peak to its current value, here and in the pool.
+func (a *Allocator) ResetPeakStats() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.stats.resetPeaks()
+	return a.dev.ResetPoolHigh()
+}
+
+// ResetAccumulatedStats zeroes the allocated and freed totals and counters.
+func (a *Allocator) ResetAccumulatedStats() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	st := &a.stats
+	for _, arr := range []*statArray{&st.Allocation, &st.AllocatedBytes, &st.RequestedBytes,
+		&st.Active, &st.ActiveBytes, &st.Segment, &st.ReservedBytes, &st.InactiveSplit, &st.InactiveSplitBytes} {
+		for t := range arr {
+			arr[t].Allocated, arr[t].Freed = arr[t].Current, 0
+		}
+	}
+	st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams, st.NumDeviceAlloc, st.NumDeviceFree = 0, 0, 0, 0, 0
+	st.CacheHits, st.CacheMisses, st.DeferredFrees = 0, 0, 0
+}
+
+// Fragmentation reports the cached free memory and how scattered it is.
+func (a *Allocator) Fragmentation() Fragmentation {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.fragmentation()
+}
+
+func (a *Allocator) fragmentation() Fragmentation {
+	var f Fragmentation
+	for i := range a.blocks {
+		if b := &a.blocks[i]; b.state == blockCached {
+			f.FreeBytes += b.size
+			f.LargestFreeBlock = max(f.LargestFreeBlock, b.size)
+		}
+	}
+	for _, seg := range a.segments {
+		free := uint64(len(seg.freeSlots)) * seg.slotSize
+		f.FreeBytes += free
+		if seg.used == 0 {
+			f.LargestFreeBlock = max(f.LargestFreeBlock, seg.size)
+		} else if free > 0 {
+			f.LargestFreeBlock = max(f.LargestFreeBlock, seg.slotSize)
+		}
+	}
+	if f.FreeBytes > 0 {
+		f.Ratio = 1 - float64(f.LargestFreeBlock)/float64(f.FreeBytes)
+	}
+	if u, err := a.dev.PoolUsage(); err == nil {
+		f.PoolReserved, f.PoolUsed = u.ReservedCurrent, u.UsedCurrent
+	}
+	return f
+}
+
+// Close gives everything back to the pool and destroys it. Live blocks are
+// lost with it; Close is for process exit and tests.
+func (a *Allocator) Close() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.events.Close()
+	return a.dev.Close()
+}
+
+// InputError is a call with bad arguments. Kind is a stable name for the
+// kind of mistake ("double_free", "unknown_pointer", ...), also the key of its
+// counter in Stats.BadInput.
+type InputError struct {
+	Kind string
+	Msg  string
+}
+
+func (e *InputError) Error() string { return "goalloc: " + e.Msg }
+
+// badInput counts a bad call and returns its error. The caller holds a.mu.
+func (a *Allocator) badInput(kind, msg string) error {
+	a.stats.BadInput[kind]++
+	return &InputError{Kind: kind, Msg: msg}
+}
+
+func fmtBytes(n uint64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+func roundUp(n, align uint64) uint64 { return (n + align - 1) / align * align }

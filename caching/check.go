@@ -1,0 +1,207 @@
+package caching
+
+import (
+	"fmt"
+	"sort"
+)
+
+// CheckInvariants recomputes everything the allocator keeps incrementally
+// and compares: block states against lists, statistics against the blocks,
+// and that no two pieces of memory goalloc holds overlap. It is slow (linear
+// in everything held) and meant for tests.
+func (a *Allocator) CheckInvariants() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	type span struct {
+		addr, size uint64
+		what       string
+	}
+	var spans []span
+	var allocated, active, reserved, cached, requested [numStatTypes]int64
+	var live, activeN, segs [numStatTypes]int64
+	add := func(t StatType, arr *[numStatTypes]int64, n int64) { arr[StatAll] += n; arr[t] += n }
+
+	cachedIDs := map[blockID]bool{}
+	for i := range a.blocks {
+		b := &a.blocks[i]
+		if b.state == blockUnused {
+			continue
+		}
+		if id, ok := a.largeByAddr[b.addr]; !ok || id != blockID(i) {
+			return fmt.Errorf("block %d at %#x is not indexed by its address", i, b.addr)
+		}
+		if b.size <= smallMax || b.size%classAlign != 0 {
+			return fmt.Errorf("large block %#x has size %d", b.addr, b.size)
+		}
+		spans = append(spans, span{uint64(b.addr), b.size, "large block"})
+		add(StatLarge, &reserved, int64(b.size))
+		add(StatLarge, &segs, 1)
+		switch b.state {
+		case blockLive:
+			add(StatLarge, &allocated, int64(b.size))
+			add(StatLarge, &requested, int64(b.requested))
+			add(StatLarge, &live, 1)
+			add(StatLarge, &active, int64(b.size))
+			add(StatLarge, &activeN, 1)
+		case blockPending:
+			add(StatLarge, &active, int64(b.size))
+			add(StatLarge, &activeN, 1)
+		case blockCached:
+			cached[StatLarge] += int64(b.size)
+			cachedIDs[blockID(i)] = true
+		}
+	}
+	if len(a.largeByAddr) != int(segs[StatLarge]) {
+		return fmt.Errorf("%d addresses indexed, %d large blocks held", len(a.largeByAddr), segs[StatLarge])
+	}
+	if uint64(cached[StatLarge]) != a.cachedLarge {
+		return fmt.Errorf("cachedLarge %d, cached blocks add up to %d", a.cachedLarge, cached[StatLarge])
+	}
+	// Every cached block is in exactly one bucket of its stream and in the LRU.
+	inLists := 0
+	for _, l := range a.lists {
+		empty := 0
+		for bi, bk := range l.buckets {
+			if bi > 0 && l.buckets[bi-1].size >= bk.size {
+				return fmt.Errorf("stream %#x: buckets out of order", l.stream)
+			}
+			n := 0
+			for id := bk.list.head; id != noBlock; id = a.blocks[id].sizeNext {
+				b := &a.blocks[id]
+				if !cachedIDs[id] || b.size != bk.size || b.stream != l.stream {
+					return fmt.Errorf("stream %#x bucket %d holds block %d (state %d, size %d, stream %#x)", l.stream, bk.size, id, b.state, b.size, b.stream)
+				}
+				n++
+			}
+			if n != bk.count {
+				return fmt.Errorf("bucket %d counts %d, holds %d", bk.size, bk.count, n)
+			}
+			if n == 0 {
+				empty++
+			}
+			inLists += n
+		}
+		if empty != l.emptyBucket {
+			return fmt.Errorf("stream %#x: %d empty buckets, counted %d", l.stream, empty, l.emptyBucket)
+		}
+	}
+	lruN := 0
+	for id := a.lru.head; id != noBlock; id = a.blocks[id].lruNext {
+		if !cachedIDs[id] {
+			return fmt.Errorf("LRU holds block %d, which is not cached", id)
+		}
+		lruN++
+	}
+	if inLists != len(cachedIDs) || lruN != len(cachedIDs) {
+		return fmt.Errorf("%d cached blocks, %d in buckets, %d in the LRU", len(cachedIDs), inLists, lruN)
+	}
+
+	var inactive, inactiveN int64
+	for i, seg := range a.segments {
+		if i > 0 && a.segments[i-1].addr >= seg.addr {
+			return fmt.Errorf("segments out of order")
+		}
+		spans = append(spans, span{uint64(seg.addr), seg.size, "segment"})
+		add(StatSmall, &reserved, int64(seg.size))
+		add(StatSmall, &segs, 1)
+		free := 0
+		used := int32(0)
+		for s := int32(0); s < seg.nslots; s++ {
+			switch seg.state[s] {
+			case slotFree:
+				free++
+			case slotLive:
+				used++
+				add(StatSmall, &allocated, int64(seg.slotSize))
+				add(StatSmall, &requested, int64(seg.requested[s]))
+				add(StatSmall, &live, 1)
+				add(StatSmall, &active, int64(seg.slotSize))
+				add(StatSmall, &activeN, 1)
+			case slotPending:
+				used++
+				add(StatSmall, &active, int64(seg.slotSize))
+				add(StatSmall, &activeN, 1)
+			}
+		}
+		if free != len(seg.freeSlots) || used != seg.used {
+			return fmt.Errorf("segment %#x: %d free slots, stack holds %d; %d used, counted %d", seg.addr, free, len(seg.freeSlots), used, seg.used)
+		}
+		for _, s := range seg.freeSlots {
+			if seg.state[s] != slotFree {
+				return fmt.Errorf("segment %#x: slot %d on the free stack is not free", seg.addr, s)
+			}
+		}
+		if seg.inAvail != (free > 0) {
+			return fmt.Errorf("segment %#x: %d free slots, inAvail %v", seg.addr, free, seg.inAvail)
+		}
+		if used > 0 {
+			inactive += int64(seg.size) - int64(used)*int64(seg.slotSize)
+			inactiveN += int64(free)
+		}
+	}
+	for _, l := range a.lists {
+		for c := range l.small {
+			empty := 0
+			for seg := l.small[c].head; seg != nil; seg = seg.next {
+				if seg.stream != l.stream || int(seg.class) != c || !seg.inAvail {
+					return fmt.Errorf("stream %#x class %d lists a foreign segment %#x", l.stream, c, seg.addr)
+				}
+				if seg.used == 0 {
+					empty++
+				}
+			}
+			if empty != l.small[c].empty {
+				return fmt.Errorf("stream %#x class %d: %d empty segments, counted %d", l.stream, c, empty, l.small[c].empty)
+			}
+		}
+	}
+
+	st := &a.stats
+	for t := StatAll; t < numStatTypes; t++ {
+		for _, chk := range []struct {
+			name string
+			got  int64
+			want int64
+		}{
+			{"allocated_bytes", st.AllocatedBytes[t].Current, allocated[t]},
+			{"requested_bytes", st.RequestedBytes[t].Current, requested[t]},
+			{"allocation", st.Allocation[t].Current, live[t]},
+			{"active_bytes", st.ActiveBytes[t].Current, active[t]},
+			{"active", st.Active[t].Current, activeN[t]},
+			{"reserved_bytes", st.ReservedBytes[t].Current, reserved[t]},
+			{"segment", st.Segment[t].Current, segs[t]},
+		} {
+			if chk.got != chk.want {
+				return fmt.Errorf("%s.%s.current is %d, blocks add up to %d", chk.name, statTypeNames[t], chk.got, chk.want)
+			}
+		}
+	}
+	if st.InactiveSplitBytes[StatAll].Current != inactive || st.InactiveSplit[StatAll].Current != inactiveN {
+		return fmt.Errorf("inactive_split %d (%d bytes), segments add up to %d (%d bytes)",
+			st.InactiveSplit[StatAll].Current, st.InactiveSplitBytes[StatAll].Current, inactiveN, inactive)
+	}
+	sort.Slice(spans, func(i, j int) bool { return spans[i].addr < spans[j].addr })
+	for i := 1; i < len(spans); i++ {
+		if p := spans[i-1]; p.addr+p.size > spans[i].addr {
+			return fmt.Errorf("%s [%#x,+%d) overlaps %s at %#x", p.what, p.addr, p.size, spans[i].what, spans[i].addr)
+		}
+	}
+	for ptr := range a.recorded {
+		if !a.isLive(ptr) {
+			return fmt.Errorf("record_stream entry for %#x, which is not live", ptr)
+		}
+	}
+	return nil
+}
+
+func (a *Allocator) isLive(ptr uintptr) bool {
+	if id, ok := a.largeByAddr[ptr]; ok {
+		return a.blocks[id].state == blockLive
+	}
+	if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 {
+			return seg.state[i] == slotLive
+		}
+	}
+	return false
+}

@@ -1,0 +1,173 @@
+package caching
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// Config is what GOALLOC_CONF sets. The zero Config is not valid; start from
+// DefaultConfig.
+type Config struct {
+	// Fraction caps reserved bytes at Fraction x total device memory; 0 means
+	// no cap. set_per_process_memory_fraction overrides it per device.
+	Fraction float64
+	// Reserve is the share of the device's memory pre-warmed into the pool
+	// when the device is first used, so early allocations find it ready.
+	Reserve float64
+	// ReleaseThreshold is how many unused bytes the driver pool keeps across
+	// synchronisations (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD). Max by default:
+	// the pool is our cache of last resort and must not shrink behind our back.
+	ReleaseThreshold uint64
+	// LargeCache bounds the bytes of free large blocks kept cached above the
+	// pool (per device). Past it, the oldest cached blocks go back to the
+	// pool, where any size can reuse them. See doc.go, "Cache policy".
+	LargeCache uint64
+	// LargeSlack lets a cached large block serve a request up to this share
+	// smaller than the block (0.0625: a 16 MiB block serves 15.06 MiB and up).
+	LargeSlack float64
+	// Quiet turns off goalloc's own warnings on stderr (OOM lines still print).
+	Quiet bool
+}
+
+// DefaultConfig is the configuration with no GOALLOC_CONF.
+func DefaultConfig() Config {
+	return Config{
+		ReleaseThreshold: math.MaxUint64,
+		LargeCache:       1 << 30,
+		LargeSlack:       1.0 / 16,
+	}
+}
+
+// confKeys documents every key ParseConfig takes, for error messages and the README.
+var confKeys = map[string]string{
+	"fraction":          "cap on reserved memory as a share of the device, in (0, 1]",
+	"reserve":           "share of the device pre-warmed into the pool at first use, in [0, 1)",
+	"release_threshold": "bytes the driver pool keeps when idle: a size (512M, 2G) or max",
+	"large_cache":       "most bytes of free large blocks cached above the pool: a size or 0",
+	"large_slack":       "how much larger than a request a cached large block may be, in [0, 1)",
+	"quiet":             "true to silence warnings (OOM lines still print)",
+}
+
+// ConfigKeys lists the keys GOALLOC_CONF takes with what each means.
+func ConfigKeys() map[string]string { return confKeys }
+
+// ParseConfig reads a GOALLOC_CONF string: key:value pairs separated by
+// commas, like PYTORCH_CUDA_ALLOC_CONF ("fraction:0.5,reserve:0.1"). Keys not
+// given keep their defaults. An unknown key or a bad value is an error that
+// names it; nothing is silently defaulted.
+func ParseConfig(s string) (Config, error) {
+	c := DefaultConfig()
+	seen := map[string]bool{}
+	for _, item := range strings.Split(s, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(item, ":")
+		k, v = strings.TrimSpace(k), strings.TrimSpace(v)
+		if !ok || k == "" || v == "" {
+			return c, fmt.Errorf("GOALLOC_CONF: %q is not key:value", item)
+		}
+		if _, known := confKeys[k]; !known {
+			return c, fmt.Errorf("GOALLOC_CONF: unknown key %q (known: %s)", k, knownKeys())
+		}
+		if seen[k] {
+			return c, fmt.Errorf("GOALLOC_CONF: key %q given twice", k)
+		}
+		seen[k] = true
+		var err error
+		switch k {
+		case "fraction":
+			c.Fraction, err = parseShare(v, false, true)
+		case "reserve":
+			c.Reserve, err = parseShare(v, true, false)
+		case "release_threshold":
+			if v == "max" {
+				c.ReleaseThreshold = math.MaxUint64
+			} else {
+				c.ReleaseThreshold, err = ParseBytes(v)
+			}
+		case "large_cache":
+			c.LargeCache, err = ParseBytes(v)
+		case "large_slack":
+			c.LargeSlack, err = parseShare(v, true, false)
+		case "quiet":
+			c.Quiet, err = strconv.ParseBool(v)
+		}
+		if err != nil {
+			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
+		}
+	}
+	return c, nil
+}
+
+func knownKeys() string {
+	keys := make([]string, 0, len(confKeys))
+	for k := range confKeys {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return strings.Join(keys, ", ")
+}
+
+// parseShare parses a float in (0,1) with the ends allowed as asked.
+func parseShare(v string, zeroOK, oneOK bool) (float64, error) {
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || math.IsNaN(f) {
+		return 0, fmt.Errorf("%q is not a number", v)
+	}
+	if f < 0 || f > 1 || (f == 0 && !zeroOK) || (f == 1 && !oneOK) {
+		lo, hi := "(", ")"
+		if zeroOK {
+			lo = "["
+		}
+		if oneOK {
+			hi = "]"
+		}
+		return 0, fmt.Errorf("%v is outside %s0, 1%s", f, lo, hi)
+	}
+	return f, nil
+}
+
+// ParseBytes reads a byte count: a plain integer, or a number with a suffix
+// K, M, G, T (powers of 1024; KB/KiB and friends mean the same).
+func ParseBytes(v string) (uint64, error) {
+	s, mult := splitUnit(strings.ToUpper(strings.TrimSpace(v)))
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil || f < 0 || math.IsNaN(f) || math.IsInf(f, 0) {
+		return 0, fmt.Errorf("%q is not a byte size", v)
+	}
+	n := f * float64(mult)
+	if n >= math.MaxUint64 {
+		return 0, fmt.Errorf("%q is too large", v)
+	}
+	return uint64(n), nil
+}
+
+// splitUnit splits an upper-cased size into its number and multiplier.
+func splitUnit(s string) (string, uint64) {
+	for _, u := range []struct {
+		suffix string
+		mult   uint64
+	}{{"T", 1 << 40}, {"G", 1 << 30}, {"M", 1 << 20}, {"K", 1 << 10}} {
+		for _, form := range []string{u.suffix + "IB", u.suffix + "B", u.suffix} {
+			if strings.HasSuffix(s, form) {
+				return strings.TrimSpace(strings.TrimSuffix(s, form)), u.mult
+			}
+		}
+	}
+	return strings.TrimSuffix(s, "B"), 1
+}
+
+// String renders c back in GOALLOC_CONF syntax.
+func (c Config) String() string {
+	rt := "max"
+	if c.ReleaseThreshold != math.MaxUint64 {
+		rt = strconv.FormatUint(c.ReleaseThreshold, 10)
+	}
+	return fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,large_slack:%g,quiet:%t",
+		c.Fraction, c.Reserve, rt, c.LargeCache, c.LargeSlack, c.Quiet)
+}

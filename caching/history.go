@@ -1,0 +1,85 @@
+package caching
+
+import (
+	"time"
+
+	"github.com/goalloc/goalloc/arena"
+)
+
+// Action is what a history entry records, named as PyTorch's memory
+// snapshots name trace actions.
+type Action uint8
+
+const (
+	actionAlloc Action = iota
+	actionFreeRequested
+	actionFreeCompleted
+	actionSegmentAlloc
+	actionSegmentFree
+	actionOOM
+	actionEmptyCache
+)
+
+var actionNames = [...]string{"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot"}
+
+func (a Action) String() string { return actionNames[a] }
+
+// TraceEntry is one recorded allocator event.
+type TraceEntry struct {
+	Action Action
+	Addr   uintptr
+	Size   uint64
+	Stream arena.Stream
+	TimeNs int64 // wall clock, Unix nanoseconds
+}
+
+// history is a ring of the most recent TraceEntries. A nil *history records
+// nothing, so the hot path pays one nil check when recording is off.
+type history struct {
+	ring  []TraceEntry
+	next  int  // where the next entry goes
+	full  bool // the ring has wrapped
+	total int64
+}
+
+func (h *history) add(act Action, addr uintptr, size uint64, s arena.Stream) {
+	if h == nil {
+		return
+	}
+	h.ring[h.next] = TraceEntry{Action: act, Addr: addr, Size: size, Stream: s, TimeNs: time.Now().UnixNano()}
+	h.total++
+	h.next++
+	if h.next == len(h.ring) {
+		h.next, h.full = 0, true
+	}
+}
+
+func (h *history) entries() []TraceEntry {
+	if h == nil {
+		return nil
+	}
+	if !h.full {
+		return append([]TraceEntry(nil), h.ring[:h.next]...)
+	}
+	out := append([]TraceEntry(nil), h.ring[h.next:]...)
+	return append(out, h.ring[:h.next]...)
+}
+
+// RecordHistory turns event recording on, keeping the last maxEntries
+// events (the old ones are dropped), or off when maxEntries is 0.
+func (a *Allocator) RecordHistory(maxEntries int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if maxEntries <= 0 {
+		a.history = nil
+		return
+	}
+	a.history = &history{ring: make([]TraceEntry, maxEntries)}
+}
+
+// History returns the recorded events, oldest first.
+func (a *Allocator) History() []TraceEntry {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.history.entries()
+}

@@ -1,0 +1,98 @@
+package caching
+
+import "github.com/goalloc/goalloc/arena"
+
+// A Segment is one pool allocation of segmentSize bytes carved into equal
+// slots of one small size class. It belongs to the stream it was allocated
+// on: only that stream takes slots from it (see doc.go, "Streams").
+type Segment struct {
+	addr     uintptr
+	size     uint64
+	stream   arena.Stream
+	class    uint8
+	slotSize uint64
+	nslots   int32
+
+	// freeSlots is a stack of the indices of free slots. Its capacity is
+	// nslots from the start, so pushing never allocates.
+	freeSlots []int32
+	// state[i] says what slot i is doing. Invariant: the slots in freeSlots
+	// are exactly those with state slotFree.
+	state []slotState
+	// used counts live and pending slots: nslots - len(freeSlots).
+	used int32
+
+	// Links in its StreamFreeList's list of segments of this class that have
+	// a free slot (avail). Invariant: inAvail == (len(freeSlots) > 0).
+	prev, next *Segment
+	inAvail    bool
+
+	// requested[i] is the size the user asked for in live slot i.
+	requested []uint32
+}
+
+type slotState uint8
+
+const (
+	slotFree    slotState = iota // in freeSlots
+	slotLive                     // handed to the user
+	slotPending                  // freed, waiting for other streams' events
+)
+
+func newSegment(addr uintptr, class uint8, s arena.Stream) *Segment {
+	slot := uint64(classSize[class])
+	n := int32(segmentSize / slot)
+	seg := &Segment{
+		addr: addr, size: segmentSize, stream: s, class: class, slotSize: slot, nslots: n,
+		freeSlots: make([]int32, n),
+		state:     make([]slotState, n),
+		requested: make([]uint32, n),
+	}
+	// Hand out low addresses first: slot 0 ends on top of the stack.
+	for i := int32(0); i < n; i++ {
+		seg.freeSlots[i] = n - 1 - i
+	}
+	return seg
+}
+
+// slotOf returns the slot index of ptr, or -1 when ptr is not the start of a slot.
+func (seg *Segment) slotOf(ptr uintptr) int32 {
+	off := uint64(ptr - seg.addr)
+	if off%seg.slotSize != 0 || off/seg.slotSize >= uint64(seg.nslots) {
+		return -1
+	}
+	return int32(off / seg.slotSize)
+}
+
+func (seg *Segment) slotAddr(i int32) uintptr { return seg.addr + uintptr(uint64(i)*seg.slotSize) }
+
+// segmentList is a doubly linked list of segments (the avail list of a class).
+type segmentList struct {
+	head, tail *Segment
+	// empty counts the segments of this stream and class with no used slot.
+	empty int
+}
+
+func (l *segmentList) pushBack(seg *Segment) {
+	seg.prev, seg.next, seg.inAvail = l.tail, nil, true
+	if l.tail != nil {
+		l.tail.next = seg
+	} else {
+		l.head = seg
+	}
+	l.tail = seg
+}
+
+func (l *segmentList) remove(seg *Segment) {
+	if seg.prev != nil {
+		seg.prev.next = seg.next
+	} else {
+		l.head = seg.next
+	}
+	if seg.next != nil {
+		seg.next.prev = seg.prev
+	} else {
+		l.tail = seg.prev
+	}
+	seg.prev, seg.next, seg.inAvail = nil, nil, false
+}

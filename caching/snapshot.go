@@ -1,0 +1,118 @@
+package caching
+
+import "sort"
+
+// SnapshotBlock is one block of a segment, with the keys of a block in
+// torch.cuda.memory._snapshot().
+type SnapshotBlock struct {
+	Address       uint64 `json:"address"`
+	Size          uint64 `json:"size"`
+	RequestedSize uint64 `json:"requested_size"`
+	// State is "active_allocated", "active_pending_free" or "inactive".
+	State  string `json:"state"`
+	Frames []any  `json:"frames"`
+}
+
+// SnapshotSegment is one pool allocation goalloc holds, with the keys of a
+// segment in torch.cuda.memory._snapshot().
+type SnapshotSegment struct {
+	Device        int             `json:"device"`
+	Address       uint64          `json:"address"`
+	TotalSize     uint64          `json:"total_size"`
+	AllocatedSize uint64          `json:"allocated_size"`
+	ActiveSize    uint64          `json:"active_size"`
+	RequestedSize uint64          `json:"requested_size"`
+	Stream        uint64          `json:"stream"`
+	SegmentType   string          `json:"segment_type"` // "small" or "large"
+	SegmentPoolID [2]uint64       `json:"segment_pool_id"`
+	IsExpandable  bool            `json:"is_expandable"`
+	Frames        []any           `json:"frames"`
+	Blocks        []SnapshotBlock `json:"blocks"`
+}
+
+// TraceJSON is one history entry with the keys of a device trace entry in
+// torch.cuda.memory._snapshot().
+type TraceJSON struct {
+	Action string `json:"action"`
+	Addr   uint64 `json:"addr"`
+	Size   uint64 `json:"size"`
+	Stream uint64 `json:"stream"`
+	TimeUs int64  `json:"time_us"`
+	Frames []any  `json:"frames"`
+}
+
+// Snapshot is the state of one device: its segments, sorted by address, and
+// the recorded history (empty unless RecordHistory is on).
+type Snapshot struct {
+	Segments []SnapshotSegment `json:"segments"`
+	Trace    []TraceJSON       `json:"device_traces"`
+}
+
+// Snapshot describes every segment goalloc holds and the recorded history.
+// Consecutive free slots of a small segment are shown as one inactive block,
+// as PyTorch shows a free range.
+func (a *Allocator) Snapshot() Snapshot {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.pollDeferred()
+	dev := a.dev.Ordinal()
+	snap := Snapshot{Segments: []SnapshotSegment{}, Trace: []TraceJSON{}}
+	for i := range a.blocks {
+		b := &a.blocks[i]
+		if b.state == blockUnused {
+			continue
+		}
+		seg := SnapshotSegment{Device: dev, Address: uint64(b.addr), TotalSize: b.size,
+			Stream: uint64(b.stream), SegmentType: "large", Frames: []any{}}
+		blk := SnapshotBlock{Address: uint64(b.addr), Size: b.size, State: "inactive", Frames: []any{}}
+		switch b.state {
+		case blockLive:
+			blk.State, blk.RequestedSize = "active_allocated", b.requested
+			seg.AllocatedSize, seg.ActiveSize, seg.RequestedSize = b.size, b.size, b.requested
+		case blockPending:
+			blk.State = "active_pending_free"
+			seg.ActiveSize = b.size
+		}
+		seg.Blocks = []SnapshotBlock{blk}
+		snap.Segments = append(snap.Segments, seg)
+	}
+	for _, s := range a.segments {
+		seg := SnapshotSegment{Device: dev, Address: uint64(s.addr), TotalSize: s.size,
+			Stream: uint64(s.stream), SegmentType: "small", Frames: []any{}}
+		for i := int32(0); i < s.nslots; i++ {
+			addr := uint64(s.slotAddr(i))
+			blk := SnapshotBlock{Address: addr, Size: s.slotSize, State: "inactive", Frames: []any{}}
+			switch s.state[i] {
+			case slotLive:
+				blk.State, blk.RequestedSize = "active_allocated", uint64(s.requested[i])
+				seg.AllocatedSize += s.slotSize
+				seg.ActiveSize += s.slotSize
+				seg.RequestedSize += blk.RequestedSize
+			case slotPending:
+				blk.State = "active_pending_free"
+				seg.ActiveSize += s.slotSize
+			}
+			if n := len(seg.Blocks); n > 0 && blk.State == "inactive" && seg.Blocks[n-1].State == "inactive" {
+				seg.Blocks[n-1].Size += s.slotSize
+				continue
+			}
+			seg.Blocks = append(seg.Blocks, blk)
+		}
+		if tail := s.size - uint64(s.nslots)*s.slotSize; tail > 0 {
+			n := len(seg.Blocks)
+			if seg.Blocks[n-1].State == "inactive" {
+				seg.Blocks[n-1].Size += tail
+			} else {
+				seg.Blocks = append(seg.Blocks, SnapshotBlock{Address: uint64(s.addr) + s.size - tail,
+					Size: tail, State: "inactive", Frames: []any{}})
+			}
+		}
+		snap.Segments = append(snap.Segments, seg)
+	}
+	sort.Slice(snap.Segments, func(i, j int) bool { return snap.Segments[i].Address < snap.Segments[j].Address })
+	for _, e := range a.history.entries() {
+		snap.Trace = append(snap.Trace, TraceJSON{Action: e.Action.String(), Addr: uint64(e.Addr), Size: e.Size,
+			Stream: uint64(e.Stream), TimeUs: e.TimeNs / 1000, Frames: []any{}})
+	}
+	return snap
+}

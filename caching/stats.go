@@ -1,0 +1,177 @@
+package caching
+
+import (
+	"encoding/json"
+	"sort"
+)
+
+// StatType indexes a Stat array the way PyTorch's memory_stats() splits its
+// figures: all blocks, small-pool blocks (<= smallMax), large-pool blocks.
+type StatType int
+
+const (
+	StatAll StatType = iota
+	StatSmall
+	StatLarge
+	numStatTypes
+)
+
+var statTypeNames = [numStatTypes]string{"all", "small_pool", "large_pool"}
+
+// Stat is one counter with PyTorch's four figures.
+// Invariant: Current == Allocated - Freed, and Peak >= Current.
+type Stat struct {
+	Current, Peak, Allocated, Freed int64
+}
+
+func (s *Stat) add(n int64) {
+	s.Current += n
+	s.Allocated += n
+	if s.Current > s.Peak {
+		s.Peak = s.Current
+	}
+}
+
+func (s *Stat) sub(n int64) {
+	s.Current -= n
+	s.Freed += n
+}
+
+// statArray is one statistic split by pool, updated for all and for the pool.
+type statArray [numStatTypes]Stat
+
+func (a *statArray) add(t StatType, n int64) { a[StatAll].add(n); a[t].add(n) }
+func (a *statArray) sub(t StatType, n int64) { a[StatAll].sub(n); a[t].sub(n) }
+func (a *statArray) resetPeak() {
+	for i := range a {
+		a[i].Peak = a[i].Current
+	}
+}
+
+// Stats is everything PyTorch's memory_stats() reports, with the same meaning
+// where goalloc has the same notion (see doc.go, "Statistics"):
+//
+//   - allocation / allocated_bytes: blocks handed to the user and not freed
+//     (bytes: their slot or block size, rounded up);
+//   - requested_bytes: the sizes the user asked for, of those same blocks;
+//   - active / active_bytes: allocated blocks plus freed blocks that still wait
+//     for other streams' events;
+//   - segment / reserved_bytes: memory goalloc holds from the driver pool
+//     (small-class segments and large blocks, in use or cached);
+//   - inactive_split / inactive_split_bytes: free slots inside small segments
+//     that still have a live slot, so cannot go back to the pool.
+type Stats struct {
+	Allocation, AllocatedBytes, RequestedBytes statArray
+	Active, ActiveBytes                        statArray
+	Segment, ReservedBytes                     statArray
+	InactiveSplit, InactiveSplitBytes          statArray
+
+	NumAllocRetries   int64 // cache misses retried after freeing cached memory
+	NumOOMs           int64 // requests that failed for lack of memory
+	NumSyncAllStreams int64 // device-wide synchronisations (empty_cache, last-ditch OOM)
+	NumDeviceAlloc    int64 // successful cuMemAllocFromPoolAsync calls
+	NumDeviceFree     int64 // cuMemFreeAsync calls
+
+	// goalloc's own counters, beyond PyTorch's keys.
+	CacheHits, CacheMisses int64
+	DeferredFrees          int64 // frees that had to wait for other streams' events
+	BadInput               map[string]int64
+}
+
+// Map flattens s into PyTorch's memory_stats() keys, e.g.
+// "allocated_bytes.all.current" and "num_ooms".
+func (s *Stats) Map() map[string]int64 {
+	m := map[string]int64{}
+	put := func(name string, a *statArray) {
+		for t, tn := range statTypeNames {
+			m[name+"."+tn+".current"] = a[t].Current
+			m[name+"."+tn+".peak"] = a[t].Peak
+			m[name+"."+tn+".allocated"] = a[t].Allocated
+			m[name+"."+tn+".freed"] = a[t].Freed
+		}
+	}
+	put("allocation", &s.Allocation)
+	put("allocated_bytes", &s.AllocatedBytes)
+	put("requested_bytes", &s.RequestedBytes)
+	put("active", &s.Active)
+	put("active_bytes", &s.ActiveBytes)
+	put("segment", &s.Segment)
+	put("reserved_bytes", &s.ReservedBytes)
+	put("inactive_split", &s.InactiveSplit)
+	put("inactive_split_bytes", &s.InactiveSplitBytes)
+	m["num_alloc_retries"] = s.NumAllocRetries
+	m["num_ooms"] = s.NumOOMs
+	m["num_sync_all_streams"] = s.NumSyncAllStreams
+	m["num_device_alloc"] = s.NumDeviceAlloc
+	m["num_device_free"] = s.NumDeviceFree
+	m["max_split_size"] = -1 // PyTorch's value when no max_split_size_mb is set
+	m["oversize_allocations.current"] = 0
+	m["oversize_allocations.peak"] = 0
+	m["oversize_allocations.allocated"] = 0
+	m["oversize_allocations.freed"] = 0
+	m["oversize_segments.current"] = 0
+	m["oversize_segments.peak"] = 0
+	m["oversize_segments.allocated"] = 0
+	m["oversize_segments.freed"] = 0
+	m["goalloc.cache_hits"] = s.CacheHits
+	m["goalloc.cache_misses"] = s.CacheMisses
+	m["goalloc.deferred_frees"] = s.DeferredFrees
+	for k, v := range s.BadInput {
+		m["goalloc.bad_input."+k] = v
+	}
+	return m
+}
+
+// JSON is Map as a JSON object with sorted keys.
+func (s *Stats) JSON() []byte {
+	m := s.Map()
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	b := []byte{'{'}
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		kb, _ := json.Marshal(k)
+		b = append(b, kb...)
+		b = append(b, ':')
+		vb, _ := json.Marshal(m[k])
+		b = append(b, vb...)
+	}
+	return append(b, '}')
+}
+
+func (s *Stats) resetPeaks() {
+	for _, a := range []*statArray{&s.Allocation, &s.AllocatedBytes, &s.RequestedBytes,
+		&s.Active, &s.ActiveBytes, &s.Segment, &s.ReservedBytes, &s.InactiveSplit, &s.InactiveSplitBytes} {
+		a.resetPeak()
+	}
+}
+
+func (s *Stats) clone() Stats {
+	c := *s
+	c.BadInput = make(map[string]int64, len(s.BadInput))
+	for k, v := range s.BadInput {
+		c.BadInput[k] = v
+	}
+	return c
+}
+
+// Fragmentation describes the cached free memory of one device.
+type Fragmentation struct {
+	// FreeBytes is cached memory not in use: free slots of small segments
+	// and cached large blocks (reserved minus active).
+	FreeBytes uint64 `json:"free_bytes"`
+	// LargestFreeBlock is the largest request the cache could serve from
+	// one free piece without going to the pool.
+	LargestFreeBlock uint64 `json:"largest_free_block"`
+	// Ratio is 1 - LargestFreeBlock/FreeBytes: 0 when all free memory is one
+	// piece, near 1 when it is scattered in small pieces. 0 when nothing is free.
+	Ratio float64 `json:"fragmentation"`
+	// PoolReserved and PoolUsed are the driver pool's own figures.
+	PoolReserved uint64 `json:"pool_reserved_bytes"`
+	PoolUsed     uint64 `json:"pool_used_bytes"`
+}
