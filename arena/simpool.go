@@ -85,7 +85,16 @@ func roundUp(n, align uint64) uint64 { return (n + align - 1) / align * align }
 // settle moves every pending range whose free has completed into the free
 // index. completed(s) is how far stream s has run.
 func (p *simPool) settle(completed func(Stream) uint64) {
-	for s, list := range p.pending {
+	if len(p.pending) == 0 {
+		return
+	}
+	streams := make([]Stream, 0, len(p.pending))
+	for s := range p.pending {
+		streams = append(streams, s)
+	}
+	sort.Slice(streams, func(i, j int) bool { return streams[i] < streams[j] }) // deterministic
+	for _, s := range streams {
+		list := p.pending[s]
 		done := completed(s)
 		kept := list[:0]
 		for _, r := range list {
@@ -127,14 +136,26 @@ func (p *simPool) alloc(size uint64, s Stream, completed func(Stream) uint64) (u
 	return p.use(&simRange{start: c.start, size: csize, chunk: c}, n), nil
 }
 
-// use carves n bytes off the front of the free range r and marks them used.
+// use carves n bytes off the front of the range r, which is free or pending
+// on the requesting stream, and marks them used. The rest of a pending range
+// stays pending: only its own stream may use it before the free completes.
 func (p *simPool) use(r *simRange, n uint64) uint64 {
 	if r.size > n {
 		rest := &simRange{start: r.start + n, size: r.size - n, chunk: r.chunk}
-		p.insertFree(rest)
+		if r.pending {
+			rest.pending, rest.stream, rest.seq = true, r.stream, r.seq
+			r.chunk.usedRanges++
+			p.pending[r.stream] = append(p.pending[r.stream], rest)
+		} else {
+			p.insertFree(rest)
+		}
 		r.size = n
 	}
-	r.chunk.usedRanges++
+	if r.pending {
+		r.pending = false // it already counts in usedRanges
+	} else {
+		r.chunk.usedRanges++
+	}
 	p.used[r.start] = r
 	p.usedBytes += n
 	p.usedHigh = max(p.usedHigh, p.usedBytes)
@@ -218,8 +239,6 @@ func (p *simPool) takePending(n uint64, s Stream) *simRange {
 	}
 	r := list[best]
 	p.pending[s] = append(list[:best], list[best+1:]...)
-	r.chunk.usedRanges--
-	r.pending = false
 	return r
 }
 

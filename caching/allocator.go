@@ -333,12 +333,12 @@ func (a *Allocator) reclaim(sync bool) {
 // OOMError is a request that failed for lack of memory, with what a person
 // needs to understand why.
 type OOMError struct {
-	Device                        int
-	Requested                     uint64
-	Limit, Total                  uint64
-	Reserved, Allocated, Cached   uint64
-	LargestFree                   uint64
-	Cause                         error
+	Device                      int
+	Requested                   uint64
+	Limit, Total                uint64
+	Reserved, Allocated, Cached uint64
+	LargestFree                 uint64
+	Cause                       error
 }
 
 func (e *OOMError) Error() string {
