@@ -1,0 +1,142 @@
+// Command export is libgoalloc.so: the C ABI PyTorch and the Python package
+// call, built with go build -buildmode=c-shared. It holds every //export
+// function and nothing else of substance; each one converts C types and
+// calls the library state in registry.go, which calls package caching. The
+// design is explained in caching/doc.go.
+//
+// Calls PyTorch makes (torch.cuda.memory.CUDAPluggableAllocator):
+//
+//	void* my_malloc(ssize_t size, int device, cudaStream_t stream);
+//	void  my_free(void* ptr, ssize_t size, int device, cudaStream_t stream);
+//	void  goalloc_init(int device_count);                       // set_init_fn
+//	void  goalloc_empty_cache(void);                            // set_reset_fn
+//	void  goalloc_set_memory_fraction(double fraction, int device); // set_memory_fraction_fn
+//	void  goalloc_record_stream(void* ptr, cudaStream_t stream); // set_record_stream_fn
+//
+// Control functions return 0 on success and -1 on error, or a string that
+// the caller frees with goalloc_string_free (NULL on error); either way
+// goalloc_last_error says what went wrong. See the README's C ABI table.
+package main
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/types.h>
+
+typedef void *cudaStream_t;
+
+static inline void *goalloc_ptr(uintptr_t p) { return (void *)p; }
+*/
+import "C"
+
+import "unsafe"
+
+func main() {}
+
+//export my_malloc
+func my_malloc(size C.ssize_t, device C.int, stream C.cudaStream_t) unsafe.Pointer {
+	return C.goalloc_ptr(C.uintptr_t(lib.malloc(int64(size), int(device), uintptr(stream))))
+}
+
+//export my_free
+func my_free(ptr unsafe.Pointer, size C.ssize_t, device C.int, stream C.cudaStream_t) {
+	lib.free(uintptr(ptr), int64(size), int(device), uintptr(stream))
+}
+
+//export goalloc_init
+func goalloc_init(deviceCount C.int) { _ = lib.init(int(deviceCount)) }
+
+//export goalloc_empty_cache
+func goalloc_empty_cache() { _ = lib.emptyCache() }
+
+//export goalloc_set_memory_fraction
+func goalloc_set_memory_fraction(fraction C.double, device C.int) {
+	_ = lib.setFraction(float64(fraction), int(device))
+}
+
+//export goalloc_record_stream
+func goalloc_record_stream(ptr unsafe.Pointer, stream C.cudaStream_t) {
+	_ = lib.recordStream(uintptr(ptr), uintptr(stream))
+}
+
+// status turns an error into the C convention: 0 ok, -1 failed.
+func status(err error) C.int {
+	if err != nil {
+		return -1
+	}
+	return 0
+}
+
+// cstring hands out a malloc'd copy of b, or NULL on error.
+func cstring(b []byte, err error) *C.char {
+	if err != nil {
+		return nil
+	}
+	return C.CString(string(b))
+}
+
+//export goalloc_configure
+func goalloc_configure(conf *C.char) C.int {
+	s := ""
+	if conf != nil {
+		s = C.GoString(conf)
+	}
+	return status(lib.configure(s))
+}
+
+//export goalloc_init_checked
+func goalloc_init_checked(deviceCount C.int) C.int { return status(lib.init(int(deviceCount))) }
+
+//export goalloc_device_count
+func goalloc_device_count() C.int {
+	if lib.checkDevice(0) != nil {
+		return -1
+	}
+	lib.mu.Lock()
+	defer lib.mu.Unlock()
+	return C.int(lib.count)
+}
+
+//export goalloc_stats_json
+func goalloc_stats_json(device C.int) *C.char { return cstring(lib.statsJSON(int(device))) }
+
+//export goalloc_fragmentation_json
+func goalloc_fragmentation_json(device C.int) *C.char {
+	return cstring(lib.fragmentationJSON(int(device)))
+}
+
+//export goalloc_snapshot_json
+func goalloc_snapshot_json(device C.int) *C.char { return cstring(lib.snapshotJSON(int(device))) }
+
+//export goalloc_config_json
+func goalloc_config_json() *C.char { return cstring(lib.configJSON()) }
+
+//export goalloc_reset_peak_stats
+func goalloc_reset_peak_stats(device C.int) C.int { return status(lib.resetPeak(int(device))) }
+
+//export goalloc_reset_accumulated_stats
+func goalloc_reset_accumulated_stats(device C.int) C.int {
+	return status(lib.resetAccumulated(int(device)))
+}
+
+//export goalloc_set_fraction
+func goalloc_set_fraction(device C.int, fraction C.double) C.int {
+	return status(lib.setFraction(float64(fraction), int(device)))
+}
+
+//export goalloc_empty_cache_device
+func goalloc_empty_cache_device(device C.int) C.int {
+	return status(lib.emptyCacheDevice(int(device)))
+}
+
+//export goalloc_record_history
+func goalloc_record_history(maxEntries C.int) C.int {
+	return status(lib.recordHistory(int(maxEntries)))
+}
+
+//export goalloc_last_error
+func goalloc_last_error() *C.char { return C.CString(lib.lastError()) }
+
+//export goalloc_string_free
+func goalloc_string_free(s *C.char) { C.free(unsafe.Pointer(s)) }

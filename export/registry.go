@@ -1,0 +1,391 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
+)
+
+// maxDevices bounds device ordinals; PyTorch hosts have at most a few dozen.
+const maxDevices = 64
+
+// The library's one piece of global state: which device kind it runs on,
+// the configuration, and one caching allocator per device, made on the
+// device's first use so that a rank of a multi-GPU job touches only its GPU.
+var lib = newLibrary()
+
+type library struct {
+	// devices[i] is device i's allocator once made. Read without a lock on
+	// the hot path; written once, under mu.
+	devices [maxDevices]atomic.Pointer[caching.Allocator]
+
+	mu sync.Mutex // guards everything below
+	// initErr, once set, makes every allocation fail with it: a bad
+	// GOALLOC_CONF or a missing driver is reported, not papered over.
+	initialized bool
+	initErr     error
+	configured  bool // goalloc_configure was called: GOALLOC_CONF is not read
+	cfg         caching.Config
+	kind        string // "cuda" or "sim"
+	count       int    // devices there are
+	simMemory   uint64
+	// limits holds caps set for devices not made yet: fraction per device.
+	limits map[int]float64
+	// historyEntries is the history size for devices made from now on.
+	historyEntries int
+
+	// warned says which kinds of bad input have printed their one warning.
+	warned map[string]bool
+	// badInput counts bad calls caught here, before any device is involved.
+	badInput map[string]int64
+	lastErr  string
+}
+
+func newLibrary() *library {
+	return &library{limits: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}}
+}
+
+// configure sets the configuration before initialisation, replacing
+// GOALLOC_CONF. After devices exist it is an error: their caches are built.
+func (l *library) configure(conf string) error {
+	cfg, err := caching.ParseConfig(conf)
+	if err != nil {
+		return l.fail(err)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i := range l.devices {
+		if l.devices[i].Load() != nil {
+			return l.failLocked(errors.New("goalloc: configure after the first allocation; set the configuration before any tensor is made"))
+		}
+	}
+	l.cfg, l.configured = cfg, true
+	l.initialized, l.initErr = false, nil // initialise again with it
+	return nil
+}
+
+// init is goalloc_init: it reads the environment and finds the devices.
+// Called by torch with its device count; called lazily by the first
+// allocation if torch did not.
+func (l *library) init(torchCount int) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.initLocked(torchCount)
+}
+
+func (l *library) initLocked(torchCount int) error {
+	if l.initialized {
+		return l.initErr
+	}
+	l.initialized = true
+	l.initErr = l.setup(torchCount)
+	if l.initErr != nil {
+		l.lastErr = l.initErr.Error()
+		fmt.Fprintf(os.Stderr, "%v\n", l.initErr)
+	}
+	return l.initErr
+}
+
+func (l *library) setup(torchCount int) error {
+	if !l.configured {
+		cfg, err := caching.ParseConfig(os.Getenv("GOALLOC_CONF"))
+		if err != nil {
+			return fmt.Errorf("goalloc: not initialised: %v", err)
+		}
+		l.cfg = cfg
+	}
+	l.kind = os.Getenv("GOALLOC_DEVICE")
+	switch l.kind {
+	case "", "cuda":
+		l.kind = "cuda"
+		n, err := arena.CUDADeviceCount()
+		if err != nil {
+			return fmt.Errorf("goalloc: not initialised: no CUDA device: %v (set GOALLOC_DEVICE=sim to run on the simulated device)", err)
+		}
+		l.count = n
+	case "sim":
+		l.count = 8
+		if v := os.Getenv("GOALLOC_SIM_DEVICES"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 || n > maxDevices {
+				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_DEVICES=%q is not a device count in [1, %d]", v, maxDevices)
+			}
+			l.count = n
+		}
+		l.simMemory = arena.DefaultSimMemory
+		if v := os.Getenv("GOALLOC_SIM_MEMORY"); v != "" {
+			n, err := caching.ParseBytes(v)
+			if err != nil || n < 1<<20 {
+				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q is not a size of at least 1M", v)
+			}
+			l.simMemory = n
+		}
+	default:
+		return fmt.Errorf("goalloc: not initialised: GOALLOC_DEVICE=%q; use cuda or sim", l.kind)
+	}
+	if torchCount > 0 && torchCount < l.count {
+		l.count = torchCount // torch may see fewer (CUDA_VISIBLE_DEVICES)
+	}
+	return nil
+}
+
+// device returns the allocator of device d, making it on first use.
+func (l *library) device(d int) (*caching.Allocator, error) {
+	if d >= 0 && d < maxDevices {
+		if a := l.devices[d].Load(); a != nil {
+			return a, nil
+		}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.initialized {
+		l.noteLocked("call_before_init", "goalloc: allocation before goalloc_init; initialising from the environment now")
+	}
+	if err := l.initLocked(0); err != nil {
+		return nil, err
+	}
+	if d < 0 || d >= l.count {
+		return nil, l.badLocked("bad_device", fmt.Sprintf("goalloc: device %d does not exist (%d %s devices)", d, l.count, l.kind))
+	}
+	if a := l.devices[d].Load(); a != nil {
+		return a, nil
+	}
+	var dev arena.Device
+	if l.kind == "sim" {
+		dev = arena.NewSim(d, l.simMemory)
+	} else {
+		cu, err := arena.NewCUDA(d, l.cfg.ReleaseThreshold)
+		if err != nil {
+			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
+		}
+		dev = cu
+	}
+	a, err := caching.New(dev, l.cfg)
+	if err != nil {
+		_ = dev.Close()
+		return nil, l.failLocked(err)
+	}
+	if f, ok := l.limits[d]; ok {
+		_ = a.SetFraction(f)
+	}
+	if l.historyEntries > 0 {
+		a.RecordHistory(l.historyEntries)
+	}
+	l.devices[d].Store(a)
+	return a, nil
+}
+
+// existing returns the allocators made so far, by device.
+func (l *library) existing() map[int]*caching.Allocator {
+	out := map[int]*caching.Allocator{}
+	for i := range l.devices {
+		if a := l.devices[i].Load(); a != nil {
+			out[i] = a
+		}
+	}
+	return out
+}
+
+// malloc is my_malloc. It returns 0 on failure, having said why on stderr.
+func (l *library) malloc(size int64, d int, s uintptr) uintptr {
+	if size < 0 {
+		l.bad("negative_size", fmt.Sprintf("goalloc: malloc of a negative size (%d) on device %d", size, d))
+		return 0
+	}
+	a, err := l.device(d)
+	if err != nil {
+		return 0
+	}
+	p, err := a.Malloc(uint64(size), arena.Stream(s))
+	if err != nil {
+		l.report(err)
+		return 0
+	}
+	return p
+}
+
+// free is my_free.
+func (l *library) free(p uintptr, size int64, d int, s uintptr) {
+	if size < 0 {
+		l.bad("negative_size", fmt.Sprintf("goalloc: free of %#x with a negative size (%d) on device %d; freed by pointer", p, size, d))
+		size = 0
+	}
+	if p == 0 {
+		// free(NULL) is a no-op in C; counted, since torch never does it.
+		l.bad("null_pointer", fmt.Sprintf("goalloc: free of a NULL pointer on device %d; ignored", d))
+		return
+	}
+	a := l.existingDevice(d)
+	if a == nil {
+		l.bad("unknown_pointer", fmt.Sprintf("goalloc: free of %#x on device %d, where goalloc allocated nothing", p, d))
+		return
+	}
+	if err := a.Free(p, uint64(size), arena.Stream(s)); err != nil {
+		l.report(err)
+	}
+}
+
+func (l *library) existingDevice(d int) *caching.Allocator {
+	if d < 0 || d >= maxDevices {
+		return nil
+	}
+	return l.devices[d].Load()
+}
+
+// recordStream is goalloc_record_stream: torch gives no device, so the
+// pointer is looked up on every device made so far.
+func (l *library) recordStream(p uintptr, s uintptr) error {
+	if p == 0 {
+		return l.bad("null_pointer", "goalloc: record_stream of a NULL pointer")
+	}
+	var last error
+	for _, a := range l.existing() {
+		err := a.RecordStream(p, arena.Stream(s))
+		var ie *caching.InputError
+		if err == nil || !errors.As(err, &ie) || ie.Kind != "unknown_pointer" {
+			if err != nil {
+				l.report(err)
+			}
+			return err
+		}
+		last = err
+	}
+	if last == nil {
+		return l.bad("unknown_pointer", fmt.Sprintf("goalloc: record_stream of %#x, which goalloc did not allocate", p))
+	}
+	l.report(last)
+	return last
+}
+
+// emptyCache is goalloc_empty_cache: every device made so far.
+func (l *library) emptyCache() error {
+	var errs []error
+	for _, a := range l.existing() {
+		errs = append(errs, a.EmptyCache())
+	}
+	return l.fail(errors.Join(errs...))
+}
+
+// setFraction is goalloc_set_memory_fraction.
+func (l *library) setFraction(f float64, d int) error {
+	if math.IsNaN(f) || f <= 0 || f > 1 {
+		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: memory fraction %v for device %d is outside (0, 1]", f, d))
+	}
+	if a := l.existingDevice(d); a != nil {
+		return l.fail(a.SetFraction(f))
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.initLocked(0); err != nil {
+		return err
+	}
+	if d < 0 || d >= l.count {
+		return l.badLocked("bad_device", fmt.Sprintf("goalloc: set_memory_fraction for device %d, which does not exist (%d %s devices)", d, l.count, l.kind))
+	}
+	l.limits[d] = f
+	return nil
+}
+
+// recordHistory turns history recording on (entries > 0) or off on every
+// device, present and future.
+func (l *library) recordHistory(entries int) error {
+	if entries < 0 || entries > 1<<26 {
+		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries; give 0 (off) to %d", entries, 1<<26))
+	}
+	l.mu.Lock()
+	l.historyEntries = entries
+	l.mu.Unlock()
+	for _, a := range l.existing() {
+		a.RecordHistory(entries)
+	}
+	return nil
+}
+
+// report prints err: every out-of-memory (one line each, the allocator's
+// only chance to explain a NULL to the user) and the first of each kind of
+// bad input.
+func (l *library) report(err error) {
+	var oom *caching.OOMError
+	if errors.As(err, &oom) {
+		fmt.Fprintln(os.Stderr, err)
+		l.mu.Lock()
+		l.lastErr = err.Error()
+		l.mu.Unlock()
+		return
+	}
+	var ie *caching.InputError
+	if errors.As(err, &ie) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.warnLocked(ie.Kind, err.Error())
+		return
+	}
+	_ = l.fail(err)
+	fmt.Fprintln(os.Stderr, err)
+}
+
+// bad counts and reports bad input caught before any device is involved.
+func (l *library) bad(kind, msg string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.badLocked(kind, msg)
+}
+
+func (l *library) badLocked(kind, msg string) error {
+	l.badInput[kind]++
+	l.warnLocked(kind, msg)
+	return &caching.InputError{Kind: kind, Msg: msg}
+}
+
+// noteLocked counts and reports an unusual but harmless call.
+func (l *library) noteLocked(kind, msg string) {
+	l.badInput[kind]++
+	l.warnLocked(kind, msg)
+}
+
+func (l *library) warnLocked(kind, msg string) {
+	l.lastErr = msg
+	if l.warned[kind] || (l.cfg.Quiet && l.initialized) {
+		return
+	}
+	l.warned[kind] = true
+	fmt.Fprintf(os.Stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
+}
+
+func (l *library) fail(err error) error {
+	if err == nil {
+		return nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.failLocked(err)
+}
+
+func (l *library) failLocked(err error) error {
+	l.lastErr = err.Error()
+	return err
+}
+
+func (l *library) lastError() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lastErr
+}
+
+// badInputCounts is a copy of the library-level counters.
+func (l *library) badInputCounts() map[string]int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make(map[string]int64, len(l.badInput))
+	for k, v := range l.badInput {
+		out[k] = v
+	}
+	return out
+}

@@ -1,0 +1,151 @@
+/* Loads libgoalloc.so with dlopen, as PyTorch does, and calls it from two
+ * threads at once on the simulated device (GOALLOC_DEVICE=sim). Checks what a
+ * C caller can see: every pointer is non-NULL, 512-byte aligned and disjoint
+ * from every other live pointer of both threads; bad input returns NULL or is
+ * ignored without crashing; the statistics add up at the end.
+ *
+ *   cc tests/c/harness.c -o build/harness -ldl -lpthread
+ *   GOALLOC_DEVICE=sim build/harness build/libgoalloc.so
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+typedef void *(*malloc_fn)(ssize_t, int, void *);
+typedef void (*free_fn)(void *, ssize_t, int, void *);
+typedef void (*init_fn)(int);
+typedef void (*record_fn)(void *, void *);
+typedef char *(*json_fn)(int);
+typedef void (*strfree_fn)(char *);
+typedef void (*empty_fn)(void);
+
+static malloc_fn my_malloc;
+static free_fn my_free;
+
+#define THREADS 2
+#define LIVE 256
+#define ITERS 200000
+
+/* Live blocks of all threads, for the overlap check. */
+static struct { uintptr_t p; size_t n; } live[THREADS][LIVE];
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static int failures;
+
+static void fail(const char *what, uintptr_t p) {
+	__sync_fetch_and_add(&failures, 1);
+	fprintf(stderr, "harness: FAIL: %s (%#lx)\n", what, (unsigned long)p);
+}
+
+static uint64_t rng_next(uint64_t *s) {
+	*s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17;
+	return *s;
+}
+
+static size_t draw_size(uint64_t *s) {
+	uint64_t r = rng_next(s);
+	switch (r % 4) {
+	case 0: return 1 + (r >> 8) % 4096;
+	case 1: return 1 + (r >> 8) % (64 << 10);
+	case 2: return (64 << 10) + (r >> 8) % (4 << 20);
+	default: return (size_t)1 << (20 + (r >> 8) % 5); /* exact sizes: cache hits */
+	}
+}
+
+static void *worker(void *arg) {
+	int t = (int)(intptr_t)arg;
+	uint64_t seed = 0x9e3779b97f4a7c15ull * (t + 1);
+	void *stream = (void *)(uintptr_t)(0x1000 * (t + 1)); /* one stream per thread */
+	for (int i = 0; i < ITERS; i++) {
+		int k = rng_next(&seed) % LIVE;
+		pthread_mutex_lock(&live_mu);
+		uintptr_t old = live[t][k].p;
+		size_t oldn = live[t][k].n;
+		live[t][k].p = 0;
+		pthread_mutex_unlock(&live_mu);
+		if (old) {
+			my_free((void *)old, (ssize_t)oldn, 0, stream);
+			continue;
+		}
+		size_t n = draw_size(&seed);
+		uintptr_t p = (uintptr_t)my_malloc((ssize_t)n, 0, stream);
+		if (p == 0) { fail("my_malloc returned NULL", n); continue; }
+		if (p % 512) fail("pointer not 512-byte aligned", p);
+		pthread_mutex_lock(&live_mu);
+		for (int u = 0; u < THREADS; u++)
+			for (int j = 0; j < LIVE; j++) {
+				uintptr_t q = live[u][j].p;
+				if (q && p < q + live[u][j].n && q < p + n) fail("overlapping live blocks", p);
+			}
+		live[t][k].p = p;
+		live[t][k].n = n;
+		pthread_mutex_unlock(&live_mu);
+	}
+	for (int k = 0; k < LIVE; k++)
+		if (live[t][k].p) my_free((void *)live[t][k].p, (ssize_t)live[t][k].n, 0, stream);
+	return NULL;
+}
+
+/* stat reads one integer key out of the stats JSON. */
+static long long stat(const char *json, const char *key) {
+	char pat[256];
+	snprintf(pat, sizeof pat, "\"%s\":", key);
+	const char *at = strstr(json, pat);
+	return at ? atoll(at + strlen(pat)) : -999;
+}
+
+int main(int argc, char **argv) {
+	if (argc != 2) { fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]); return 2; }
+	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+	if (!lib) { fprintf(stderr, "harness: dlopen: %s\n", dlerror()); return 1; }
+	my_malloc = (malloc_fn)dlsym(lib, "my_malloc");
+	my_free = (free_fn)dlsym(lib, "my_free");
+	init_fn init = (init_fn)dlsym(lib, "goalloc_init");
+	record_fn record = (record_fn)dlsym(lib, "goalloc_record_stream");
+	json_fn stats = (json_fn)dlsym(lib, "goalloc_stats_json");
+	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
+	empty_fn empty = (empty_fn)dlsym(lib, "goalloc_empty_cache");
+	if (!my_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
+		fprintf(stderr, "harness: missing symbol\n");
+		return 1;
+	}
+	init(1);
+
+	/* Bad input: clear errors, no crash, nothing lost. */
+	if (my_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
+	if (my_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
+	if (my_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
+	my_free(NULL, 0, 0, NULL);
+	my_free((void *)0x1234, 512, 0, NULL);
+	void *z = my_malloc(0, 0, NULL);
+	if (!z) fail("size 0 gave NULL", 0);
+	my_free(z, 0, 0, NULL);
+	my_free(z, 0, 0, NULL); /* double free: warned and ignored */
+	record((void *)0x1234, (void *)0x1000);
+
+	pthread_t th[THREADS];
+	for (int t = 0; t < THREADS; t++) pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t);
+	for (int t = 0; t < THREADS; t++) pthread_join(th[t], NULL);
+
+	char *js = stats(0);
+	if (!js) { fail("stats JSON is NULL", 0); return 1; }
+	long long allocated = stat(js, "allocated_bytes.all.current");
+	long long count = stat(js, "allocation.all.current");
+	long long dbl = stat(js, "goalloc.bad_input.double_free");
+	long long neg = stat(js, "goalloc.bad_input.negative_size");
+	long long hits = stat(js, "goalloc.cache_hits");
+	if (allocated != 0 || count != 0) fail("memory still allocated after every free", (uintptr_t)allocated);
+	if (dbl != 1) fail("double free not counted once", (uintptr_t)dbl);
+	if (neg != 1) fail("negative size not counted once", (uintptr_t)neg);
+	empty();
+	char *js2 = stats(0);
+	long long reserved = stat(js2, "reserved_bytes.all.current");
+	if (reserved != 0) fail("reserved after empty_cache", (uintptr_t)reserved);
+	printf("harness: %d threads x %d ops, cache hits %lld, %d failures\n", THREADS, ITERS, hits, failures);
+	strfree(js);
+	strfree(js2);
+	return failures ? 1 : 0;
+}
