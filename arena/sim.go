@@ -275,17 +275,23 @@ func (d *Sim) DestroyEvent(e Event) error {
 }
 
 // Synchronize completes all work on every stream, as cuCtxSynchronize waits
-// for it. In manual mode a test that never wants a stream to finish must not
-// let the allocator reach this; the allocator only calls it on explicit user
-// request or as the last step before an out-of-memory.
+// for it. A stalled stream never completes: the real call would hang there,
+// so the simulation completes every other stream and returns an error that
+// says so, and the caller must not treat the device as idle.
 func (d *Sim) Synchronize() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.Syncs++
+	hung := 0
 	for s, st := range d.streams {
 		if !d.stalled[s] {
 			st.completed = st.enqueued
+		} else if st.completed < st.enqueued {
+			hung++
 		}
+	}
+	if hung > 0 {
+		return fmt.Errorf("sim: cuCtxSynchronize would hang: %d stalled stream(s) never complete", hung)
 	}
 	return nil
 }

@@ -107,6 +107,16 @@ func (m *model) malloc(size uint64, s arena.Stream) (uintptr, error) {
 		require.True(m.t, errors.Is(err, arena.ErrOutOfMemory))
 		return 0, err
 	}
+	m.accept(p, size, s)
+	if lim := m.a.Limit(); lim > 0 && m.a.reserved() > reservedBefore {
+		require.LessOrEqual(m.t, m.a.reserved(), lim, "op %d: reserved grew above the cap", m.ops)
+	}
+	return p, nil
+}
+
+// accept checks a pointer Malloc returned for size bytes on stream s
+// against everything the model knows, and records it as live.
+func (m *model) accept(p uintptr, size uint64, s arena.Stream) {
 	require.NotZero(m.t, p)
 	require.Zero(m.t, p%512, "op %d: pointer %#x is not 512-byte aligned", m.ops, p)
 	n := max(size, 1)
@@ -126,11 +136,7 @@ func (m *model) malloc(size uint64, s arena.Stream) (uintptr, error) {
 			}
 		}
 	}
-	if lim := m.a.Limit(); lim > 0 && m.a.reserved() > reservedBefore {
-		require.LessOrEqual(m.t, m.a.reserved(), lim, "op %d: reserved grew above the cap", m.ops)
-	}
 	m.live[p] = &liveBlock{ptr: p, size: size, stream: s}
-	return p, nil
 }
 
 func (m *model) free(p uintptr) {
