@@ -5,37 +5,47 @@ import (
 	"sort"
 )
 
-// simPool models a CUDA stream-ordered memory pool (cuMemPool) well enough
-// that its reserved high-water mark tracks the real one on real traces.
+// simPool models a CUDA stream-ordered memory pool (cuMemPool) closely
+// enough that its reserved high-water mark tracks the real one on real
+// traces. The model comes from tests/gpu/probe_pool.py, run on an H200 with
+// driver 580 (its output is summarised in BENCHMARKS.md):
 //
-// The model:
-//   - Physical memory is reserved in chunks. A request that no free range can
-//     hold maps a new chunk of roundUp(size, chunkGranularity), at least
-//     minChunk bytes. Reserved is the sum of mapped chunks; Trim unmaps chunks
-//     with nothing allocated in them.
-//   - Requests are rounded up to allocAlign and placed best-fit (smallest free
-//     range that holds them, lowest address on ties) inside the chunks. Freed
-//     ranges coalesce with free neighbours of the same chunk; chunks never
-//     coalesce with each other (each one is a separate physical mapping).
+//   - The pool hands out addresses from one contiguous virtual range, packing
+//     allocations at 512-byte granularity: a run of 3 MiB allocations sat at
+//     offsets 0, 3, 6, ... 33 MiB, straddling physical chunks.
+//   - Physical memory backs that range in 32 MiB chunks, mapped when any byte
+//     in them is first used: one 512-byte allocation reserved 32 MiB, a 32 MiB
+//     one 32 MiB, 32 MiB + 512 bytes 64 MiB, 1 GiB + 512 bytes 1056 MiB.
+//     Chunks stay mapped (the release threshold is at its maximum) until
+//     Trim, which unmaps chunks with nothing allocated or pending in them.
+//   - Freed ranges coalesce with free neighbours (10 MiB + 10 MiB freed, then
+//     a 20 MiB request, took the same address and reserved nothing) and are
+//     split for smaller requests. A request takes the best fit among the free
+//     ranges (smallest that holds it, lowest address on ties); if none holds
+//     it, it goes at the end of the range in use, reusing a free tail.
 //   - Stream order: a range freed on stream s is at once reusable by s, and by
 //     other streams only once s has completed the free (the pool's
-//     "opportunistic reuse"). Until then it sits in s's pending list.
+//     opportunistic reuse). Until then it sits in s's pending list and still
+//     pins its chunks.
 //
-// The parameters are set in newSimPool; simpool_test.go and the replay tool's
-// --device cuda comparison (BENCHMARKS.md) say how well they match the GPU.
+// Replaying the shipped traces straight onto this model gives the reserved
+// high-water marks BENCHMARKS.md compares with the GPU's.
 type simPool struct {
-	base             uint64 // first address handed out; chunks follow it
-	capacity         uint64 // device memory; reserved never exceeds it
-	chunkGranularity uint64
-	minChunk         uint64
-	allocAlign       uint64
+	base       uint64 // the first address of the virtual range (chunk aligned)
+	capacity   uint64 // device memory; reserved never exceeds it
+	chunkSize  uint64 // physical mapping granularity
+	allocAlign uint64
 
-	nextAddr uint64 // where the next chunk is mapped (addresses are never reused)
+	// top is the end of the highest range ever allocated: [base, top) is
+	// the part of the virtual range the pool has used.
+	top uint64
+	// chunkUsed[i] counts the bytes of chunk i allocated or pending;
+	// mapped[i] says whether chunk i is backed by physical memory.
+	chunkUsed []uint64
+	mapped    []bool
 
-	chunks map[uint64]*simChunk // by start address
-
-	// free holds settled free ranges sorted by (size, start): the best fit
-	// for n bytes is the first entry with size >= n.
+	// free holds settled free ranges inside [base, top) sorted by
+	// (size, start): the best fit for n bytes is the first with size >= n.
 	free []*simRange
 	// byStart and byEnd find a settled free range's neighbours for coalescing.
 	byStart map[uint64]*simRange
@@ -49,34 +59,30 @@ type simPool struct {
 	usedBytes, usedHigh    uint64
 }
 
-type simChunk struct {
-	start, size uint64
-	usedRanges  int // live plus pending ranges inside the chunk
-}
-
 type simRange struct {
 	start, size uint64
-	chunk       *simChunk
 	// A pending range was freed on stream at position seq and that free has
-	// not completed; it still pins its chunk.
+	// not completed; it still pins its chunks.
 	pending bool
 	stream  Stream
 	seq     uint64
 }
 
+// simChunkSize is the real pool's physical granularity (probe_pool.py).
+const simChunkSize = 32 << 20
+
 func newSimPool(capacity uint64) *simPool {
+	const base = 0x7f0000000000
 	return &simPool{
-		base:             0x7f0000000000,
-		capacity:         capacity,
-		chunkGranularity: 2 << 20,
-		minChunk:         2 << 20,
-		allocAlign:       512,
-		nextAddr:         0x7f0000000000,
-		chunks:           map[uint64]*simChunk{},
-		byStart:          map[uint64]*simRange{},
-		byEnd:            map[uint64]*simRange{},
-		pending:          map[Stream][]*simRange{},
-		used:             map[uint64]*simRange{},
+		base:       base,
+		capacity:   capacity,
+		chunkSize:  simChunkSize,
+		allocAlign: 512,
+		top:        base,
+		byStart:    map[uint64]*simRange{},
+		byEnd:      map[uint64]*simRange{},
+		pending:    map[Stream][]*simRange{},
+		used:       map[uint64]*simRange{},
 	}
 }
 
@@ -100,7 +106,7 @@ func (p *simPool) settle(completed func(Stream) uint64) {
 		for _, r := range list {
 			if r.seq <= done {
 				r.pending = false
-				r.chunk.usedRanges--
+				p.pin(r.start, r.size, false)
 				p.insertFree(r)
 			} else {
 				kept = append(kept, r)
@@ -117,34 +123,89 @@ func (p *simPool) settle(completed func(Stream) uint64) {
 func (p *simPool) alloc(size uint64, s Stream, completed func(Stream) uint64) (uint64, error) {
 	n := roundUp(max(size, 1), p.allocAlign)
 	p.settle(completed)
-	if r := p.takeFree(n); r != nil {
-		return p.use(r, n), nil
+	r := p.takeFree(n)
+	if r == nil {
+		r = p.takePending(n, s)
 	}
-	if r := p.takePending(n, s); r != nil {
-		return p.use(r, n), nil
-	}
-	csize := max(roundUp(n, p.chunkGranularity), p.minChunk)
-	if p.reserved+csize > p.capacity {
+	if r == nil {
+		// Nothing holds it: extend the used range, from a free tail if any.
+		start := p.top
+		if tail, ok := p.byEnd[p.top]; ok {
+			start = tail.start
+		}
+		if need := p.mapCost(start, n); p.reserved+need > p.capacity {
+			return 0, fmt.Errorf("sim: pool of %d bytes cannot map %d more (capacity %d): %w",
+				p.reserved, need, p.capacity, ErrOutOfMemory)
+		}
+		if tail, ok := p.byEnd[p.top]; ok {
+			p.removeFree(tail)
+		}
+		r = &simRange{start: start, size: n}
+		p.top = start + n
+	} else if need := p.mapCost(r.start, n); p.reserved+need > p.capacity {
+		// The range lies over unmapped chunks (after a trim) that would not
+		// fit: put it back and fail.
+		if r.pending {
+			p.pending[r.stream] = append(p.pending[r.stream], r)
+		} else {
+			p.insertFree(r)
+		}
 		return 0, fmt.Errorf("sim: pool of %d bytes cannot map %d more (capacity %d): %w",
-			p.reserved, csize, p.capacity, ErrOutOfMemory)
+			p.reserved, need, p.capacity, ErrOutOfMemory)
 	}
-	c := &simChunk{start: p.nextAddr, size: csize}
-	p.nextAddr += csize + p.chunkGranularity // a gap, so chunks never touch
-	p.chunks[c.start] = c
-	p.reserved += csize
-	p.reservedHigh = max(p.reservedHigh, p.reserved)
-	return p.use(&simRange{start: c.start, size: csize, chunk: c}, n), nil
+	return p.use(r, n), nil
 }
 
-// use carves n bytes off the front of the range r, which is free or pending
-// on the requesting stream, and marks them used. The rest of a pending range
-// stays pending: only its own stream may use it before the free completes.
+// chunkRange returns the chunk indices [lo, hi) that [start, start+n) touches.
+func (p *simPool) chunkRange(start, n uint64) (lo, hi int) {
+	return int((start - p.base) / p.chunkSize), int((start + n - 1 - p.base) / p.chunkSize + 1)
+}
+
+// mapCost is how many bytes of new mappings using [start, start+n) needs.
+func (p *simPool) mapCost(start, n uint64) uint64 {
+	lo, hi := p.chunkRange(start, n)
+	var need uint64
+	for i := lo; i < hi; i++ {
+		if i >= len(p.mapped) || !p.mapped[i] {
+			need += p.chunkSize
+		}
+	}
+	return need
+}
+
+// pin adds (or, with add false, removes) [start, start+n) to the bytes in
+// use of every chunk it touches, mapping chunks as they are first used.
+func (p *simPool) pin(start, n uint64, add bool) {
+	lo, hi := p.chunkRange(start, n)
+	for len(p.chunkUsed) < hi {
+		p.chunkUsed = append(p.chunkUsed, 0)
+		p.mapped = append(p.mapped, false)
+	}
+	for i := lo; i < hi; i++ {
+		cs := p.base + uint64(i)*p.chunkSize
+		part := min(start+n, cs+p.chunkSize) - max(start, cs)
+		if !add {
+			p.chunkUsed[i] -= part
+			continue
+		}
+		p.chunkUsed[i] += part
+		if !p.mapped[i] {
+			p.mapped[i] = true
+			p.reserved += p.chunkSize
+			p.reservedHigh = max(p.reservedHigh, p.reserved)
+		}
+	}
+}
+
+// use carves n bytes off the front of the range r, which is free, pending on
+// the requesting stream, or new, and marks them used. The rest of a pending
+// range stays pending: only its own stream may use it before the free
+// completes.
 func (p *simPool) use(r *simRange, n uint64) uint64 {
 	if r.size > n {
-		rest := &simRange{start: r.start + n, size: r.size - n, chunk: r.chunk}
+		rest := &simRange{start: r.start + n, size: r.size - n}
 		if r.pending {
 			rest.pending, rest.stream, rest.seq = true, r.stream, r.seq
-			r.chunk.usedRanges++
 			p.pending[r.stream] = append(p.pending[r.stream], rest)
 		} else {
 			p.insertFree(rest)
@@ -152,9 +213,9 @@ func (p *simPool) use(r *simRange, n uint64) uint64 {
 		r.size = n
 	}
 	if r.pending {
-		r.pending = false // it already counts in usedRanges
+		r.pending = false // its bytes are pinned already
 	} else {
-		r.chunk.usedRanges++
+		p.pin(r.start, n, true)
 	}
 	p.used[r.start] = r
 	p.usedBytes += n
@@ -170,22 +231,22 @@ func (p *simPool) freeRange(ptr uint64, s Stream, seq uint64, completedNow bool)
 	delete(p.used, ptr)
 	p.usedBytes -= r.size
 	if completedNow {
-		r.chunk.usedRanges--
+		p.pin(r.start, r.size, false)
 		p.insertFree(r)
 		return nil
 	}
-	r.pending, r.stream, r.seq = true, s, seq // still pins its chunk
+	r.pending, r.stream, r.seq = true, s, seq // still pins its chunks
 	p.pending[s] = append(p.pending[s], r)
 	return nil
 }
 
 // insertFree coalesces r with its free neighbours and indexes the result.
 func (p *simPool) insertFree(r *simRange) {
-	if left, ok := p.byEnd[r.start]; ok && left.chunk == r.chunk {
+	if left, ok := p.byEnd[r.start]; ok {
 		p.removeFree(left)
 		r.start, r.size = left.start, left.size+r.size
 	}
-	if right, ok := p.byStart[r.start+r.size]; ok && right.chunk == r.chunk {
+	if right, ok := p.byStart[r.start+r.size]; ok {
 		p.removeFree(right)
 		r.size += right.size
 	}
@@ -214,10 +275,18 @@ func (p *simPool) removeFree(r *simRange) {
 	delete(p.byEnd, r.start+r.size)
 }
 
+// takeFree removes and returns the best-fit free range for n bytes.
 func (p *simPool) takeFree(n uint64) *simRange {
 	i := p.searchFree(n, 0)
 	if i == len(p.free) {
 		return nil
+	}
+	if firstFit {
+		for j := i + 1; j < len(p.free); j++ {
+			if p.free[j].start < p.free[i].start {
+				i = j
+			}
+		}
 	}
 	r := p.free[i]
 	p.removeFree(r)
@@ -242,32 +311,16 @@ func (p *simPool) takePending(n uint64, s Stream) *simRange {
 	return r
 }
 
-// trim unmaps chunks with nothing used or pending in them, largest first,
-// until reserved is at most keep.
+// trim unmaps chunks with nothing used or pending in them, highest address
+// first, until reserved is at most keep.
 func (p *simPool) trim(keep uint64, completed func(Stream) uint64) {
 	p.settle(completed)
-	var empty []*simChunk
-	for _, c := range p.chunks {
-		if c.usedRanges == 0 {
-			empty = append(empty, c)
+	for i := len(p.mapped) - 1; i >= 0 && p.reserved > keep; i-- {
+		if p.mapped[i] && p.chunkUsed[i] == 0 {
+			p.mapped[i] = false
+			p.reserved -= p.chunkSize
 		}
-	}
-	sort.Slice(empty, func(i, j int) bool {
-		if empty[i].size != empty[j].size {
-			return empty[i].size > empty[j].size
-		}
-		return empty[i].start < empty[j].start
-	})
-	for _, c := range empty {
-		if p.reserved <= keep {
-			return
-		}
-		r := p.byStart[c.start]
-		if r == nil || r.size != c.size {
-			panic("sim: empty chunk is not one free range")
-		}
-		p.removeFree(r)
-		delete(p.chunks, c.start)
-		p.reserved -= c.size
 	}
 }
+
+var firstFit = false

@@ -314,20 +314,44 @@ func (a *Allocator) poolAlloc(n uint64, s arena.Stream, size uint64) (uintptr, e
 var errCap = errors.New("the cap on reserved memory was reached")
 
 // reclaim gives every cached byte back to the pool and trims the pool.
-// With sync it first waits for the whole device, which completes every
-// deferred free: the last step before an out-of-memory.
+// With sync (the last step before an out-of-memory) it also waits for the
+// whole device, which completes every deferred free; see releaseAll.
 func (a *Allocator) reclaim(sync bool) {
 	if sync {
-		if err := a.dev.Synchronize(); err == nil {
-			a.stats.NumSyncAllStreams++
-			a.deferred.AllComplete(a.completeFree)
-		}
-	} else {
-		a.pollDeferred()
+		_ = a.releaseAll()
+		return
 	}
+	a.pollDeferred()
 	a.releaseCached(0)
 	a.releaseEmptySegments(0)
 	_ = a.dev.Trim(a.reserveBytes)
+}
+
+// releaseAll gives back everything not in use: it waits for the device so
+// that every deferred free completes, releases every cached block and empty
+// segment, waits again so that those stream-ordered frees complete (the pool
+// trims only memory whose frees have completed), and trims the pool down to
+// the pre-warmed reserve.
+func (a *Allocator) releaseAll() error {
+	var errs []error
+	if err := a.dev.Synchronize(); err != nil {
+		errs = append(errs, err)
+		a.pollDeferred() // a stream is broken: only what completed is safe
+	} else {
+		a.stats.NumSyncAllStreams++
+		a.deferred.AllComplete(a.completeFree)
+	}
+	a.releaseCached(0)
+	a.releaseEmptySegments(0)
+	if len(errs) == 0 {
+		if err := a.dev.Synchronize(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := a.dev.Trim(a.reserveBytes); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
 }
 
 // OOMError is a request that failed for lack of memory, with what a person
@@ -685,27 +709,15 @@ func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
 	return nil
 }
 
-// EmptyCache is torch.cuda.empty_cache: it waits for the device, completes
-// every deferred free, gives every cached byte back to the pool and trims the
-// pool down to the pre-warmed reserve.
+// EmptyCache is torch.cuda.empty_cache: it gives back to the pool every
+// byte not in use and trims the pool down to the pre-warmed reserve
+// (releaseAll).
 func (a *Allocator) EmptyCache() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	var errs []error
-	if err := a.dev.Synchronize(); err != nil {
-		errs = append(errs, err)
-		a.pollDeferred()
-	} else {
-		a.stats.NumSyncAllStreams++
-		a.deferred.AllComplete(a.completeFree)
-	}
-	a.releaseCached(0)
-	a.releaseEmptySegments(0)
-	if err := a.dev.Trim(a.reserveBytes); err != nil {
-		errs = append(errs, err)
-	}
+	err := a.releaseAll()
 	a.history.add(actionEmptyCache, 0, 0, 0)
-	return errors.Join(errs...)
+	return err
 }
 
 // SetFraction caps reserved memory at fraction x the device's memory, as
@@ -727,10 +739,7 @@ func (a *Allocator) SetLimit(limit uint64) error {
 	defer a.mu.Unlock()
 	a.limit = limit
 	if limit > 0 && a.reserved() > limit {
-		a.pollDeferred()
-		a.releaseCached(0)
-		a.releaseEmptySegments(0)
-		return a.dev.Trim(a.reserveBytes)
+		return a.releaseAll()
 	}
 	return nil
 }

@@ -1,0 +1,67 @@
+"""GPU test of the core allocator inside PyTorch (issue: core allocator).
+Skipped where torch or CUDA is missing. Runs core_torch_check.py in a fresh
+process, because the allocator must be installed before CUDA initialises."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = dict(os.environ)
+    env.setdefault("GOALLOC_LIBRARY", os.path.join(ROOT, "build", "libgoalloc.so"))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "core_torch_check.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    sys.stderr.write(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["stderr"] = proc.stderr
+    out = os.environ.get("GOALLOC_GPU_OUT")
+    if out:
+        with open(os.path.join(out, "core_torch.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def test_training_runs_and_hits_the_cache(result):
+    t = result["train"]
+    assert t["finite"]
+    assert t["last_loss"] < t["first_loss"]
+    assert t["cache_hits"] > 10 * t["cache_misses"]
+    assert not t["bad_input"] or all(v == 0 for v in t["bad_input"].values()), t["bad_input"]
+
+
+def test_record_stream_keeps_data_intact(result):
+    r = result["record_stream"]
+    assert r["mismatches"] == 0
+    assert r["deferred_frees"] >= 20
+
+
+def test_empty_cache_releases_to_the_pool(result):
+    e = result["empty_cache"]
+    assert e["reserved_before"] > 0
+    assert e["reserved_after"] < e["reserved_before"]
+    assert e["pool_reserved_after"] < e["pool_reserved_before"]
+
+
+def test_fraction_caps_and_recovers(result):
+    f = result["fraction"]
+    assert f["over_cap"] != "allocated"
+    assert f["ooms"] == 1
+    assert f["still_works"] == 3000.0
+    assert f["reserved"] <= f["cap"]
+    assert f["after_raising_cap"] == "allocated"
+    assert "goalloc: out of memory on device 0" in result["stderr"]
+
+
+def test_threads_without_context(result):
+    assert result["threads"]["errors"] == []
