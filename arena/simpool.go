@@ -158,7 +158,7 @@ func (p *simPool) alloc(size uint64, s Stream, completed func(Stream) uint64) (u
 
 // chunkRange returns the chunk indices [lo, hi) that [start, start+n) touches.
 func (p *simPool) chunkRange(start, n uint64) (lo, hi int) {
-	return int((start - p.base) / p.chunkSize), int((start + n - 1 - p.base) / p.chunkSize + 1)
+	return int((start - p.base) / p.chunkSize), int((start+n-1-p.base)/p.chunkSize + 1)
 }
 
 // mapCost is how many bytes of new mappings using [start, start+n) needs.
