@@ -253,6 +253,9 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 		}
 	}
 	l.pruneBuckets()
+	if a.cfg.MissRelease {
+		a.releaseForMiss(n)
+	}
 	p, err := a.poolAlloc(n, l.stream, size)
 	if err != nil {
 		return 0, err
@@ -572,6 +575,43 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	*b = Block{state: blockUnused}
 	a.unusedIDs = append(a.unusedIDs, id)
 	return nil
+}
+
+
+// releaseAtLeast gives the least recently freed cached blocks back to the
+// pool until at least n bytes went back or nothing is cached.
+func (a *Allocator) releaseAtLeast(n uint64) {
+	var released uint64
+	for released < n && a.lru.head != noBlock {
+		size := a.blocks[a.lru.head].size
+		if a.releaseBlock(a.lru.head) != nil {
+			return
+		}
+		released += size
+	}
+}
+
+// releaseForMiss makes room in the pool for an n-byte block: it gives back
+// the smallest cached block of at least n bytes, on any stream, which the
+// pool's best fit will then reuse in place; with none, the least recently
+// freed blocks until n bytes went back.
+func (a *Allocator) releaseForMiss(n uint64) {
+	best := noBlock
+	for _, l := range a.lists {
+		for i := l.bucketIndex(n); i < len(l.buckets); i++ {
+			if b := &l.buckets[i]; b.count > 0 {
+				if best == noBlock || b.size < a.blocks[best].size {
+					best = b.list.tail // the least recently freed of its size
+				}
+				break
+			}
+		}
+	}
+	if best != noBlock {
+		_ = a.releaseBlock(best)
+		return
+	}
+	a.releaseAtLeast(n)
 }
 
 // releaseCached gives cached large blocks back to the pool, oldest first,

@@ -72,6 +72,7 @@ func TestSmallAllocationStats(t *testing.T) {
 func TestLargeCacheExactAndSlack(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.LargeSlack = 1.0 / 16
+	cfg.MissRelease = false // see TestMissReleaseFeedsThePool
 	a, sim := newTestAllocator(t, cfg)
 	p, err := a.Malloc(16<<20, 0)
 	require.NoError(t, err)
@@ -87,6 +88,26 @@ func TestLargeCacheExactAndSlack(t *testing.T) {
 	s, err := a.Malloc(16<<20, 0x1000)
 	require.NoError(t, err)
 	assert.NotEqual(t, p, s, "another stream does not take the owner's cached block")
+	require.NoError(t, a.CheckInvariants())
+}
+
+func TestMissReleaseFeedsThePool(t *testing.T) {
+	a, sim := newTestAllocator(t, DefaultConfig())
+	p, err := a.Malloc(40<<20, 0)
+	require.NoError(t, err)
+	q, err := a.Malloc(10<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 40<<20, 0))
+	require.NoError(t, a.Free(q, 10<<20, 0))
+	before, _ := sim.PoolUsage()
+	// A 30 MiB miss: the smallest cached block that holds it (40 MiB) goes
+	// back to the pool, which reuses it in place instead of growing.
+	r, err := a.Malloc(30<<20, 0)
+	require.NoError(t, err)
+	assert.Equal(t, p, r)
+	after, _ := sim.PoolUsage()
+	assert.Equal(t, before.ReservedCurrent, after.ReservedCurrent, "the pool did not grow")
+	assert.EqualValues(t, 10<<20, a.cachedLarge, "the 10 MiB block stays cached")
 	require.NoError(t, a.CheckInvariants())
 }
 
@@ -333,7 +354,7 @@ func TestConcurrentGoroutines(t *testing.T) {
 }
 
 func TestParseConfig(t *testing.T) {
-	c, err := ParseConfig("fraction:0.5, reserve:0.1,release_threshold:2G,large_cache:256M,large_slack:0.125,quiet:true")
+	c, err := ParseConfig("fraction:0.5, reserve:0.1,release_threshold:2G,large_cache:256M,miss_release:false,large_slack:0.125,quiet:true")
 	require.NoError(t, err)
 	assert.Equal(t, 0.5, c.Fraction)
 	assert.Equal(t, 0.1, c.Reserve)

@@ -25,6 +25,12 @@ type Config struct {
 	// pool (per device). Past it, the oldest cached blocks go back to the
 	// pool, where any size can reuse them. See doc.go, "Cache policy".
 	LargeCache uint64
+	// MissRelease: before a large request that missed the cache goes to the
+	// pool, give the pool the cached block it will reuse in place (the
+	// smallest of at least the request's size), or the least recently freed
+	// blocks adding up to the request. The cache then never makes the pool
+	// grow while it sits on memory the request could have used.
+	MissRelease bool
 	// LargeSlack lets a cached large block serve a request up to this share
 	// smaller than the block (0.0625: a 16 MiB block serves 15.06 MiB and up).
 	LargeSlack float64
@@ -37,6 +43,7 @@ func DefaultConfig() Config {
 	return Config{
 		ReleaseThreshold: math.MaxUint64,
 		LargeCache:       1 << 30,
+		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
 	}
 }
@@ -47,6 +54,7 @@ var confKeys = map[string]string{
 	"reserve":           "share of the device pre-warmed into the pool at first use, in [0, 1)",
 	"release_threshold": "bytes the driver pool keeps when idle: a size (512M, 2G) or max",
 	"large_cache":       "most bytes of free large blocks cached above the pool: a size or 0",
+	"miss_release":      "true to give cached memory back to the pool before a cache miss asks it for more",
 	"large_slack":       "how much larger than a request a cached large block may be, in [0, 1)",
 	"quiet":             "true to silence warnings (OOM lines still print)",
 }
@@ -96,6 +104,8 @@ func ParseConfig(s string) (Config, error) {
 			c.LargeSlack, err = parseShare(v, true, false)
 		case "quiet":
 			c.Quiet, err = strconv.ParseBool(v)
+		case "miss_release":
+			c.MissRelease, err = strconv.ParseBool(v)
 		}
 		if err != nil {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
@@ -168,6 +178,6 @@ func (c Config) String() string {
 	if c.ReleaseThreshold != math.MaxUint64 {
 		rt = strconv.FormatUint(c.ReleaseThreshold, 10)
 	}
-	return fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,large_slack:%g,quiet:%t",
-		c.Fraction, c.Reserve, rt, c.LargeCache, c.LargeSlack, c.Quiet)
+	return fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t",
+		c.Fraction, c.Reserve, rt, c.LargeCache, c.MissRelease, c.LargeSlack, c.Quiet)
 }
