@@ -577,7 +577,6 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	return nil
 }
 
-
 // releaseAtLeast gives the least recently freed cached blocks back to the
 // pool until at least n bytes went back or nothing is cached.
 func (a *Allocator) releaseAtLeast(n uint64) {
