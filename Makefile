@@ -32,9 +32,9 @@ ctest: lib
 pytest: lib
 	@echo "(python tests: see the pytest target once the package lands)"
 
-## bench: the cache-hit malloc+free pair through the C ABI, and the replay speed
+## bench: the cache-hit malloc+free pair from Go and through the C ABI (tag goalloc_bench)
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem ./export ./caching
+	$(GO) test -tags goalloc_bench -run '^$$' -bench . -benchmem ./export ./caching
 
 clean:
 	rm -rf $(BUILD)

@@ -1,0 +1,23 @@
+//go:build goalloc_bench
+
+package main
+
+import (
+	"fmt"
+	"os"
+	"testing"
+)
+
+// BenchmarkCABIPair: a cache-hit malloc+free pair through the C ABI on the
+// simulated device (make bench; BENCHMARKS.md has the figures).
+func BenchmarkCABIPair(b *testing.B) {
+	os.Setenv("GOALLOC_DEVICE", "sim")
+	for _, size := range []int64{4 << 10, 1 << 20, 64 << 20} {
+		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
+			benchPairs(100, size) // warm the cache
+			b.ReportAllocs()
+			b.ResetTimer()
+			benchPairs(b.N, size)
+		})
+	}
+}
