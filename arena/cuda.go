@@ -119,6 +119,9 @@ static CUresult (*p_cuEventRecord)(CUevent, CUstream);
 static CUresult (*p_cuEventQuery)(CUevent);
 static CUresult (*p_cuEventDestroy)(CUevent);
 static CUresult (*p_cuStreamIsCapturing)(CUstream, int *);
+static CUresult (*p_cuStreamCreate)(CUstream *, unsigned int);
+static CUresult (*p_cuStreamDestroy)(CUstream);
+static CUresult (*p_cuStreamSynchronize)(CUstream);
 // Optional: looked up, but their absence only disables what uses them.
 static CUresult (*p_cuStreamGetCaptureInfo_v3)(CUstream, int *, cuuint64_t *, CUgraph *,
 	const CUgraphNode **, const CUgraphEdgeData **, size_t *);
@@ -158,6 +161,9 @@ static int gx_load(void) {
 		{ (void **)&p_cuEventQuery, "cuEventQuery", 1 },
 		{ (void **)&p_cuEventDestroy, "cuEventDestroy_v2", 1 },
 		{ (void **)&p_cuStreamIsCapturing, "cuStreamIsCapturing", 1 },
+		{ (void **)&p_cuStreamCreate, "cuStreamCreate", 1 },
+		{ (void **)&p_cuStreamDestroy, "cuStreamDestroy_v2", 1 },
+		{ (void **)&p_cuStreamSynchronize, "cuStreamSynchronize", 1 },
 		{ (void **)&p_cuStreamGetCaptureInfo_v3, "cuStreamGetCaptureInfo_v3", 0 },
 		{ (void **)&p_cuStreamGetCaptureInfo_v2, "cuStreamGetCaptureInfo_v2", 0 },
 		{ (void **)&p_cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", 0 },
@@ -364,6 +370,47 @@ static inline gx_ret gx_alloc(uintptr_t ctx, uintptr_t pool, size_t size, uintpt
 		out.v[0] = 0;
 	}
 	return out;
+}
+
+// gx_alloc_uncaptured allocates for a stream being captured into a CUDA
+// graph without adding a node to the graph: with this thread in relaxed
+// capture mode, it allocates ordered on goalloc's own side stream, which is
+// never captured, and waits for that stream, so the memory is ready for any
+// stream. PyTorch's own allocator also switches to relaxed mode around its
+// cudaMalloc during capture. Capture mode is per thread, hence one C call.
+static inline gx_ret gx_alloc_uncaptured(uintptr_t ctx, uintptr_t pool, size_t size, uintptr_t side) {
+	GX_BEGIN(ctx)
+	int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+	int have_mode = p_cuThreadExchangeStreamCaptureMode != NULL &&
+		p_cuThreadExchangeStreamCaptureMode(&mode) == 0;
+	CUdeviceptr p = 0;
+	out.res = p_cuMemAllocFromPoolAsync(&p, size, (CUmemoryPool)pool, (CUstream)side);
+	if (out.res == 0) {
+		out.res = p_cuStreamSynchronize((CUstream)side);
+		if (out.res == 0) {
+			out.v[0] = p;
+		} else {
+			p_cuMemFreeAsync(p, (CUstream)side);
+		}
+	}
+	if (have_mode) {
+		p_cuThreadExchangeStreamCaptureMode(&mode);
+	}
+	GX_END()
+}
+
+static inline gx_ret gx_stream_create(uintptr_t ctx) {
+	GX_BEGIN(ctx)
+	CUstream s = NULL;
+	out.res = p_cuStreamCreate(&s, 1); // CU_STREAM_NON_BLOCKING
+	out.v[0] = (unsigned long long)(uintptr_t)s;
+	GX_END()
+}
+
+static inline gx_ret gx_stream_destroy(uintptr_t ctx, uintptr_t s) {
+	GX_BEGIN(ctx)
+	out.res = p_cuStreamDestroy((CUstream)s);
+	GX_END()
 }
 
 static inline gx_ret gx_free(uintptr_t ctx, unsigned long long ptr, uintptr_t stream) {
@@ -613,7 +660,10 @@ type CUDA struct {
 	dev     C.int       // CUdevice
 	ctx     C.uintptr_t // the device's primary CUcontext, retained
 	pool    C.uintptr_t // CUmemoryPool
-	closed  atomic.Bool
+	// side is a non-blocking stream of goalloc's own, never captured, on
+	// which AllocUncaptured allocates.
+	side   C.uintptr_t
+	closed atomic.Bool
 }
 
 var _ Device = (*CUDA)(nil)
@@ -656,7 +706,27 @@ func NewCUDA(ordinal int, releaseThreshold uint64) (*CUDA, error) {
 		return nil, err
 	}
 	d.pool = C.uintptr_t(r.v[0])
+	r = C.gx_stream_create(d.ctx)
+	if err := check("cuStreamCreate", r); err != nil {
+		C.gx_pool_destroy(d.ctx, d.pool)
+		C.gx_primary_release(d.dev)
+		return nil, err
+	}
+	d.side = C.uintptr_t(r.v[0])
 	return d, nil
+}
+
+// AllocUncaptured allocates size bytes for a stream that is being captured
+// into a CUDA graph, adding nothing to the graph (see gx_alloc_uncaptured).
+func (d *CUDA) AllocUncaptured(size uint64) (uintptr, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	r := C.gx_alloc_uncaptured(d.ctx, d.pool, C.size_t(size), d.side)
+	if err := check("cuMemAllocFromPoolAsync", r); err != nil {
+		return 0, err
+	}
+	return uintptr(r.v[0]), nil
 }
 
 // Ordinal is the device index.
@@ -850,7 +920,8 @@ func (d *CUDA) Close() error {
 	if !d.closed.CompareAndSwap(false, true) {
 		return nil
 	}
-	err := check("cuMemPoolDestroy", C.gx_pool_destroy(d.ctx, d.pool))
+	err := check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, d.side))
+	err = errors.Join(err, check("cuMemPoolDestroy", C.gx_pool_destroy(d.ctx, d.pool)))
 	if r := C.gx_primary_release(d.dev); r != 0 {
 		err = errors.Join(err, driverError("cuDevicePrimaryCtxRelease_v2", r))
 	}

@@ -65,6 +65,10 @@ type Device interface {
 	// Alloc takes size bytes from the device's pool, ordered on stream s.
 	// It returns an error wrapping ErrOutOfMemory when the pool cannot grow.
 	Alloc(size uint64, s Stream) (uintptr, error)
+	// AllocUncaptured takes size bytes for a stream that is being captured
+	// into a CUDA graph, without adding anything to the graph: the memory
+	// is ready for any stream's work when it returns.
+	AllocUncaptured(size uint64) (uintptr, error)
 	// Free returns ptr, which Alloc returned for size bytes, to the pool,
 	// ordered on stream s.
 	Free(ptr uintptr, size uint64, s Stream) error

@@ -176,6 +176,34 @@ func (d *Sim) Alloc(size uint64, s Stream) (uintptr, error) {
 	return uintptr(ptr), nil
 }
 
+// simSideStream is the stream AllocUncaptured orders its allocations on;
+// work on it completes at once.
+const simSideStream = Stream(^uintptr(0))
+
+func (d *Sim) AllocUncaptured(size uint64) (uintptr, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return 0, errClosed
+	}
+	if d.faults.Alloc != nil {
+		if err := d.faults.Alloc(size, simSideStream); err != nil {
+			return 0, err
+		}
+	}
+	ptr, err := d.pool.alloc(size, simSideStream, func(s Stream) uint64 {
+		if s == simSideStream {
+			return d.stream(s).enqueued
+		}
+		return d.completed(s)
+	})
+	if err != nil {
+		return 0, err
+	}
+	d.Allocs++
+	return uintptr(ptr), nil
+}
+
 func (d *Sim) Free(ptr uintptr, size uint64, s Stream) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -121,6 +121,35 @@ out["small_into_freed_large"] = {"reserved_before": r2, "reserved_after": pool.r
 pool.free(h)
 pool.destroy()
 
+# E9: is physical memory fungible? Free two 40 MiB blocks around a live one,
+# then ask for 80 MiB: a pool that can remap the freed chunks at the end of
+# its range grows little; one that cannot must map 80 MiB more.
+pool = Pool()
+a, b, c = pool.alloc(40 * MiB), pool.alloc(40 * MiB), pool.alloc(40 * MiB)
+r0 = pool.reserved()
+pool.free(a); pool.free(c); pool.sync()
+d = pool.alloc(80 * MiB)
+out["fungible_40_40_40_free_outer_then_80"] = {"reserved_before": r0, "reserved_after": pool.reserved(), "d_minus_a": d - a}
+pool.destroy()
+# E10: 64 x 1 MiB, free the first 32 (one whole chunk), ask for 40 MiB.
+pool = Pool()
+ps = [pool.alloc(MiB) for _ in range(64)]
+r0 = pool.reserved()
+for p in ps[:32]:
+    pool.free(p)
+pool.sync()
+d = pool.alloc(40 * MiB)
+out["fungible_free_first_chunk_then_40"] = {"reserved_before": r0, "reserved_after": pool.reserved(), "d_minus_first": d - ps[0]}
+pool.destroy()
+# E11: after trimming, is the freed hole reused, and remapped?
+pool = Pool()
+a, b = pool.alloc(64 * MiB), pool.alloc(8 * MiB)
+pool.free(a); pool.trim()
+r0 = pool.reserved()
+c = pool.alloc(64 * MiB)
+out["trim_then_realloc"] = {"reserved_after_trim": r0, "reserved_after": pool.reserved(), "c_minus_a": c - a}
+pool.destroy()
+
 # E7: cross-stream reuse without completion: free on s1 while s1 is busy,
 # alloc on s2. Does the pool grow (no reuse) or reuse (internal dependency)?
 s1, s2 = C.c_void_p(), C.c_void_p()
@@ -142,7 +171,8 @@ import os
 root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for name in ("gpt2", "resnet50"):
     pool = Pool()
-    ids, live, peak, samples = {}, 0, 0, []
+    ids, live, peak, samples, growth = {}, 0, 0, [], []
+    last = 0
     with gzip.open(os.path.join(root, "traces", f"{name}-train.jsonl.gz"), "rt") as f:
         f.readline()
         for i, line in enumerate(f):
@@ -151,6 +181,10 @@ for name in ("gpt2", "resnet50"):
                 ids[e["addr"]] = (pool.alloc(e["size"]), e["size"])
                 live += e["size"]
                 peak = max(peak, live)
+                r = pool.reserved()
+                if r != last:
+                    growth.append((i, e["size"], live, r))
+                    last = r
             elif e["a"] == "free_completed" and e["addr"] in ids:
                 p, n = ids.pop(e["addr"])
                 pool.free(p)
@@ -158,7 +192,7 @@ for name in ("gpt2", "resnet50"):
             if i % 2000 == 0:
                 samples.append((i, live, pool.reserved()))
     out["replay_" + name] = {"peak_live": peak, "reserved_high": pool.attr(6), "used_high": pool.attr(8),
-                             "ratio": pool.attr(6) / peak, "samples": samples}
+                             "ratio": pool.attr(6) / peak, "samples": samples, "growth": growth}
     for p, _ in ids.values():
         pool.free(p)
     pool.destroy()
