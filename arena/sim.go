@@ -163,6 +163,9 @@ func (d *Sim) Alloc(size uint64, s Stream) (uintptr, error) {
 	if d.closed {
 		return 0, errClosed
 	}
+	if d.capture[s] != CaptureNone {
+		return 0, fmt.Errorf("sim: cuMemAllocFromPoolAsync on stream %#x, which is being captured: the allocation would become a graph node", s)
+	}
 	if d.faults.Alloc != nil {
 		if err := d.faults.Alloc(size, s); err != nil {
 			return 0, err
@@ -209,6 +212,9 @@ func (d *Sim) Free(ptr uintptr, size uint64, s Stream) error {
 	defer d.mu.Unlock()
 	if d.closed {
 		return errClosed
+	}
+	if d.capture[s] != CaptureNone {
+		return fmt.Errorf("sim: cuMemFreeAsync on stream %#x, which is being captured: the free would become a graph node", s)
 	}
 	if r, ok := d.pool.used[uint64(ptr)]; ok && r.size != roundUp(max(size, 1), d.pool.allocAlign) {
 		return fmt.Errorf("sim: cuMemFreeAsync of %#x with size %d, allocated with %d", ptr, size, r.size)
@@ -309,6 +315,11 @@ func (d *Sim) DestroyEvent(e Event) error {
 func (d *Sim) Synchronize() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	for s, st := range d.capture {
+		if st == CaptureActive {
+			return fmt.Errorf("sim: cuCtxSynchronize while stream %#x is being captured invalidates the capture", s)
+		}
+	}
 	d.Syncs++
 	hung := 0
 	for s, st := range d.streams {

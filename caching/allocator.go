@@ -31,10 +31,12 @@ type Allocator struct {
 	// pool down to it, not below.
 	reserveBytes uint64
 
-	// lists has one StreamFreeList per stream seen; last is the one used
-	// most recently, checked first because one stream does most work.
-	lists []*StreamFreeList
-	last  *StreamFreeList
+	// general is the cache of ordinary allocations; private holds the
+	// pools of CUDA graph captures (graphs.go), and windows the captures in
+	// progress, innermost last.
+	general *cachePool
+	private map[PoolID]*cachePool
+	windows []PoolID
 
 	// blocks holds every large Block, indexed by blockID; unusedIDs are
 	// slots of blocks that went back to the pool, ready for reuse.
@@ -74,6 +76,8 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		cfg:         cfg,
 		total:       total,
 		largeByAddr: map[uintptr]blockID{},
+		general:     &cachePool{},
+		private:     map[PoolID]*cachePool{},
 		lru:         emptyList(),
 		recorded:    map[uintptr][]arena.Stream{},
 		stats:       Stats{BadInput: map[string]int64{}},
@@ -129,9 +133,16 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if size > MaxRequest {
 		return 0, a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: larger than any device (a negative size?)", size, a.dev.Ordinal()))
 	}
-	l := a.last
+	cp := a.general
+	if len(a.windows) > 0 {
+		var err error
+		if cp, err = a.captureTarget(s); err != nil {
+			return 0, err
+		}
+	}
+	l := cp.last
 	if l == nil || l.stream != s {
-		l = a.streamList(s)
+		l = cp.list(s)
 	}
 	if size <= smallMax {
 		c := sizeToClass[(size+classAlign-1)/classAlign]
@@ -147,23 +158,6 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 		return a.takeBlock(id, size), nil
 	}
 	return a.mallocLargeSlow(l, n, size)
-}
-
-// streamList finds or makes the StreamFreeList of s and makes it last.
-func (a *Allocator) streamList(s arena.Stream) *StreamFreeList {
-	for _, l := range a.lists {
-		if l.stream == s {
-			a.last = l
-			return l
-		}
-	}
-	l := newStreamFreeList(s)
-	for c := range l.small {
-		l.small[c] = segmentList{}
-	}
-	a.lists = append(a.lists, l)
-	a.last = l
-	return l
 }
 
 // takeSlot hands out a free slot of seg, the head of its avail list.
@@ -231,16 +225,17 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 	if seg := l.small[c].head; seg != nil { // a deferred free completed into it
 		return a.takeSlot(l, seg, size), nil
 	}
-	p, err := a.poolAlloc(segmentSize, l.stream, size)
+	p, err := a.poolAlloc(segmentSize, l, size)
 	if err != nil {
 		return 0, err
 	}
-	seg := newSegment(p, c, l.stream)
+	seg := newSegment(p, c, l)
 	a.insertSegment(seg)
 	l.small[c].pushBack(seg)
 	l.small[c].empty++
 	a.stats.Segment.add(StatSmall, 1)
 	a.stats.ReservedBytes.add(StatSmall, int64(seg.size))
+	l.pool.reserved += seg.size
 	a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
 	return a.takeSlot(l, seg, size), nil
 }
@@ -253,20 +248,21 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 		}
 	}
 	l.pruneBuckets()
-	if a.cfg.MissRelease {
+	if a.cfg.MissRelease && !l.pool.private() {
 		a.releaseForMiss(n)
 	}
-	p, err := a.poolAlloc(n, l.stream, size)
+	p, err := a.poolAlloc(n, l, size)
 	if err != nil {
 		return 0, err
 	}
 	id := a.newBlock()
 	b := &a.blocks[id]
-	*b = Block{addr: p, size: n, requested: size, stream: l.stream, state: blockLive,
+	*b = Block{addr: p, size: n, requested: size, stream: l.stream, list: l, state: blockLive,
 		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
 	a.largeByAddr[p] = id
 	a.stats.Segment.add(StatLarge, 1)
 	a.stats.ReservedBytes.add(StatLarge, int64(n))
+	l.pool.reserved += n
 	a.history.add(actionSegmentAlloc, p, n, l.stream)
 	a.countAlloc(StatLarge, int64(n), size)
 	a.history.add(actionAlloc, p, n, l.stream)
@@ -288,13 +284,19 @@ func (a *Allocator) reserved() uint64 { return uint64(a.stats.ReservedBytes[Stat
 // poolAlloc takes n bytes from the pool for a request of size bytes,
 // respecting the cap. When the cap or the driver says no, it reclaims in two
 // rounds before giving up (see doc.go, "Out of memory").
-func (a *Allocator) poolAlloc(n uint64, s arena.Stream, size uint64) (uintptr, error) {
+func (a *Allocator) poolAlloc(n uint64, l *StreamFreeList, size uint64) (uintptr, error) {
 	var cause error
 	for round := 0; ; round++ {
 		if a.limit > 0 && a.reserved()+n > a.limit {
 			cause = errCap
 		} else {
-			p, err := a.dev.Alloc(n, s)
+			var p uintptr
+			var err error
+			if l.pool.private() {
+				p, err = a.dev.AllocUncaptured(n)
+			} else {
+				p, err = a.dev.Alloc(n, l.stream)
+			}
 			if err == nil {
 				a.stats.NumDeviceAlloc++
 				return p, nil
@@ -320,7 +322,7 @@ var errCap = errors.New("the cap on reserved memory was reached")
 // With sync (the last step before an out-of-memory) it also waits for the
 // whole device, which completes every deferred free; see releaseAll.
 func (a *Allocator) reclaim(sync bool) {
-	if sync {
+	if sync && len(a.windows) == 0 { // synchronising would break a capture
 		_ = a.releaseAll()
 		return
 	}
@@ -421,7 +423,7 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 	a.countFree(StatLarge, int64(b.size), b.requested)
 	a.history.add(actionFreeRequested, ptr, b.size, b.stream)
 	warn := a.checkFree(ptr, size, b.requested, s, b.stream)
-	if a.deferIfRecorded(ptr, b.stream) {
+	if a.deferIfRecorded(ptr, b.list) {
 		b.state = blockPending
 		return warn
 	}
@@ -440,7 +442,7 @@ func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s 
 	a.countFree(StatSmall, int64(seg.slotSize), req)
 	a.history.add(actionFreeRequested, ptr, seg.slotSize, seg.stream)
 	warn := a.checkFree(ptr, size, req, s, seg.stream)
-	if a.deferIfRecorded(ptr, seg.stream) {
+	if a.deferIfRecorded(ptr, seg.list) {
 		seg.state[i] = slotPending
 		return warn
 	}
@@ -466,8 +468,10 @@ func (a *Allocator) checkFree(ptr uintptr, size, requested uint64, s, owner aren
 	return nil
 }
 
-// deferIfRecorded starts a deferred free when other streams used ptr.
-func (a *Allocator) deferIfRecorded(ptr uintptr, owner arena.Stream) bool {
+// deferIfRecorded starts a deferred free when other streams used ptr. In a
+// private pool the graph's own order protects the memory: its blocks are
+// reused only by replays of the same captures, in the captured order.
+func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	if len(a.recorded) == 0 {
 		return false
 	}
@@ -476,6 +480,9 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, owner arena.Stream) bool {
 		return false
 	}
 	delete(a.recorded, ptr)
+	if l.pool.private() {
+		return false
+	}
 	a.deferred.Add(ptr, used)
 	a.stats.DeferredFrees++
 	return true
@@ -490,7 +497,7 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	seg.state[i] = slotFree
 	seg.freeSlots = append(seg.freeSlots, i)
 	seg.used--
-	l := a.streamListNoTouch(seg.stream)
+	l := seg.list
 	if !seg.inAvail {
 		l.small[seg.class].pushBack(seg)
 	}
@@ -505,22 +512,10 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	cl.empty++
 	// Keep one empty segment per stream and class as a buffer against
 	// churn; give the others back to the pool, where any size can use them.
-	if cl.empty > 1 {
-		_ = a.releaseSegment(l, seg)
+	// A private pool keeps everything until it is released.
+	if p := l.pool; (!p.private() && cl.empty > 1) || p.released {
+		_ = a.releaseSegment(seg)
 	}
-}
-
-// streamListNoTouch finds the list of s without changing last.
-func (a *Allocator) streamListNoTouch(s arena.Stream) *StreamFreeList {
-	if a.last != nil && a.last.stream == s {
-		return a.last
-	}
-	for _, l := range a.lists {
-		if l.stream == s {
-			return l
-		}
-	}
-	panic("goalloc: a segment's stream has no free list")
 }
 
 // cacheBlock puts the free large block id into its stream's cache, then
@@ -528,13 +523,21 @@ func (a *Allocator) streamListNoTouch(s arena.Stream) *StreamFreeList {
 func (a *Allocator) cacheBlock(id blockID) {
 	b := &a.blocks[id]
 	b.state = blockCached
-	l := a.streamListNoTouch(b.stream)
+	l := b.list
 	bucket := l.bucketFor(b.size)
 	if bucket.count == 0 {
 		l.emptyBucket--
 	}
 	bucket.count++
 	a.pushFront(&bucket.list, id, sizeLinks)
+	if p := l.pool; p.private() {
+		// A private pool keeps its blocks, out of the LRU and the budget,
+		// until it is released.
+		if p.released {
+			_ = a.releaseBlock(id)
+		}
+		return
+	}
 	a.pushBack(&a.lru, id, lruLinks)
 	a.cachedLarge += b.size
 	for a.cachedLarge > a.cfg.LargeCache && a.lru.head != noBlock {
@@ -547,7 +550,7 @@ func (a *Allocator) cacheBlock(id blockID) {
 // uncache takes the cached block id out of its bucket and the LRU list.
 func (a *Allocator) uncache(id blockID) {
 	b := &a.blocks[id]
-	l := a.streamListNoTouch(b.stream)
+	l := b.list
 	i := l.bucketIndex(b.size)
 	bucket := &l.buckets[i]
 	a.unlink(&bucket.list, id, sizeLinks)
@@ -555,14 +558,19 @@ func (a *Allocator) uncache(id blockID) {
 	if bucket.count == 0 {
 		l.emptyBucket++
 	}
-	a.unlink(&a.lru, id, lruLinks)
-	a.cachedLarge -= b.size
+	if !l.pool.private() {
+		a.unlink(&a.lru, id, lruLinks)
+		a.cachedLarge -= b.size
+	}
 }
 
 // releaseBlock gives the cached block id back to the pool, ordered on its
 // stream.
 func (a *Allocator) releaseBlock(id blockID) error {
 	b := &a.blocks[id]
+	if err := a.mayFree(b.stream); err != nil {
+		return err
+	}
 	if err := a.dev.Free(b.addr, b.size, b.stream); err != nil {
 		return err
 	}
@@ -572,8 +580,11 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	a.stats.ReservedBytes.sub(StatLarge, int64(b.size))
 	a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
 	delete(a.largeByAddr, b.addr)
+	p := b.list.pool
+	p.reserved -= b.size
 	*b = Block{state: blockUnused}
 	a.unusedIDs = append(a.unusedIDs, id)
+	a.dropIfEmpty(p)
 	return nil
 }
 
@@ -596,7 +607,7 @@ func (a *Allocator) releaseAtLeast(n uint64) {
 // freed blocks until n bytes went back.
 func (a *Allocator) releaseForMiss(n uint64) {
 	best := noBlock
-	for _, l := range a.lists {
+	for _, l := range a.general.lists {
 		for i := l.bucketIndex(n); i < len(l.buckets); i++ {
 			if b := &l.buckets[i]; b.count > 0 {
 				if best == noBlock || b.size < a.blocks[best].size {
@@ -626,13 +637,13 @@ func (a *Allocator) releaseCached(keep uint64) {
 // releaseEmptySegments gives empty small segments back to the pool, keeping
 // at most keep per stream and class.
 func (a *Allocator) releaseEmptySegments(keep int) {
-	for _, l := range a.lists {
+	for _, l := range a.general.lists {
 		for c := range l.small {
 			cl := &l.small[c]
 			for seg := cl.head; seg != nil && cl.empty > keep; {
 				next := seg.next
 				if seg.used == 0 {
-					if a.releaseSegment(l, seg) != nil {
+					if a.releaseSegment(seg) != nil {
 						break
 					}
 				}
@@ -642,11 +653,15 @@ func (a *Allocator) releaseEmptySegments(keep int) {
 	}
 }
 
-func (a *Allocator) releaseSegment(l *StreamFreeList, seg *Segment) error {
+func (a *Allocator) releaseSegment(seg *Segment) error {
+	if err := a.mayFree(seg.stream); err != nil {
+		return err
+	}
 	if err := a.dev.Free(seg.addr, seg.size, seg.stream); err != nil {
 		return err
 	}
 	a.stats.NumDeviceFree++
+	l := seg.list
 	cl := &l.small[seg.class]
 	cl.remove(seg)
 	cl.empty--
@@ -654,6 +669,8 @@ func (a *Allocator) releaseSegment(l *StreamFreeList, seg *Segment) error {
 	a.stats.Segment.sub(StatSmall, 1)
 	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
 	a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
+	l.pool.reserved -= seg.size
+	a.dropIfEmpty(l.pool)
 	return nil
 }
 
@@ -796,7 +813,10 @@ func (a *Allocator) Stats() Stats {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.pollDeferred()
-	return a.stats.clone()
+	st := a.stats.clone()
+	pools, bytes := a.graphPoolBytes()
+	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
+	return st
 }
 
 // ResetPeakStats sets every peak to its current value, here and in the pool.
@@ -832,12 +852,16 @@ func (a *Allocator) Fragmentation() Fragmentation {
 func (a *Allocator) fragmentation() Fragmentation {
 	var f Fragmentation
 	for i := range a.blocks {
-		if b := &a.blocks[i]; b.state == blockCached {
+		if b := &a.blocks[i]; b.state == blockCached && !b.list.pool.private() {
 			f.FreeBytes += b.size
 			f.LargestFreeBlock = max(f.LargestFreeBlock, b.size)
 		}
 	}
+	_, f.GraphPrivateBytes = a.graphPoolBytes()
 	for _, seg := range a.segments {
+		if seg.list.pool.private() {
+			continue
+		}
 		free := uint64(len(seg.freeSlots)) * seg.slotSize
 		f.FreeBytes += free
 		if seg.used == 0 {

@@ -1,10 +1,6 @@
 package caching
 
-import (
-	"sort"
-
-	"github.com/goalloc/goalloc/arena"
-)
+import "github.com/goalloc/goalloc/arena"
 
 // A Block is one large allocation: a whole pool allocation of more than
 // smallMax bytes, never split. Blocks live in Allocator.blocks and are named
@@ -20,7 +16,9 @@ type Block struct {
 	// stream reuses it from the cache, and it goes back to the pool ordered
 	// on that stream.
 	stream arena.Stream
-	state  blockState
+	// list is the StreamFreeList of stream in the block's cache pool.
+	list  *StreamFreeList
+	state blockState
 
 	// While cached: links in its size bucket and in the device's LRU list.
 	sizePrev, sizeNext blockID
@@ -59,16 +57,12 @@ type sizeBucket struct {
 // be handed to this stream's work at once (see doc.go, "Streams").
 type StreamFreeList struct {
 	stream arena.Stream
+	pool   *cachePool
 	small  [numSmallClasses]segmentList
 	// buckets is sorted by size. Buckets may be empty; empty ones are pruned
 	// on the slow path when they outnumber the full ones.
 	buckets     []sizeBucket
 	emptyBucket int
-}
-
-func newStreamFreeList(s arena.Stream) *StreamFreeList {
-	l := &StreamFreeList{stream: s}
-	return l
 }
 
 // bucketIndex returns the index of the first bucket with size >= n.
@@ -112,13 +106,6 @@ func (l *StreamFreeList) pruneBuckets() {
 	}
 	l.buckets = kept
 	l.emptyBucket = 0
-}
-
-// sortedStreams returns the streams of lists in a stable order.
-func sortedStreams(lists []*StreamFreeList) []*StreamFreeList {
-	out := append([]*StreamFreeList(nil), lists...)
-	sort.Slice(out, func(i, j int) bool { return out[i].stream < out[j].stream })
-	return out
 }
 
 // linkKind says which pair of links a blockList threads through.

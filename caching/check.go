@@ -22,6 +22,8 @@ func (a *Allocator) CheckInvariants() error {
 	add := func(t StatType, arr *[numStatTypes]int64, n int64) { arr[StatAll] += n; arr[t] += n }
 
 	cachedIDs := map[blockID]bool{}
+	generalCached := 0
+	poolBytes := map[*cachePool]uint64{}
 	for i := range a.blocks {
 		b := &a.blocks[i]
 		if b.state == blockUnused {
@@ -47,9 +49,13 @@ func (a *Allocator) CheckInvariants() error {
 			add(StatLarge, &active, int64(b.size))
 			add(StatLarge, &activeN, 1)
 		case blockCached:
-			cached[StatLarge] += int64(b.size)
+			if !b.list.pool.private() {
+				cached[StatLarge] += int64(b.size)
+				generalCached++
+			}
 			cachedIDs[blockID(i)] = true
 		}
+		poolBytes[b.list.pool] += b.size
 	}
 	if len(a.largeByAddr) != int(segs[StatLarge]) {
 		return fmt.Errorf("%d addresses indexed, %d large blocks held", len(a.largeByAddr), segs[StatLarge])
@@ -59,7 +65,7 @@ func (a *Allocator) CheckInvariants() error {
 	}
 	// Every cached block is in exactly one bucket of its stream and in the LRU.
 	inLists := 0
-	for _, l := range a.lists {
+	for _, l := range a.allLists() {
 		empty := 0
 		for bi, bk := range l.buckets {
 			if bi > 0 && l.buckets[bi-1].size >= bk.size {
@@ -92,8 +98,8 @@ func (a *Allocator) CheckInvariants() error {
 		}
 		lruN++
 	}
-	if inLists != len(cachedIDs) || lruN != len(cachedIDs) {
-		return fmt.Errorf("%d cached blocks, %d in buckets, %d in the LRU", len(cachedIDs), inLists, lruN)
+	if inLists != len(cachedIDs) || lruN != generalCached {
+		return fmt.Errorf("%d cached blocks (%d general), %d in buckets, %d in the LRU", len(cachedIDs), generalCached, inLists, lruN)
 	}
 
 	var inactive, inactiveN int64
@@ -102,6 +108,7 @@ func (a *Allocator) CheckInvariants() error {
 			return fmt.Errorf("segments out of order")
 		}
 		spans = append(spans, span{uint64(seg.addr), seg.size, "segment"})
+		poolBytes[seg.list.pool] += seg.size
 		add(StatSmall, &reserved, int64(seg.size))
 		add(StatSmall, &segs, 1)
 		free := 0
@@ -139,7 +146,7 @@ func (a *Allocator) CheckInvariants() error {
 			inactiveN += int64(free)
 		}
 	}
-	for _, l := range a.lists {
+	for _, l := range a.allLists() {
 		for c := range l.small {
 			empty := 0
 			for seg := l.small[c].head; seg != nil; seg = seg.next {
@@ -180,6 +187,16 @@ func (a *Allocator) CheckInvariants() error {
 		return fmt.Errorf("inactive_split %d (%d bytes), segments add up to %d (%d bytes)",
 			st.InactiveSplit[StatAll].Current, st.InactiveSplitBytes[StatAll].Current, inactiveN, inactive)
 	}
+	for _, p := range append([]*cachePool{a.general}, a.privatePools()...) {
+		if poolBytes[p] != p.reserved {
+			return fmt.Errorf("pool %v holds %d bytes, counted %d", p.id, poolBytes[p], p.reserved)
+		}
+	}
+	for id, p := range a.private {
+		if p.released && p.empty() {
+			return fmt.Errorf("released pool %v is empty but still kept", id)
+		}
+	}
 	sort.Slice(spans, func(i, j int) bool { return spans[i].addr < spans[j].addr })
 	for i := 1; i < len(spans); i++ {
 		if p := spans[i-1]; p.addr+p.size > spans[i].addr {
@@ -204,4 +221,28 @@ func (a *Allocator) isLive(ptr uintptr) bool {
 		}
 	}
 	return false
+}
+
+// allLists is every StreamFreeList of every cache pool.
+func (a *Allocator) allLists() []*StreamFreeList {
+	out := append([]*StreamFreeList(nil), a.general.lists...)
+	for _, p := range a.privatePools() {
+		out = append(out, p.lists...)
+	}
+	return out
+}
+
+// privatePools lists the private pools in a stable order.
+func (a *Allocator) privatePools() []*cachePool {
+	out := make([]*cachePool, 0, len(a.private))
+	for _, p := range a.private {
+		out = append(out, p)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].id[0] != out[j].id[0] {
+			return out[i].id[0] < out[j].id[0]
+		}
+		return out[i].id[1] < out[j].id[1]
+	})
+	return out
 }

@@ -6,9 +6,11 @@ import "github.com/goalloc/goalloc/arena"
 // slots of one small size class. It belongs to the stream it was allocated
 // on: only that stream takes slots from it (see doc.go, "Streams").
 type Segment struct {
-	addr     uintptr
-	size     uint64
-	stream   arena.Stream
+	addr   uintptr
+	size   uint64
+	stream arena.Stream
+	// list is the StreamFreeList the segment belongs to, in its cache pool.
+	list     *StreamFreeList
 	class    uint8
 	slotSize uint64
 	nslots   int32
@@ -39,11 +41,11 @@ const (
 	slotPending                  // freed, waiting for other streams' events
 )
 
-func newSegment(addr uintptr, class uint8, s arena.Stream) *Segment {
+func newSegment(addr uintptr, class uint8, l *StreamFreeList) *Segment {
 	slot := uint64(classSize[class])
 	n := int32(segmentSize / slot)
 	seg := &Segment{
-		addr: addr, size: segmentSize, stream: s, class: class, slotSize: slot, nslots: n,
+		addr: addr, size: segmentSize, stream: l.stream, list: l, class: class, slotSize: slot, nslots: n,
 		freeSlots: make([]int32, n),
 		state:     make([]slotState, n),
 		requested: make([]uint32, n),

@@ -63,7 +63,7 @@ func (a *Allocator) Snapshot() Snapshot {
 			continue
 		}
 		seg := SnapshotSegment{Device: dev, Address: uint64(b.addr), TotalSize: b.size,
-			Stream: uint64(b.stream), SegmentType: "large", Frames: []any{}}
+			Stream: uint64(b.stream), SegmentType: "large", SegmentPoolID: b.list.pool.id, Frames: []any{}}
 		blk := SnapshotBlock{Address: uint64(b.addr), Size: b.size, State: "inactive", Frames: []any{}}
 		switch b.state {
 		case blockLive:
@@ -78,7 +78,7 @@ func (a *Allocator) Snapshot() Snapshot {
 	}
 	for _, s := range a.segments {
 		seg := SnapshotSegment{Device: dev, Address: uint64(s.addr), TotalSize: s.size,
-			Stream: uint64(s.stream), SegmentType: "small", Frames: []any{}}
+			Stream: uint64(s.stream), SegmentType: "small", SegmentPoolID: s.list.pool.id, Frames: []any{}}
 		for i := int32(0); i < s.nslots; i++ {
 			addr := uint64(s.slotAddr(i))
 			blk := SnapshotBlock{Address: addr, Size: s.slotSize, State: "inactive", Frames: []any{}}

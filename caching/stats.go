@@ -75,7 +75,10 @@ type Stats struct {
 	// goalloc's own counters, beyond PyTorch's keys.
 	CacheHits, CacheMisses int64
 	DeferredFrees          int64 // frees that had to wait for other streams' events
-	BadInput               map[string]int64
+	// CUDA graph private pools (graphs.go), read when the stats are taken:
+	// how many, and the bytes they hold (part of reserved_bytes).
+	GraphPools, GraphReservedBytes int64
+	BadInput                       map[string]int64
 }
 
 // Map flattens s into PyTorch's memory_stats() keys, e.g.
@@ -116,6 +119,8 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.cache_hits"] = s.CacheHits
 	m["goalloc.cache_misses"] = s.CacheMisses
 	m["goalloc.deferred_frees"] = s.DeferredFrees
+	m["goalloc.graph_pools"] = s.GraphPools
+	m["goalloc.graph_pools.reserved_bytes"] = s.GraphReservedBytes
 	for k, v := range s.BadInput {
 		m["goalloc.bad_input."+k] = v
 	}
@@ -171,6 +176,9 @@ type Fragmentation struct {
 	// Ratio is 1 - LargestFreeBlock/FreeBytes: 0 when all free memory is one
 	// piece, near 1 when it is scattered in small pieces. 0 when nothing is free.
 	Ratio float64 `json:"fragmentation"`
+	// GraphPrivateBytes is memory held by CUDA graph private pools, free or
+	// not; it is not counted in FreeBytes, since no other use may take it.
+	GraphPrivateBytes uint64 `json:"graph_private_bytes"`
 	// PoolReserved and PoolUsed are the driver pool's own figures.
 	PoolReserved uint64 `json:"pool_reserved_bytes"`
 	PoolUsed     uint64 `json:"pool_used_bytes"`

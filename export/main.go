@@ -13,6 +13,15 @@
 //	void  goalloc_set_memory_fraction(double fraction, int device); // set_memory_fraction_fn
 //	void  goalloc_record_stream(void* ptr, cudaStream_t stream); // set_record_stream_fn
 //
+// and the three CUDA graph hooks (see "CUDA graphs and the C ABI" below):
+//
+//	void goalloc_begin_allocate_to_pool(int device, unsigned long long id0,
+//	                                    unsigned long long id1, void* filter); // set_begin_allocate_to_pool
+//	void goalloc_end_allocate_to_pool(int device, unsigned long long id0,
+//	                                  unsigned long long id1);                // set_end_allocate_to_pool_fn
+//	void goalloc_release_pool(int device, unsigned long long id0,
+//	                          unsigned long long id1);                        // set_release_pool
+//
 // Control functions return 0 on success and -1 on error, or a string that
 // the caller frees with goalloc_string_free (NULL on error); either way
 // goalloc_last_error says what went wrong. See the README's C ABI table.
@@ -65,6 +74,32 @@ func goalloc_set_memory_fraction(fraction C.double, device C.int) {
 //export goalloc_record_stream
 func goalloc_record_stream(ptr unsafe.Pointer, stream C.cudaStream_t) {
 	_ = lib.recordStream(uintptr(ptr), uintptr(stream))
+}
+
+// CUDA graphs and the C ABI. torch calls these hooks as C++ functions of
+// type void(int, MempoolId_t[, std::function<bool(cudaStream_t)>]), where
+// MempoolId_t is std::pair<unsigned long long, unsigned long long>. On
+// x86-64 (System V) a 16-byte trivially copyable pair of integers travels in
+// two integer registers, exactly as two unsigned long long arguments do, and
+// a std::function, which is not trivially copyable, is passed by a hidden
+// reference: one more pointer argument. goalloc never calls the filter: it
+// asks the driver whether the allocating stream is being captured instead
+// (caching/graphs.go). tests/gpu/graphs_check.py checks on the GPU that the
+// pool ids arriving here are the ones torch reports for the graph.
+
+//export goalloc_begin_allocate_to_pool
+func goalloc_begin_allocate_to_pool(device C.int, id0, id1 C.ulonglong, filter unsafe.Pointer) {
+	_ = lib.beginAllocateToPool(int(device), [2]uint64{uint64(id0), uint64(id1)})
+}
+
+//export goalloc_end_allocate_to_pool
+func goalloc_end_allocate_to_pool(device C.int, id0, id1 C.ulonglong) {
+	_ = lib.endAllocateToPool(int(device), [2]uint64{uint64(id0), uint64(id1)})
+}
+
+//export goalloc_release_pool
+func goalloc_release_pool(device C.int, id0, id1 C.ulonglong) {
+	_ = lib.releasePool(int(device), [2]uint64{uint64(id0), uint64(id1)})
 }
 
 // status turns an error into the C convention: 0 ok, -1 failed.

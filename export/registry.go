@@ -389,3 +389,37 @@ func (l *library) badInputCounts() map[string]int64 {
 	}
 	return out
 }
+
+// beginAllocateToPool, endAllocateToPool and releasePool are torch's CUDA
+// graph hooks (caching/graphs.go).
+func (l *library) beginAllocateToPool(d int, id caching.PoolID) error {
+	a, err := l.device(d)
+	if err != nil {
+		return err
+	}
+	return l.reportErr(a.BeginAllocateToPool(id))
+}
+
+func (l *library) endAllocateToPool(d int, id caching.PoolID) error {
+	a := l.existingDevice(d)
+	if a == nil {
+		return l.bad("invalid_pool", fmt.Sprintf("goalloc: end_allocate_to_pool on device %d, where goalloc holds nothing", d))
+	}
+	return l.reportErr(a.EndAllocateToPool(id))
+}
+
+func (l *library) releasePool(d int, id caching.PoolID) error {
+	a := l.existingDevice(d)
+	if a == nil {
+		return l.bad("invalid_pool", fmt.Sprintf("goalloc: release_pool on device %d, where goalloc holds nothing", d))
+	}
+	return l.reportErr(a.ReleasePool(id))
+}
+
+// reportErr reports err, if any, and returns it.
+func (l *library) reportErr(err error) error {
+	if err != nil {
+		l.report(err)
+	}
+	return err
+}

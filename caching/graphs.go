@@ -1,0 +1,184 @@
+package caching
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/goalloc/goalloc/arena"
+)
+
+// CUDA graphs (see doc.go, "CUDA graphs").
+//
+// While PyTorch captures a graph it brackets the capture with
+// BeginAllocateToPool and EndAllocateToPool, naming a private pool. Every
+// allocation made in that window on a stream that is being captured comes
+// from that pool's own cache, and memory freed into it stays there: the
+// graph's replays read and write exactly the addresses the capture saw, so
+// none of it may reach eager code or another graph until torch releases
+// the pool (ReleasePool, when the last graph using it is reset).
+
+// PoolID names a private pool, as PyTorch's MempoolId_t does.
+type PoolID [2]uint64
+
+// A cachePool is a set of stream free lists: the general cache, or one
+// private pool of CUDA graph captures.
+type cachePool struct {
+	id PoolID // the zero PoolID for the general cache
+	// lists has one StreamFreeList per stream seen; last is the one used
+	// most recently, checked first because one stream does most work.
+	lists []*StreamFreeList
+	last  *StreamFreeList
+
+	// Private pools only. users counts the captures that began with this
+	// pool and were not released; once it drops to 0 the pool is released:
+	// its cached memory goes back to the driver pool, and so does the rest
+	// as it is freed.
+	users    int
+	released bool
+	// reserved is the bytes of segments and blocks the pool holds.
+	reserved uint64
+}
+
+func (p *cachePool) private() bool { return p.id != PoolID{} }
+
+// list finds or makes the StreamFreeList of s and makes it last.
+func (p *cachePool) list(s arena.Stream) *StreamFreeList {
+	for _, l := range p.lists {
+		if l.stream == s {
+			p.last = l
+			return l
+		}
+	}
+	l := &StreamFreeList{stream: s, pool: p}
+	p.lists = append(p.lists, l)
+	p.last = l
+	return l
+}
+
+// empty says whether the pool holds no memory at all.
+func (p *cachePool) empty() bool { return p.reserved == 0 }
+
+// BeginAllocateToPool starts a capture window: until the matching
+// EndAllocateToPool, allocations on streams being captured come from the
+// private pool id.
+func (a *Allocator) BeginAllocateToPool(id PoolID) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if id == (PoolID{}) {
+		return a.badInput("invalid_pool", fmt.Sprintf("begin_allocate_to_pool on device %d with pool id (0, 0), which names no pool", a.dev.Ordinal()))
+	}
+	p := a.private[id]
+	if p == nil {
+		p = &cachePool{id: id}
+		a.private[id] = p
+	}
+	if p.released {
+		// torch reuses a released id only for a new graph: start afresh.
+		p.released = false
+	}
+	p.users++
+	a.windows = append(a.windows, id)
+	return nil
+}
+
+// EndAllocateToPool ends the capture window of pool id.
+func (a *Allocator) EndAllocateToPool(id PoolID) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for i := len(a.windows) - 1; i >= 0; i-- {
+		if a.windows[i] == id {
+			a.windows = append(a.windows[:i], a.windows[i+1:]...)
+			return nil
+		}
+	}
+	return a.badInput("invalid_pool", fmt.Sprintf("end_allocate_to_pool on device %d for pool (%d, %d), which has no capture in progress", a.dev.Ordinal(), id[0], id[1]))
+}
+
+// ReleasePool says a graph using pool id is gone. When none is left, the
+// pool's free memory goes back to the driver pool, and its live memory
+// follows as it is freed.
+func (a *Allocator) ReleasePool(id PoolID) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	p := a.private[id]
+	if p == nil || p.users == 0 {
+		return a.badInput("invalid_pool", fmt.Sprintf("release_pool on device %d for pool (%d, %d), which goalloc does not hold", a.dev.Ordinal(), id[0], id[1]))
+	}
+	p.users--
+	if p.users > 0 {
+		return nil
+	}
+	p.released = true
+	var errs []error
+	for _, l := range p.lists {
+		for i := range l.buckets {
+			for l.buckets[i].count > 0 {
+				if err := a.releaseBlock(l.buckets[i].list.head); err != nil {
+					errs = append(errs, err)
+					break
+				}
+			}
+		}
+		for c := range l.small {
+			for seg := l.small[c].head; seg != nil; {
+				next := seg.next
+				if seg.used == 0 {
+					if err := a.releaseSegment(seg); err != nil {
+						errs = append(errs, err)
+					}
+				}
+				seg = next
+			}
+		}
+	}
+	a.dropIfEmpty(p)
+	return errors.Join(errs...)
+}
+
+// dropIfEmpty forgets a released private pool once it holds nothing.
+func (a *Allocator) dropIfEmpty(p *cachePool) {
+	if p.private() && p.released && p.empty() {
+		delete(a.private, p.id)
+	}
+}
+
+// captureTarget picks the cache an allocation on s comes from while a
+// capture window is open: the window's private pool if s is being captured.
+func (a *Allocator) captureTarget(s arena.Stream) (*cachePool, error) {
+	st, err := a.dev.CaptureStatus(s)
+	if err != nil {
+		return nil, fmt.Errorf("goalloc: device %d: is stream %#x capturing? %w", a.dev.Ordinal(), s, err)
+	}
+	if st != arena.CaptureActive {
+		return a.general, nil
+	}
+	// The innermost window: PyTorch captures one graph per thread at a time.
+	return a.private[a.windows[len(a.windows)-1]], nil
+}
+
+var errCapturing = errors.New("the stream is being captured into a CUDA graph")
+
+// mayFree says whether a stream-ordered free on s is safe now: not while s
+// is being captured, when the free would become a node of the graph.
+func (a *Allocator) mayFree(s arena.Stream) error {
+	if len(a.windows) == 0 {
+		return nil
+	}
+	st, err := a.dev.CaptureStatus(s)
+	if err != nil {
+		return err
+	}
+	if st != arena.CaptureNone {
+		return errCapturing
+	}
+	return nil
+}
+
+// GraphPools reports the private pools: how many, and the bytes they hold.
+func (a *Allocator) graphPoolBytes() (pools int, reserved uint64) {
+	for _, p := range a.private {
+		pools++
+		reserved += p.reserved
+	}
+	return pools, reserved
+}

@@ -1,0 +1,116 @@
+package caching
+
+import (
+	"testing"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The simulated device refuses stream-ordered calls on a capturing stream
+// and synchronisation during a capture, as the real driver would turn them
+// into graph nodes or invalidate the capture; these tests would fail if the
+// allocator made one.
+func TestGraphCaptureUsesAPrivatePool(t *testing.T) {
+	a, sim := newTestAllocator(t, DefaultConfig())
+	const C, E = arena.Stream(0xc0), arena.Stream(0xe0) // capture stream, eager stream
+	id := PoolID{1, 7}
+
+	// Eager memory cached on the capture stream before the capture.
+	warm, err := a.Malloc(8<<20, C)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(warm, 8<<20, C))
+
+	sim.SetCapture(C, arena.CaptureActive)
+	require.NoError(t, a.BeginAllocateToPool(id))
+	x, err := a.Malloc(8<<20, C)
+	require.NoError(t, err)
+	assert.NotEqual(t, warm, x, "the capture does not take eager cached memory")
+	tmp, err := a.Malloc(1000, C)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(tmp, 1000, C)) // a temporary freed during capture
+	tmp2, err := a.Malloc(1000, C)
+	require.NoError(t, err)
+	assert.Equal(t, tmp, tmp2, "memory freed during capture is reused within the capture")
+	y, err := a.Malloc(4<<20, E)
+	require.NoError(t, err, "an eager stream allocates normally during the window")
+	require.NoError(t, a.EndAllocateToPool(id))
+	sim.SetCapture(C, arena.CaptureNone)
+	require.NoError(t, a.CheckInvariants())
+
+	st := a.Stats()
+	assert.EqualValues(t, 1, st.GraphPools)
+	assert.EqualValues(t, 8<<20+segmentSize, st.GraphReservedBytes)
+	f := a.Fragmentation()
+	assert.EqualValues(t, 8<<20+segmentSize, f.GraphPrivateBytes)
+
+	// The graph's output x dies; its memory stays private.
+	require.NoError(t, a.Free(x, 8<<20, C))
+	z, err := a.Malloc(8<<20, C)
+	require.NoError(t, err)
+	assert.Equal(t, warm, z, "eager code gets its own cache back, never the graph's memory")
+	require.NoError(t, a.Free(z, 8<<20, C))
+	require.NoError(t, a.Free(y, 4<<20, E))
+
+	// A second graph shares the pool (torch.cuda.graph(pool=g1.pool())).
+	sim.SetCapture(C, arena.CaptureActive)
+	require.NoError(t, a.BeginAllocateToPool(id))
+	x2, err := a.Malloc(8<<20, C)
+	require.NoError(t, err)
+	assert.Equal(t, x, x2, "a capture into a shared pool reuses its free memory")
+	require.NoError(t, a.EndAllocateToPool(id))
+	sim.SetCapture(C, arena.CaptureNone)
+
+	// Releasing the first graph keeps the pool for the second.
+	require.NoError(t, a.ReleasePool(id))
+	assert.EqualValues(t, 1, a.Stats().GraphPools)
+	require.NoError(t, a.ReleasePool(id))
+	// Released: the free memory went back; x2 is still live and follows when freed.
+	assert.EqualValues(t, 8<<20+segmentSize, a.Stats().GraphReservedBytes, "x2 and tmp2 are live")
+	require.NoError(t, a.CheckInvariants())
+	require.NoError(t, a.Free(x2, 8<<20, C))
+	require.NoError(t, a.Free(tmp2, 1000, C))
+	st = a.Stats()
+	assert.Zero(t, st.GraphPools, "an empty released pool is forgotten")
+	assert.Zero(t, st.GraphReservedBytes)
+	require.NoError(t, a.CheckInvariants())
+
+	var ie *InputError
+	require.ErrorAs(t, a.ReleasePool(id), &ie)
+	assert.Equal(t, "invalid_pool", ie.Kind)
+	require.ErrorAs(t, a.EndAllocateToPool(PoolID{9, 9}), &ie)
+	require.ErrorAs(t, a.BeginAllocateToPool(PoolID{}), &ie)
+}
+
+func TestGraphCaptureNeverFreesOnTheCapturingStream(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.LargeCache = 16 << 20 // small budget: frees would evict
+	a, sim := newTestAllocator(t, cfg)
+	const C = arena.Stream(0xc0)
+	var ps []uintptr
+	for i := 0; i < 4; i++ {
+		p, err := a.Malloc(uint64(10+i)<<20, C)
+		require.NoError(t, err)
+		ps = append(ps, p)
+	}
+	sim.SetCapture(C, arena.CaptureActive)
+	require.NoError(t, a.BeginAllocateToPool(PoolID{2, 2}))
+	// Eager tensors of the capture stream die during the capture: caching
+	// them would go over budget, but evicting now would free on C.
+	for i, p := range ps {
+		require.NoError(t, a.Free(p, uint64(10+i)<<20, C))
+	}
+	// An over-cap request during capture must not synchronise the device.
+	require.NoError(t, a.SetLimit(a.reserved()+1<<20))
+	_, err := a.Malloc(64<<20, C)
+	var oom *OOMError
+	require.ErrorAs(t, err, &oom)
+	require.NoError(t, a.EndAllocateToPool(PoolID{2, 2}))
+	sim.SetCapture(C, arena.CaptureNone)
+	require.NoError(t, a.SetLimit(0))
+	require.NoError(t, a.CheckInvariants())
+	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.ReleasePool(PoolID{2, 2}))
+	assert.Zero(t, a.reserved())
+}

@@ -1,0 +1,54 @@
+"""CUDA graphs with goalloc (issue: CUDA graphs); skipped without CUDA."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = dict(os.environ)
+    env.setdefault("GOALLOC_LIBRARY", os.path.join(ROOT, "build", "libgoalloc.so"))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "graphs_check.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    sys.stderr.write(proc.stderr[-5000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if os.environ.get("GOALLOC_GPU_OUT"):
+        with open(os.path.join(os.environ["GOALLOC_GPU_OUT"], "graphs.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def test_replays_match_eager(result):
+    for name in ("mlp", "transformer_block", "shared_pool"):
+        assert result[name]["replays"] == 100
+        assert result[name]["max_abs_diff"] < 1e-4, name
+
+
+def test_pool_ids_cross_the_abi(result):
+    a = result["after_capture"]
+    assert a["graph_pools"] == 1
+    assert a["graph_bytes"] > 0
+    assert [list(x) for x in a["pool_ids_seen_by_goalloc"]] == [a["pool_id_torch"]]
+
+
+def test_shared_pool_and_release(result):
+    assert result["three_graphs"]["graph_pools"] == 2
+    assert result["after_release_shared"]["graph_pools"] == 1
+    assert result["after_release_shared"]["graph_bytes"] < result["three_graphs"]["graph_bytes"]
+    assert result["after_release_all"]["graph_pools"] == 0
+    assert result["after_release_all"]["graph_bytes"] == 0
+    assert result["after_release_all"]["bad_input"] == {}
+
+
+def test_make_graphed_callables_trains(result):
+    m = result["make_graphed_callables"]
+    assert m["last"] < m["first"]
