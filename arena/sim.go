@@ -60,7 +60,7 @@ func NewSim(ordinal int, capacity uint64) *Sim {
 	}
 	return &Sim{
 		ordinal: ordinal,
-		pool:    newSimPool(capacity),
+		pool:    newSimPool(ordinal, capacity),
 		streams: map[Stream]*simStream{},
 		events:  map[Event]*simEvent{},
 		capture: map[Stream]CaptureStatus{},

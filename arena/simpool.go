@@ -71,8 +71,13 @@ type simRange struct {
 // simChunkSize is the real pool's physical granularity (probe_pool.py).
 const simChunkSize = 32 << 20
 
-func newSimPool(capacity uint64) *simPool {
-	const base = 0x7f0000000000
+// simBase is where device 0's addresses start; device d's start d TiB
+// further, so that no two simulated devices share an address, as no two
+// GPUs do under CUDA's unified addressing.
+const simBase = 0x100000000000
+
+func newSimPool(ordinal int, capacity uint64) *simPool {
+	base := uint64(simBase) + uint64(ordinal)<<40
 	return &simPool{
 		base:       base,
 		capacity:   capacity,

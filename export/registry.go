@@ -67,7 +67,9 @@ func (l *library) configure(conf string) error {
 		}
 	}
 	l.cfg, l.configured = cfg, true
-	l.initialized, l.initErr = false, nil // initialise again with it
+	if l.initErr != nil {
+		l.initialized, l.initErr = false, nil // a bad GOALLOC_CONF is overridden: try again
+	}
 	return nil
 }
 
