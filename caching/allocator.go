@@ -249,7 +249,7 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	}
 	l.pruneBuckets()
 	if a.cfg.MissRelease && !l.pool.private() {
-		a.releaseForMiss(n)
+		a.releaseForMiss(l, n)
 	}
 	p, err := a.poolAlloc(n, l, size)
 	if err != nil {
@@ -601,19 +601,19 @@ func (a *Allocator) releaseAtLeast(n uint64) {
 	}
 }
 
-// releaseForMiss makes room in the pool for an n-byte block: it gives back
-// the smallest cached block of at least n bytes, on any stream, which the
+// releaseForMiss makes room in the pool for an n-byte block on l's stream:
+// it gives back the smallest cached block of at least n bytes, which the
 // pool's best fit will then reuse in place; with none, the least recently
-// freed blocks until n bytes went back.
-func (a *Allocator) releaseForMiss(n uint64) {
-	best := noBlock
-	for _, l := range a.general.lists {
-		for i := l.bucketIndex(n); i < len(l.buckets); i++ {
-			if b := &l.buckets[i]; b.count > 0 {
-				if best == noBlock || b.size < a.blocks[best].size {
-					best = b.list.tail // the least recently freed of its size
-				}
-				break
+// freed blocks until n bytes went back. Blocks of l's own stream come
+// first: memory another stream freed reaches l's stream only once that free
+// has completed, or by the pool making l's stream wait for it.
+func (a *Allocator) releaseForMiss(l *StreamFreeList, n uint64) {
+	best := a.smallestCachedAtLeast(l, n)
+	if best == noBlock {
+		for _, other := range a.general.lists {
+			if b := a.smallestCachedAtLeast(other, n); b != noBlock &&
+				(best == noBlock || a.blocks[b].size < a.blocks[best].size) {
+				best = b
 			}
 		}
 	}
@@ -622,6 +622,17 @@ func (a *Allocator) releaseForMiss(n uint64) {
 		return
 	}
 	a.releaseAtLeast(n)
+}
+
+// smallestCachedAtLeast is the least recently freed block of the smallest
+// cached size of at least n bytes on l, or noBlock.
+func (a *Allocator) smallestCachedAtLeast(l *StreamFreeList, n uint64) blockID {
+	for i := l.bucketIndex(n); i < len(l.buckets); i++ {
+		if b := &l.buckets[i]; b.count > 0 {
+			return b.list.tail
+		}
+	}
+	return noBlock
 }
 
 // releaseCached gives cached large blocks back to the pool, oldest first,

@@ -139,3 +139,15 @@ func (l *library) emptyCacheDevice(d int) error {
 	}
 	return nil
 }
+
+// checkInvariants runs the allocator's full self-check on device d (slow:
+// for tests and debugging).
+func (l *library) checkInvariants(d int) error {
+	if err := l.checkDevice(d); err != nil {
+		return err
+	}
+	if a := l.existingDevice(d); a != nil {
+		return l.fail(a.CheckInvariants())
+	}
+	return nil
+}

@@ -177,6 +177,9 @@ func goalloc_record_history(maxEntries C.int) C.int {
 	return status(lib.recordHistory(int(maxEntries)))
 }
 
+//export goalloc_check_invariants
+func goalloc_check_invariants(device C.int) C.int { return status(lib.checkInvariants(int(device))) }
+
 //export goalloc_last_error
 func goalloc_last_error() *C.char { return C.CString(lib.lastError()) }
 

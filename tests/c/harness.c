@@ -25,8 +25,12 @@ typedef void (*empty_fn)(void);
 
 static malloc_fn my_malloc;
 static free_fn my_free;
+static int (*check_invariants)(int);
+static char *(*last_error)(void);
 
+#ifndef THREADS
 #define THREADS 2
+#endif
 #define LIVE 256
 #define ITERS 200000
 
@@ -78,14 +82,25 @@ static void *worker(void *arg) {
 		for (int u = 0; u < THREADS; u++)
 			for (int j = 0; j < LIVE; j++) {
 				uintptr_t q = live[u][j].p;
-				if (q && p < q + live[u][j].n && q < p + n) fail("overlapping live blocks", p);
+				if (q && p < q + live[u][j].n && q < p + n) {
+					fail("overlapping live blocks", p);
+					fprintf(stderr, "  new %#lx+%zu (thread %d) vs %#lx+%zu (thread %d slot %d)\n",
+						(unsigned long)p, n, t, (unsigned long)q, live[u][j].n, u, j);
+				}
 			}
 		live[t][k].p = p;
 		live[t][k].n = n;
 		pthread_mutex_unlock(&live_mu);
 	}
-	for (int k = 0; k < LIVE; k++)
-		if (live[t][k].p) my_free((void *)live[t][k].p, (ssize_t)live[t][k].n, 0, stream);
+	for (int k = 0; k < LIVE; k++) {
+		/* Out of the shared table first: the other thread may still run. */
+		pthread_mutex_lock(&live_mu);
+		uintptr_t p = live[t][k].p;
+		size_t n = live[t][k].n;
+		live[t][k].p = 0;
+		pthread_mutex_unlock(&live_mu);
+		if (p) my_free((void *)p, (ssize_t)n, 0, stream);
+	}
 	return NULL;
 }
 
@@ -104,6 +119,8 @@ int main(int argc, char **argv) {
 	my_malloc = (malloc_fn)dlsym(lib, "my_malloc");
 	my_free = (free_fn)dlsym(lib, "my_free");
 	init_fn init = (init_fn)dlsym(lib, "goalloc_init");
+	check_invariants = (int (*)(int))dlsym(lib, "goalloc_check_invariants");
+	last_error = (char *(*)(void))dlsym(lib, "goalloc_last_error");
 	record_fn record = (record_fn)dlsym(lib, "goalloc_record_stream");
 	json_fn stats = (json_fn)dlsym(lib, "goalloc_stats_json");
 	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
@@ -144,6 +161,7 @@ int main(int argc, char **argv) {
 	char *js2 = stats(0);
 	long long reserved = stat(js2, "reserved_bytes.all.current");
 	if (reserved != 0) fail("reserved after empty_cache", (uintptr_t)reserved);
+	if (check_invariants(0)) fail(last_error(), 0);
 	printf("harness: %d threads x %d ops, cache hits %lld, %d failures\n", THREADS, ITERS, hits, failures);
 	strfree(js);
 	strfree(js2);
