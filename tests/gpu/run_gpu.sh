@@ -1,22 +1,59 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe|core|python|bench|all]
-# The library is built here (no Go there) and travels in build/ (carry it).
-# Results land in $OUT (the device tool brings them back) or ./gpu-out.
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench]
+# (no argument: all of them). The library and the replay tool are built
+# here (no Go there) and travel in build/ (carry it). Results land in $OUT
+# (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=${1:-all}
+what=" ${*:-probe core graphs torture sanitizer python replay bench} "
+want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 status=0
-if [[ $what == probe || $what == all ]]; then
+step() { echo "== $1 ($(date +%T))"; }
+if want probe; then
+  step probe
   timeout 300 python3 tests/gpu/probe_pool.py > "$OUT/pool.json" || status=1
-  python3 -c "import json;d=json.load(open('$OUT/pool.json'));print({k:(v['ratio'] if 'ratio' in v else '') for k,v in d.items() if k.startswith('replay')})"
 fi
-if [[ $what == core || $what == all ]]; then
+if want core; then
+  step core
   timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_core_torch.py 2>&1 | tail -15 || status=1
 fi
+if want graphs; then
+  step graphs
+  timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py 2>&1 | tail -15 || status=1
+fi
+if want torture; then
+  step torture
+  timeout 900 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_torture.py 2>&1 | tail -15 || status=1
+fi
+if want sanitizer; then
+  step sanitizer
+  # memcheck on a short torture run; says so if the tool cannot run here.
+  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/torture_check.py --ops 2000 --max-log2 22 \
+    > "$OUT/sanitizer.txt" 2>&1; echo "compute-sanitizer exit $?" | tee -a "$OUT/sanitizer.txt"
+  tail -5 "$OUT/sanitizer.txt"
+fi
+if want python; then
+  step python
+  timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_python_gpu.py 2>&1 | tail -15 || status=1
+fi
+if want replay; then
+  step replay
+  for t in gpt2 resnet50; do
+    for p in passthrough goalloc; do
+      timeout 300 build/goalloc replay traces/$t-train.jsonl.gz --device cuda --policy $p --json > "$OUT/replay-$t-$p.json" || status=1
+    done
+  done
+  ls -la "$OUT"/replay-*
+fi
+if want bench; then
+  step bench
+  [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }
+fi
+step done
 exit $status
