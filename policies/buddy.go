@@ -1,6 +1,7 @@
 package policies
 
 import (
+	"errors"
 	"fmt"
 	"math/bits"
 
@@ -93,6 +94,11 @@ func (a *Buddy) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if nd == nil {
 		order := max(a.arenaOrder, k)
 		p, err := deviceAlloc(a.dev, blockSize(order), s, a.releaseCached)
+		if order > k && errors.Is(err, arena.ErrOutOfMemory) {
+			// No room for a whole arena: take an arena of just this block.
+			order = k
+			p, err = deviceAlloc(a.dev, blockSize(order), s, a.releaseCached)
+		}
 		if err != nil {
 			return 0, fmt.Errorf("buddy: malloc of %d bytes on stream %#x: %w", size, s, err)
 		}

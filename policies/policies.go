@@ -21,7 +21,8 @@
 //     segments go back to the device only when a device allocation fails, and
 //     then every fully free one does before the one retry (release_cached_blocks).
 //   - buddy: a binary buddy allocator. Arenas of 1 GiB (or, for a larger
-//     request, of the request's power of two) come from the device; blocks
+//     request, of the request's power of two; or, when the device has no room
+//     for a whole arena, of just the request's block) come from the device; blocks
 //     are powers of two from 512 bytes, split in halves on the way down and
 //     merged with their buddy on free. Best fit by block order, lowest
 //     address first.
@@ -68,6 +69,13 @@ type Allocator interface {
 // from the device, and reports the most they held at once.
 type PeakReserver interface {
 	PeakReserved() uint64
+}
+
+// PeakAllocator is implemented by policies that count the bytes they hand
+// out, requests rounded up to their blocks, and reports the most at once:
+// PyTorch's allocated_bytes.all.peak.
+type PeakAllocator interface {
+	PeakAllocated() uint64
 }
 
 // Fragmentation is caching's description of cached free memory, shared so
@@ -129,6 +137,12 @@ func NewGoalloc(dev arena.Device, cfg caching.Config) (*Goalloc, error) {
 func (g *Goalloc) PeakReserved() uint64 {
 	st := g.Stats()
 	return uint64(st.ReservedBytes[caching.StatAll].Peak)
+}
+
+// PeakAllocated is goalloc's own allocated_bytes.all.peak.
+func (g *Goalloc) PeakAllocated() uint64 {
+	st := g.Stats()
+	return uint64(st.AllocatedBytes[caching.StatAll].Peak)
 }
 
 // minBlock is the smallest block any reference policy hands out and the

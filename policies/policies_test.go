@@ -302,6 +302,13 @@ func TestBuddySplitMerge(t *testing.T) {
 	require.Equal(t, uint64(64*KiB), f.LargestFreeBlock, "everything merged back into the arena")
 	require.Len(t, a.free, 1)
 
+	// A device with no room for a whole arena still serves the request.
+	small := NewBuddy(newSim(8*MiB), GiB)
+	p, err := small.Malloc(3*MiB, 0)
+	require.NoError(t, err)
+	require.Equal(t, uint64(4*MiB), small.reserved.cur)
+	require.NoError(t, small.Free(p, 3*MiB, 0))
+
 	// A request larger than an arena gets an arena of its own power of two.
 	big, err := a.Malloc(100*KiB, 0)
 	require.NoError(t, err)
@@ -369,7 +376,11 @@ func TestPeakReserved(t *testing.T) {
 	}
 }
 
-var _ PeakReserver = (*Goalloc)(nil)
+var (
+	_ PeakReserver  = (*Goalloc)(nil)
+	_ PeakAllocator = (*Goalloc)(nil)
+	_ PeakAllocator = (*Native)(nil)
+)
 
 func TestOrdered(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 7))
