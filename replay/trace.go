@@ -166,8 +166,11 @@ type parser struct {
 	live      uint64
 }
 
-// chunkSize is how much decompressed text goes to the parser at a time.
-const chunkSize = 1 << 20
+// chunkSize is how much decompressed text goes to the parser at a time:
+// small enough that the pipeline fills and drains quickly (the parser waits
+// for the first chunk, and nothing overlaps the parsing of the last), large
+// enough that handing chunks over costs nothing.
+const chunkSize = 256 << 10
 
 type chunk struct {
 	buf []byte // whole lines, the last one possibly without its newline at the end of input
