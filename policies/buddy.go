@@ -84,6 +84,9 @@ func (a *Buddy) removeFree(st *buddyStream, addr uintptr, order uint8) {
 	st.index.remove(uint64(order), uint64(addr))
 }
 
+// Malloc takes the smallest free block of the request's order or above,
+// lowest address first, from the stream's arenas (a new arena on a miss), and
+// halves it down to the request's order.
 func (a *Buddy) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if err := checkSize("buddy", size); err != nil {
 		return 0, err
@@ -181,4 +184,5 @@ func (a *Buddy) PeakReserved() uint64 { return a.reserved.peak }
 // PeakAllocated is the most block bytes (powers of two) handed out at once.
 func (a *Buddy) PeakAllocated() uint64 { return a.allocated.peak }
 
+// Close closes the device; the arenas go with its pool.
 func (a *Buddy) Close() error { return a.dev.Close() }

@@ -50,6 +50,8 @@ func (a *Fixed) stream(s arena.Stream) *fixedStream {
 	return st
 }
 
+// Malloc takes a cached block of the request's class on its stream, or a
+// new one from the device.
 func (a *Fixed) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if err := checkSize("fixed", size); err != nil {
 		return 0, err
@@ -124,4 +126,5 @@ func (a *Fixed) PeakReserved() uint64 { return a.reserved.peak }
 // PeakAllocated is the most block bytes (powers of two) handed out at once.
 func (a *Fixed) PeakAllocated() uint64 { return a.allocated.peak }
 
+// Close closes the device; the cached blocks go with its pool.
 func (a *Fixed) Close() error { return a.dev.Close() }

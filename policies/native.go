@@ -91,6 +91,8 @@ func nativeShouldSplit(size, n uint64, small bool) bool {
 	return rest > nativeSmallSize
 }
 
+// Malloc is the native allocator's malloc: best fit in the request's pool
+// and stream, a new segment on a miss, then the split.
 func (a *Native) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if err := checkSize("native", size); err != nil {
 		return 0, err
@@ -203,4 +205,5 @@ func (a *Native) PeakReserved() uint64 { return a.reserved.peak }
 // request counts with the unsplit rest of its block (up to 1 MiB more).
 func (a *Native) PeakAllocated() uint64 { return a.allocated.peak }
 
+// Close closes the device; the segments go with its pool.
 func (a *Native) Close() error { return a.dev.Close() }

@@ -21,6 +21,7 @@ func NewPassthrough(dev arena.Device) *Passthrough {
 	return &Passthrough{dev: dev, live: map[uintptr]uint64{}}
 }
 
+// Malloc allocates from the device, ordered on s.
 func (a *Passthrough) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if err := checkSize("passthrough", size); err != nil {
 		return 0, err
@@ -59,4 +60,5 @@ func (a *Passthrough) Fragmentation() Fragmentation { return fragmentation(a.dev
 // PeakReserved is the most bytes allocated from the device at once.
 func (a *Passthrough) PeakReserved() uint64 { return a.reserved.peak }
 
+// Close closes the device.
 func (a *Passthrough) Close() error { return a.dev.Close() }

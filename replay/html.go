@@ -368,7 +368,8 @@ func fmtBytes(n uint64) string {
 	return fmt.Sprintf("%d B", n)
 }
 
-// FormatBytes is fmtBytes for the command's tables.
+// FormatBytes writes n as the report does: in the largest binary unit it
+// reaches, with two decimals (23.64 GiB).
 func FormatBytes(n uint64) string { return fmtBytes(n) }
 
 // fmtCount writes n with thousands separators.
@@ -422,6 +423,8 @@ svg .nativelabel { font-size: 12px; fill: #202124; }
 table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
 th, td { padding: 6px 7px; font-size: 12.5px; text-align: right; border-bottom: 1px solid #eceef1; white-space: nowrap; }
 th { font-size: 12px; font-weight: 600; color: #5f6368; vertical-align: bottom; }
+td small, th small { font-size: 11.5px; color: #5f6368; font-weight: 400; }
+td { vertical-align: top; }
 th:first-child, td:first-child { text-align: left; }
 tbody tr:hover { background: #f8f9fb; }
 td.policy { font-weight: 600; }
@@ -461,7 +464,7 @@ the live bytes (passthrough's is). Lines keep every peak: each pixel column draw
 <thead><tr>
 <th>policy</th><th>peak live</th><th>peak reserved<br>(pool)</th><th>ratio</th>{{if .Native}}<th>vs recorded<br>native</th>{{end}}
 <th>policy's peak<br>reserved</th><th>policy's peak<br>allocated</th>
-<th>frag. at<br>peak live</th><th>free / largest free<br>at peak live</th>
+<th>frag. at<br>peak live</th><th>free at peak live<br><small>largest block</small></th>
 <th>device allocs<br>/ frees</th><th>OOMs</th><th>ns/op</th><th>events/s<br>end to end</th>
 </tr></thead>
 <tbody>
@@ -469,7 +472,7 @@ the live bytes (passthrough's is). Lines keep every peak: each pixel column draw
 <td class="policy"><i style="background:{{.Color}}"></i>{{.Policy}}{{with .Conf}} <span class="note">({{.}})</span>{{end}}</td>
 <td>{{.PeakLive}}</td><td>{{.PeakReserved}}</td><td><b>{{.Ratio}}</b></td>{{if $.Native}}<td>{{.VsNative}}</td>{{end}}
 <td>{{.AllocReserved}}</td><td>{{.Alloc}}</td>
-<td>{{.Frag}}</td><td>{{.FreeAtPeak}} / {{.LargestAtPeak}}</td>
+<td>{{.Frag}}</td><td>{{.FreeAtPeak}}<br><small>{{.LargestAtPeak}}</small></td>
 <td>{{.DevAllocs}} / {{.DevFrees}}</td><td>{{.OOMs}}</td><td>{{.NsPerOp}}</td><td>{{.EndToEnd}}</td>
 </tr>
 {{end}}{{if .Native}}{{with .Trace.Header}}<tr class="native">
