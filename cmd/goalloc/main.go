@@ -1,0 +1,445 @@
+// Command goalloc is goalloc's command-line tool. Its one command so far,
+// replay, replays a recorded PyTorch allocation trace through an allocation
+// policy on the simulated device or a GPU and reports what memory it took:
+//
+//	goalloc replay [TRACE] [--device sim|cuda] [--policy NAME] [--conf GOALLOC_CONF]
+//	               [--sim-memory BYTES] [--json] [--html OUT.html]
+//	goalloc replay --compare [TRACE] [--device sim|cuda] [--json] [--html OUT.html]
+//
+// See usage below for the flags, and package replay for how it measures.
+//
+// Exit status: 0 when all went well, 2 for a usage error (an unknown flag,
+// policy or device), 1 for anything that failed while running (a missing or
+// malformed trace, no GPU, a failing device).
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
+	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+const usageText = `goalloc is the command-line tool of goalloc, a CUDA memory allocator for PyTorch.
+
+Usage:
+
+	goalloc replay [TRACE] [flags]      replay a trace through one allocation policy
+	goalloc replay --compare [TRACE]    replay it through every policy, side by side
+	goalloc help [replay]               show this help
+
+Run "goalloc help replay" for the replay flags.
+`
+
+const replayUsageText = `Usage: goalloc replay [TRACE] [flags]
+       goalloc replay --compare [TRACE] [flags]
+
+Replays an allocation trace recorded from PyTorch (gzipped or plain JSON
+lines; see traces/README.md) through an allocation policy, each policy on a
+fresh device, and reports the device pool's peak reserved bytes against the
+trace's peak of live bytes, fragmentation at that peak, device calls and speed.
+
+TRACE defaults to the bundled traces/gpt2-train.jsonl.gz, looked for above the
+current folder and above the executable.
+
+Flags:
+  --policy NAME        the policy to replay: %s (default goalloc)
+  --compare            replay every policy and print them side by side
+  --conf GOALLOC_CONF  goalloc's configuration, e.g. "large_cache:512M,large_slack:0.1"
+                       (default: $GOALLOC_CONF); keys: %s
+  --device sim|cuda    the simulated device (default) or GPU 0 through the CUDA driver
+  --sim-memory BYTES   the simulated device's memory, e.g. 80G (default: $GOALLOC_SIM_MEMORY,
+                       else %s)
+  --json               print the results as JSON (an array with --compare)
+  --html OUT.html      also write a self-contained HTML report with plots
+  -h, --help           show this help
+
+Exit status: 0 ok, 2 usage error, 1 runtime error.
+`
+
+func replayUsage() string {
+	keys := make([]string, 0, len(caching.ConfigKeys()))
+	for k := range caching.ConfigKeys() {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return fmt.Sprintf(replayUsageText, strings.Join(policies.Names, ", "), strings.Join(keys, ", "),
+		replay.FormatBytes(arena.DefaultSimMemory))
+}
+
+// run is the whole command, writing to stdout and stderr and returning the
+// exit status, so that tests run it in-process.
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usageText)
+		return 2
+	}
+	switch args[0] {
+	case "help", "-h", "-help", "--help":
+		if len(args) > 1 && args[1] == "replay" {
+			fmt.Fprint(stdout, replayUsage())
+		} else {
+			fmt.Fprint(stdout, usageText)
+		}
+		return 0
+	case "replay":
+		return runReplay(args[1:], stdout, stderr)
+	}
+	fmt.Fprintf(stderr, "goalloc: unknown command %q\n\n%s", args[0], usageText)
+	return 2
+}
+
+// usageError is a mistake on the command line: exit status 2.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string { return e.msg }
+
+func usagef(format string, args ...any) error {
+	return &usageError{fmt.Sprintf(format, args...)}
+}
+
+// replayFlags is what the replay command line asked for.
+type replayFlags struct {
+	trace     string
+	device    string
+	policy    string
+	conf      string
+	compare   bool
+	json      bool
+	html      string
+	simMemory uint64
+}
+
+func runReplay(args []string, stdout, stderr io.Writer) int {
+	f, err := parseReplayFlags(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprint(stdout, replayUsage())
+		return 0
+	}
+	if err == nil {
+		err = replayTrace(f, stdout, stderr)
+	}
+	if err == nil {
+		return 0
+	}
+	fmt.Fprintf(stderr, "goalloc replay: %v\n", err)
+	var ue *usageError
+	if errors.As(err, &ue) {
+		fmt.Fprintln(stderr, `Run "goalloc help replay" for usage.`)
+		return 2
+	}
+	return 1
+}
+
+func parseReplayFlags(args []string) (*replayFlags, error) {
+	f := &replayFlags{}
+	fs := flag.NewFlagSet("goalloc replay", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors are reported once, by runReplay
+	fs.StringVar(&f.device, "device", "sim", "")
+	fs.StringVar(&f.policy, "policy", "", "")
+	fs.StringVar(&f.conf, "conf", os.Getenv("GOALLOC_CONF"), "")
+	fs.BoolVar(&f.compare, "compare", false, "")
+	fs.BoolVar(&f.json, "json", false, "")
+	fs.StringVar(&f.html, "html", "", "")
+	simMemory := fs.String("sim-memory", "", "")
+
+	// Flags may come before or after the trace: parse up to each
+	// positional argument, set it aside, and go on.
+	var positional []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, err
+			}
+			return nil, usagef("%v", err)
+		}
+		if fs.NArg() == 0 {
+			break
+		}
+		positional = append(positional, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+	switch len(positional) {
+	case 0:
+	case 1:
+		f.trace = positional[0]
+	default:
+		return nil, usagef("one trace at a time, got %d: %s", len(positional), strings.Join(positional, " "))
+	}
+
+	if f.device != "sim" && f.device != "cuda" {
+		return nil, usagef("unknown device %q (want sim or cuda)", f.device)
+	}
+	if f.compare && f.policy != "" {
+		return nil, usagef("--compare replays every policy; it takes no --policy")
+	}
+	if f.policy == "" {
+		f.policy = "goalloc"
+	}
+	if !slices.Contains(policies.Names, f.policy) {
+		return nil, usagef("unknown policy %q (known: %s)", f.policy, strings.Join(policies.Names, ", "))
+	}
+	if f.conf != "" && !f.compare && f.policy != "goalloc" {
+		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
+	}
+	if _, err := caching.ParseConfig(f.conf); err != nil {
+		return nil, usagef("--conf: %v", err)
+	}
+
+	f.simMemory = arena.DefaultSimMemory
+	source := "--sim-memory"
+	if *simMemory == "" {
+		*simMemory, source = os.Getenv("GOALLOC_SIM_MEMORY"), "GOALLOC_SIM_MEMORY"
+	} else if f.device != "sim" {
+		return nil, usagef("--sim-memory sizes the simulated device; it does not apply to --device %s", f.device)
+	}
+	if *simMemory != "" {
+		n, err := caching.ParseBytes(*simMemory)
+		if err != nil || n == 0 {
+			if err == nil {
+				err = errors.New("must be more than 0")
+			}
+			return nil, usagef("%s: %v", source, err)
+		}
+		f.simMemory = n
+	}
+	return f, nil
+}
+
+// replayTrace runs what f asks for.
+func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
+	// Fail on a missing GPU before spending time on the trace.
+	if f.device == "cuda" {
+		dev, err := newDevice(f)
+		if err != nil {
+			return err
+		}
+		dev.Close()
+	}
+	path := f.trace
+	if path == "" {
+		var err error
+		if path, err = bundledTrace(); err != nil {
+			return err
+		}
+	}
+	tr, err := replay.Open(path)
+	if err != nil {
+		return err
+	}
+	for _, w := range tr.Warnings {
+		fmt.Fprintf(stderr, "goalloc replay: warning: %s: %s\n", path, w)
+	}
+
+	names := []string{f.policy}
+	if f.compare {
+		names = policies.Names
+	}
+	var results []*replay.Result
+	for _, name := range names {
+		dev, err := newDevice(f)
+		if err != nil {
+			return err
+		}
+		opt := replay.Options{Policy: name}
+		if name == "goalloc" {
+			opt.Conf = f.conf
+		}
+		r, err := replay.Replay(tr, dev, opt)
+		if err != nil {
+			return err
+		}
+		results = append(results, r)
+	}
+
+	if f.html != "" {
+		if err := writeHTML(f.html, tr, results); err != nil {
+			return err
+		}
+	}
+	if f.json {
+		var v any = results
+		if !f.compare {
+			v = results[0]
+		}
+		out, err := json.MarshalIndent(v, "", "  ")
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "%s\n", out)
+	} else {
+		printTable(stdout, f, tr, results)
+	}
+	if f.html != "" {
+		fmt.Fprintf(stderr, "goalloc replay: wrote %s\n", f.html)
+	}
+	return nil
+}
+
+func newDevice(f *replayFlags) (arena.Device, error) {
+	if f.device == "sim" {
+		return arena.NewSim(0, f.simMemory), nil
+	}
+	d, err := arena.NewCUDA(0, math.MaxUint64)
+	if err != nil {
+		return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
+	}
+	return d, nil
+}
+
+func writeHTML(path string, tr *replay.Trace, results []*replay.Result) error {
+	out, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("writing the report: %w", err)
+	}
+	err = replay.WriteHTML(out, tr, results)
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("writing the report %s: %w", path, err)
+	}
+	return nil
+}
+
+// bundledTrace finds traces/gpt2-train.jsonl.gz in the current folder or one
+// above it (a checkout of the repository), or above the executable (an
+// installed build next to the traces).
+func bundledTrace() (string, error) {
+	const rel = "traces/gpt2-train.jsonl.gz"
+	cwd, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("no trace given, and the current folder is unknown: %w", err)
+	}
+	exeDir := "(unknown)"
+	starts := []string{cwd}
+	if exe, err := os.Executable(); err == nil {
+		if exe, err = filepath.EvalSymlinks(exe); err == nil {
+			exeDir = filepath.Dir(exe)
+			starts = append(starts, exeDir)
+		}
+	}
+	for _, dir := range starts {
+		for {
+			p := filepath.Join(dir, rel)
+			if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() {
+				if r, err := filepath.Rel(cwd, p); err == nil && !strings.HasPrefix(r, "..") {
+					return r, nil
+				}
+				return p, nil
+			}
+			parent := filepath.Dir(dir)
+			if parent == dir {
+				break
+			}
+			dir = parent
+		}
+	}
+	return "", fmt.Errorf("no trace given, and the bundled %s was not found in %s or any folder above it, nor above the executable's folder %s; give a trace: goalloc replay TRACE", rel, cwd, exeDir)
+}
+
+// printTable writes the results as an aligned table with the trace's own
+// figures above it.
+func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay.Result) {
+	h := tr.Header
+	fmt.Fprintf(w, "trace    %s", tr.Path)
+	if h.Workload != "" {
+		fmt.Fprintf(w, ": %s", h.Workload)
+		if h.Torch != "" {
+			fmt.Fprintf(w, ", torch %s", h.Torch)
+		}
+		if h.GPU != "" {
+			fmt.Fprintf(w, " on %s", h.GPU)
+		}
+	}
+	fmt.Fprintf(w, "\n         %s events, %s replayed (alloc, free_completed); read in %.0f ms (%.1f M lines/s)\n",
+		count(tr.Lines), count(len(tr.Events)), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
+	if f.device == "sim" {
+		fmt.Fprintf(w, "device   sim, %s\n", replay.FormatBytes(f.simMemory))
+	} else {
+		fmt.Fprintf(w, "device   cuda, GPU 0\n")
+	}
+	if h.NativeRatio() > 0 {
+		fmt.Fprintf(w, "native   recorded run: max_reserved %s / max_allocated %s = %.3f, %d segments\n",
+			replay.FormatBytes(h.MaxReserved), replay.FormatBytes(h.MaxAllocated), h.NativeRatio(), tr.SegmentAllocs())
+	}
+	if f.conf != "" {
+		fmt.Fprintf(w, "conf     goalloc: %s\n", f.conf)
+	}
+	fmt.Fprintln(w)
+
+	t := table{header: []string{"policy", "peak live", "peak reserved", "ratio", "vs native", "frag@peak",
+		"dev allocs", "dev frees", "OOMs", "ns/op", "M ev/s", "e2e M ev/s"}}
+	for _, r := range results {
+		vs := "-"
+		if r.NativeRatio > 0 {
+			vs = fmt.Sprintf("%+.1f%%", (r.Ratio/r.NativeRatio-1)*100)
+		}
+		t.rows = append(t.rows, []string{r.Policy, replay.FormatBytes(r.PeakLiveBytes), replay.FormatBytes(r.PeakReservedBytes),
+			fmt.Sprintf("%.3f", r.Ratio), vs, fmt.Sprintf("%.3f", r.FragmentationAtPeak),
+			count(int(r.DeviceAllocs)), count(int(r.DeviceFrees)), count(r.OOMs),
+			fmt.Sprintf("%.0f", r.NsPerOp), fmt.Sprintf("%.2f", r.EventsPerSecond/1e6),
+			fmt.Sprintf("%.2f", r.EndToEndEventsPerSecond/1e6)})
+	}
+	t.write(w)
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "peak reserved: the device pool's reserved high-water mark; ratio: peak reserved / peak live;")
+	fmt.Fprintln(w, "frag@peak: 1 - largest free block / free bytes held by the policy when live bytes peak;")
+	fmt.Fprintln(w, "M ev/s: replayed events per second of the replay loop; e2e: every trace line over read + parse + replay.")
+	for _, r := range results {
+		if r.OOMs > 0 {
+			fmt.Fprintf(w, "%s: %d allocations failed for lack of memory; the first at %s\n", r.Policy, r.OOMs, r.OOMError)
+		}
+	}
+}
+
+// table is a plain text table: the first column left-aligned, the others,
+// numbers, right-aligned.
+type table struct {
+	header []string
+	rows   [][]string
+}
+
+func (t *table) write(w io.Writer) {
+	widths := make([]int, len(t.header))
+	for _, r := range append([][]string{t.header}, t.rows...) {
+		for i, c := range r {
+			widths[i] = max(widths[i], len(c))
+		}
+	}
+	for _, r := range append([][]string{t.header}, t.rows...) {
+		var b strings.Builder
+		for i, c := range r {
+			if i == 0 {
+				fmt.Fprintf(&b, "%-*s", widths[i], c)
+			} else {
+				fmt.Fprintf(&b, "  %*s", widths[i], c)
+			}
+		}
+		fmt.Fprintln(w, b.String())
+	}
+}
+
+// count writes n with thousands separators.
+func count(n int) string {
+	s := fmt.Sprint(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}

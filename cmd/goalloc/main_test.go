@@ -1,0 +1,318 @@
+package main
+
+import (
+	"bytes"
+	"compress/gzip"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/policies"
+	"github.com/stretchr/testify/require"
+)
+
+// goalloc runs the command in-process.
+func goalloc(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	code = run(args, &out, &errOut)
+	return code, out.String(), errOut.String()
+}
+
+const MiB = 1 << 20
+
+// synthetic writes a small trace in the recorder's format: a few training
+// steps' worth of activations that grow and shrink, with a parameter block
+// that stays live; extra lines go at the end. It is gzipped when name ends
+// in .gz.
+func synthetic(t *testing.T, name string, extra ...string) string {
+	t.Helper()
+	var lines []string
+	ev := func(a string, addr, size uint64) {
+		lines = append(lines, fmt.Sprintf(`{"a": "%s", "addr": %d, "size": %d, "stream": 0, "t": %d}`, a, addr, size, 1000+len(lines)))
+	}
+	ev("segment_alloc", 1, 64*MiB)
+	ev("alloc", 1, 48*MiB) // parameters
+	addr := uint64(100)
+	for step := 0; step < 4; step++ {
+		var live []uint64
+		for i := 0; i < 12; i++ {
+			addr++
+			ev("alloc", addr, uint64(512*(1+(i*step)%9))+uint64(i%3)*MiB)
+			live = append(live, addr)
+		}
+		for i := len(live) - 1; i >= 0; i-- {
+			ev("free_requested", live[i], 0)
+			ev("free_completed", live[i], 0)
+		}
+	}
+	// Sizes of frees are the allocs': fix them up from the alloc lines.
+	sizes := map[string]string{}
+	for i, l := range lines {
+		var e struct {
+			A    string `json:"a"`
+			Addr uint64 `json:"addr"`
+			Size uint64 `json:"size"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(l), &e))
+		key := fmt.Sprint(e.Addr)
+		if e.A == "alloc" {
+			sizes[key] = fmt.Sprint(e.Size)
+		} else if strings.HasPrefix(e.A, "free") {
+			lines[i] = strings.Replace(l, `"size": 0`, `"size": `+sizes[key], 1)
+		}
+	}
+	lines = append(lines, extra...)
+	header := fmt.Sprintf(`{"workload": "synthetic", "torch": "2.11.0", "gpu": "Sim", "max_allocated": %d, "max_reserved": %d, "events": %d, "seconds": 0.5}`,
+		52*MiB, 64*MiB, len(lines))
+	text := header + "\n" + strings.Join(lines, "\n") + "\n"
+	path := filepath.Join(t.TempDir(), name)
+	data := []byte(text)
+	if strings.HasSuffix(name, ".gz") {
+		var b bytes.Buffer
+		zw := gzip.NewWriter(&b)
+		zw.Write(data)
+		require.NoError(t, zw.Close())
+		data = b.Bytes()
+	}
+	require.NoError(t, os.WriteFile(path, data, 0o644))
+	return path
+}
+
+var resultKeys = []string{
+	"trace", "workload", "policy", "device", "events", "peak_live_bytes", "peak_reserved_bytes",
+	"allocator_peak_reserved_bytes", "ratio", "fragmentation_at_peak", "device_allocs", "device_frees",
+	"ns_per_op", "events_per_second", "ooms", "native_max_reserved", "native_max_allocated", "native_ratio",
+}
+
+func TestReplayJSON(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	code, out, errOut := goalloc(t, "replay", trace, "--json", "--policy", "native")
+	require.Equal(t, 0, code, errOut)
+	var r map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &r), out)
+	for _, k := range resultKeys {
+		require.Contains(t, r, k)
+	}
+	require.Equal(t, trace, r["trace"])
+	require.Equal(t, "synthetic", r["workload"])
+	require.Equal(t, "native", r["policy"])
+	require.Equal(t, "sim", r["device"])
+	require.InDelta(t, 64.0/52, r["native_ratio"], 1e-9)
+	require.Equal(t, float64(r["peak_reserved_bytes"].(float64))/r["peak_live_bytes"].(float64), r["ratio"])
+	require.Empty(t, errOut)
+
+	// Flags before the trace work as well as after it.
+	code, out2, errOut := goalloc(t, "replay", "--json", "--policy=native", trace)
+	require.Equal(t, 0, code, errOut)
+	var r2 map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out2), &r2))
+	require.Equal(t, r["peak_reserved_bytes"], r2["peak_reserved_bytes"])
+}
+
+func TestCompareJSON(t *testing.T) {
+	trace := synthetic(t, "s.jsonl")
+	code, out, errOut := goalloc(t, "replay", "--compare", "--json", trace, "--conf", "large_cache:0")
+	require.Equal(t, 0, code, errOut)
+	var rs []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &rs), out)
+	require.Len(t, rs, len(policies.Names))
+	for i, r := range rs {
+		require.Equal(t, policies.Names[i], r["policy"])
+		for _, k := range resultKeys {
+			require.Contains(t, r, k, r["policy"])
+		}
+		require.Equal(t, rs[0]["peak_live_bytes"], r["peak_live_bytes"], "every policy replays the same trace")
+	}
+	require.Equal(t, "large_cache:0", rs[0]["conf"], "--conf goes to goalloc")
+	require.NotContains(t, rs[1], "conf")
+}
+
+func TestCompareTable(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	code, out, errOut := goalloc(t, "replay", "--compare", trace)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "trace    "+trace+": synthetic, torch 2.11.0 on Sim")
+	require.Contains(t, out, "native   recorded run: max_reserved 64.00 MiB / max_allocated 52.00 MiB = 1.231, 1 segments")
+	lines := strings.Split(out, "\n")
+	var header int
+	for i, l := range lines {
+		if strings.HasPrefix(l, "policy ") {
+			header = i
+		}
+	}
+	require.NotZero(t, header, out)
+	for _, col := range []string{"peak live", "peak reserved", "ratio", "frag@peak", "dev allocs", "ns/op"} {
+		require.Contains(t, lines[header], col)
+	}
+	for i, name := range policies.Names {
+		row := lines[header+1+i]
+		require.True(t, strings.HasPrefix(row, name+" "), row)
+		require.Len(t, row, len(lines[header]), "columns line up")
+	}
+}
+
+func TestReplayHTML(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	report := filepath.Join(t.TempDir(), "report.html")
+	code, out, errOut := goalloc(t, "replay", "--compare", trace, "--html", report)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "policy ")
+	require.Contains(t, errOut, "wrote "+report)
+	page, err := os.ReadFile(report)
+	require.NoError(t, err)
+	html := string(page)
+	require.True(t, strings.HasPrefix(html, "<!DOCTYPE html>"))
+	require.Contains(t, html, "<svg ")
+	for _, name := range policies.Names {
+		require.Contains(t, html, ">"+name+"<")
+	}
+	// Self-contained: no external resources, no script.
+	require.NotContains(t, html, "http://")
+	require.NotContains(t, html, "https://")
+	require.NotContains(t, html, "<script")
+	require.NotContains(t, html, "<link")
+	require.NotContains(t, html, "src=")
+
+	// With --json the JSON stays alone on stdout.
+	code, out, errOut = goalloc(t, "replay", trace, "--json", "--html", report)
+	require.Equal(t, 0, code, errOut)
+	require.True(t, json.Valid([]byte(out)), out)
+
+	code, _, errOut = goalloc(t, "replay", trace, "--html", filepath.Join(t.TempDir(), "no", "such", "dir.html"))
+	require.Equal(t, 1, code)
+	require.Contains(t, errOut, "writing the report")
+}
+
+func TestReplayErrors(t *testing.T) {
+	dir := t.TempDir()
+	notGzip := filepath.Join(dir, "plain.jsonl.gz")
+	require.NoError(t, os.WriteFile(notGzip, []byte("{}\n"), 0o644))
+	truncated := filepath.Join(dir, "truncated.jsonl.gz")
+	data, err := os.ReadFile(synthetic(t, "s.jsonl.gz"))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(truncated, data[:len(data)/2], 0o644))
+	malformed := synthetic(t, "m.jsonl.gz", `{"a": "alloc", "addr": 9999, "size": 512 "stream": 0, "t": 1}`)
+	unknown := synthetic(t, "u.jsonl.gz", `{"a": "reticulate", "addr": 9999, "size": 512, "stream": 0, "t": 1}`)
+	neverAllocated := synthetic(t, "n.jsonl", `{"a": "free_completed", "addr": 4242, "size": 512, "stream": 0, "t": 1}`)
+
+	for _, c := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"replay", malformed}, 1, "m.jsonl.gz: line 148: malformed JSON at column 42: want ',' or '}' after the value of \"size\""},
+		{[]string{"replay", unknown}, 1, `u.jsonl.gz: line 148: unknown action "reticulate"`},
+		{[]string{"replay", neverAllocated}, 1, "n.jsonl: line 148: free_completed of id 4242, which is not live (never allocated, or already freed)"},
+		{[]string{"replay", filepath.Join(dir, "missing.jsonl.gz")}, 1, "missing.jsonl.gz: no such file or directory"},
+		{[]string{"replay", notGzip}, 1, "plain.jsonl.gz: unreadable gzip"},
+		{[]string{"replay", truncated}, 1, "truncated.jsonl.gz: unreadable gzip: the file is truncated"},
+		{[]string{"replay", "--policy", "slab", malformed}, 2, `unknown policy "slab" (known: goalloc, native, buddy, fixed, passthrough)`},
+		{[]string{"replay", "--frobnicate"}, 2, "flag provided but not defined: -frobnicate"},
+		{[]string{"replay", "--device", "tpu"}, 2, `unknown device "tpu" (want sim or cuda)`},
+		{[]string{"replay", "--compare", "--policy", "native"}, 2, "--compare replays every policy; it takes no --policy"},
+		{[]string{"replay", "--conf", "colour:blue"}, 2, `--conf: GOALLOC_CONF: unknown key "colour"`},
+		{[]string{"replay", "--policy", "buddy", "--conf", "large_cache:0"}, 2, "--conf configures the goalloc policy; buddy takes none"},
+		{[]string{"replay", "--sim-memory", "lots"}, 2, `--sim-memory: "lots" is not a byte size`},
+		{[]string{"replay", "--sim-memory", "0"}, 2, "--sim-memory: must be more than 0"},
+		{[]string{"replay", "--device", "cuda", "--sim-memory", "1G"}, 2, "--sim-memory sizes the simulated device; it does not apply to --device cuda"},
+		{[]string{"replay", "a.jsonl", "b.jsonl"}, 2, "one trace at a time, got 2: a.jsonl b.jsonl"},
+		{[]string{"frobnicate"}, 2, `goalloc: unknown command "frobnicate"`},
+		{nil, 2, "Usage:"},
+	} {
+		code, out, errOut := goalloc(t, c.args...)
+		require.Equal(t, c.code, code, "%v: %s", c.args, errOut)
+		require.Contains(t, errOut, c.want, "%v", c.args)
+		require.Empty(t, out, "%v", c.args)
+		if c.code == 2 && len(c.args) > 0 && c.args[0] == "replay" {
+			require.Contains(t, errOut, `Run "goalloc help replay" for usage.`)
+		}
+	}
+}
+
+func TestHelp(t *testing.T) {
+	for _, args := range [][]string{{"help"}, {"-h"}, {"--help"}} {
+		code, out, _ := goalloc(t, args...)
+		require.Equal(t, 0, code)
+		require.Contains(t, out, "goalloc replay --compare [TRACE]")
+	}
+	for _, args := range [][]string{{"help", "replay"}, {"replay", "-h"}, {"replay", "--help"}, {"replay", "x.jsonl", "-help"}} {
+		code, out, _ := goalloc(t, args...)
+		require.Equal(t, 0, code, args)
+		require.Contains(t, out, "--sim-memory BYTES")
+		require.Contains(t, out, "goalloc, native, buddy, fixed, passthrough")
+	}
+}
+
+func TestDeviceCUDA(t *testing.T) {
+	if n, err := arena.CUDADeviceCount(); err == nil && n > 0 {
+		t.Skip("a GPU is here; this test is about its absence")
+	}
+	trace := synthetic(t, "s.jsonl.gz")
+	code, out, errOut := goalloc(t, "replay", trace, "--device", "cuda")
+	require.Equal(t, 1, code)
+	require.Empty(t, out)
+	require.Contains(t, errOut, "goalloc replay: --device cuda: ")
+	require.Contains(t, errOut, "use --device sim")
+}
+
+func TestSimMemory(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	// fixed rounds the 48 MiB parameter block up to a 64 MiB class: the
+	// whole device, so every activation after it fails.
+	code, out, errOut := goalloc(t, "replay", trace, "--policy", "fixed", "--sim-memory", "64M", "--json")
+	require.Equal(t, 0, code, errOut)
+	var r map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &r))
+	require.Positive(t, r["ooms"])
+
+	t.Setenv("GOALLOC_SIM_MEMORY", "64M")
+	code, out, errOut = goalloc(t, "replay", trace, "--policy", "fixed")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "device   sim, 64.00 MiB")
+	require.Contains(t, out, "allocations failed for lack of memory; the first at line")
+
+	t.Setenv("GOALLOC_SIM_MEMORY", "nonsense")
+	code, _, errOut = goalloc(t, "replay", trace)
+	require.Equal(t, 2, code)
+	require.Contains(t, errOut, `GOALLOC_SIM_MEMORY: "nonsense" is not a byte size`)
+}
+
+func TestConfFromEnvironment(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	t.Setenv("GOALLOC_CONF", "large_slack:0.25")
+	code, out, errOut := goalloc(t, "replay", trace, "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"conf": "large_slack:0.25"`)
+}
+
+func TestDefaultTrace(t *testing.T) {
+	// The test runs in cmd/goalloc, two folders below the bundled traces.
+	code, out, errOut := goalloc(t, "replay", "--policy", "native", "--json")
+	require.Equal(t, 0, code, errOut)
+	var r map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &r))
+	require.True(t, strings.HasSuffix(r["trace"].(string), filepath.Join("traces", "gpt2-train.jsonl.gz")), r["trace"])
+	require.Equal(t, "gpt2", r["workload"])
+
+	t.Chdir(t.TempDir())
+	code, out, errOut = goalloc(t, "replay")
+	require.Equal(t, 1, code)
+	require.Empty(t, out)
+	require.Contains(t, errOut, "no trace given, and the bundled traces/gpt2-train.jsonl.gz was not found in ")
+	require.Contains(t, errOut, "give a trace: goalloc replay TRACE")
+}
+
+func TestTraceWarnings(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "short.jsonl")
+	text := `{"workload": "w", "events": 5}` + "\n" + `{"a": "alloc", "addr": 1, "size": 512, "stream": 0, "t": 1}` + "\n"
+	require.NoError(t, os.WriteFile(path, []byte(text), 0o644))
+	code, out, errOut := goalloc(t, "replay", path)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, errOut, "warning: "+path+": the header says 5 events, the file has 1")
+	require.NotContains(t, out, "native   recorded run", "no native figures in this header")
+}

@@ -1,0 +1,504 @@
+package replay
+
+import (
+	"fmt"
+	"html/template"
+	"io"
+	"math"
+	"strings"
+)
+
+// The report is one HTML file with everything inline: the plots are SVG
+// written here, the style is a <style> element, and there is no script, so
+// it opens anywhere, offline, and can be attached to an issue as it is.
+
+// policyColors gives each policy the same color in every report.
+var policyColors = map[string]string{
+	"goalloc":     "#1f6fd1",
+	"native":      "#d1352b",
+	"buddy":       "#8a4fc7",
+	"fixed":       "#e08a12",
+	"passthrough": "#2a9d55",
+}
+
+var extraColors = []string{"#00838f", "#ad1457", "#6d4c41", "#546e7a"}
+
+func colorOf(policy string, i int) string {
+	if c, ok := policyColors[policy]; ok {
+		return c
+	}
+	return extraColors[i%len(extraColors)]
+}
+
+const (
+	liveColor = "#5f6368"
+	liveFill  = "#e3e5e8"
+)
+
+// WriteHTML writes a report of results, replays of trace on one or more
+// policies, to w.
+func WriteHTML(w io.Writer, trace *Trace, results []*Result) error {
+	if len(results) == 0 {
+		return fmt.Errorf("no results to report")
+	}
+	d := reportData{
+		Title:   "goalloc replay: " + nonEmpty(trace.Header.Workload, trace.Path),
+		Trace:   trace,
+		Results: results,
+		Device:  results[0].Device,
+		Plot:    timelinePlot(trace, results),
+		Bars:    ratioBars(trace, results),
+	}
+	for i, r := range results {
+		d.Rows = append(d.Rows, newRow(r, colorOf(r.Policy, i)))
+	}
+	d.Native = trace.Header.NativeRatio() > 0
+	return reportTemplate.Execute(w, d)
+}
+
+type reportData struct {
+	Title   string
+	Trace   *Trace
+	Results []*Result
+	Device  string
+	Plot    template.HTML
+	Bars    template.HTML
+	Rows    []row
+	Native  bool
+}
+
+// row is a result formatted for the table.
+type row struct {
+	Policy, Color, Conf                                  string
+	PeakLive, PeakReserved, Ratio, AllocReserved, Alloc  string
+	Frag, FreeAtPeak, LargestAtPeak, DevAllocs, DevFrees string
+	OOMs, NsPerOp, EndToEnd, VsNative, OOMAt             string
+}
+
+func newRow(r *Result, color string) row {
+	rw := row{
+		Policy: r.Policy, Color: color, Conf: r.Conf,
+		PeakLive: fmtBytes(r.PeakLiveBytes), PeakReserved: fmtBytes(r.PeakReservedBytes),
+		Ratio: fmt.Sprintf("%.3f", r.Ratio), AllocReserved: fmtBytes(r.AllocatorPeakReservedBytes),
+		Alloc: "–",
+		Frag:  fmt.Sprintf("%.3f", r.FragmentationAtPeak), FreeAtPeak: fmtBytes(r.Fragmentation.FreeBytes),
+		LargestAtPeak: fmtBytes(r.Fragmentation.LargestFreeBlock),
+		DevAllocs:     fmtCount(r.DeviceAllocs), DevFrees: fmtCount(r.DeviceFrees),
+		OOMs: fmtCount(uint64(r.OOMs)), NsPerOp: fmt.Sprintf("%.0f", r.NsPerOp),
+		EndToEnd: fmt.Sprintf("%.2f M", r.EndToEndEventsPerSecond/1e6),
+		VsNative: "–", OOMAt: r.OOMError,
+	}
+	if r.AllocatorPeakAllocatedBytes > 0 {
+		rw.Alloc = fmtBytes(r.AllocatorPeakAllocatedBytes)
+	}
+	if r.NativeRatio > 0 {
+		rw.VsNative = fmt.Sprintf("%+.1f%%", (r.Ratio/r.NativeRatio-1)*100)
+	}
+	return rw
+}
+
+func nonEmpty(s, alt string) string {
+	if s != "" {
+		return s
+	}
+	return alt
+}
+
+// Plot geometry, in SVG user units (the SVG scales to the page width).
+const (
+	plotW, plotH                       = 1100, 440
+	marginL, marginR, marginT, marginB = 78, 24, 20, 52
+	plotBuckets                        = 900 // at most ~1800 points per line
+)
+
+// svgPlot maps events and bytes to the plot area.
+type svgPlot struct {
+	b       strings.Builder
+	n       int     // events on the x axis
+	ymax    float64 // bytes at the top of the y axis
+	unit    uint64  // bytes per unit of the y labels
+	unitStr string
+}
+
+func (p *svgPlot) x(event int) float64 {
+	w := float64(plotW - marginL - marginR)
+	if p.n <= 1 {
+		return marginL
+	}
+	return marginL + w*float64(event)/float64(p.n-1)
+}
+
+func (p *svgPlot) y(bytes uint64) float64 {
+	h := float64(plotH - marginT - marginB)
+	return float64(plotH-marginB) - h*float64(bytes)/p.ymax
+}
+
+func (p *svgPlot) printf(format string, args ...any) { fmt.Fprintf(&p.b, format, args...) }
+
+func (p *svgPlot) polyline(pts []point, color, dash string, width float64) {
+	if len(pts) == 0 {
+		return
+	}
+	p.printf(`<polyline fill="none" stroke="%s" stroke-width="%.1f" stroke-linejoin="round"`, color, width)
+	if dash != "" {
+		p.printf(` stroke-dasharray="%s"`, dash)
+	}
+	p.b.WriteString(` points="`)
+	for _, pt := range pts {
+		p.printf("%.1f,%.1f ", p.x(pt.x), p.y(pt.y))
+	}
+	p.b.WriteString(`"/>` + "\n")
+}
+
+// area fills under pts down to the x axis.
+func (p *svgPlot) area(pts []point, fill string) {
+	if len(pts) == 0 {
+		return
+	}
+	p.printf(`<polygon fill="%s" stroke="none" points="%.1f,%.1f `, fill, p.x(pts[0].x), p.y(0))
+	for _, pt := range pts {
+		p.printf("%.1f,%.1f ", p.x(pt.x), p.y(pt.y))
+	}
+	p.printf(`%.1f,%.1f"/>`+"\n", p.x(pts[len(pts)-1].x), p.y(0))
+}
+
+func (p *svgPlot) marker(event int, bytes uint64, color string) {
+	p.printf(`<circle cx="%.1f" cy="%.1f" r="5" fill="white" stroke="%s" stroke-width="2.5"/>`+"\n",
+		p.x(event), p.y(bytes), color)
+}
+
+// axes draws the grid, the ticks and their labels.
+func (p *svgPlot) axes(xLabel string) {
+	step := niceStep(p.ymax/float64(p.unit), 6)
+	for v := 0.0; v*float64(p.unit) <= p.ymax*1.0001; v += step {
+		y := p.y(uint64(v * float64(p.unit)))
+		p.printf(`<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" class="grid"/>`+"\n", marginL, plotW-marginR, y, y)
+		p.printf(`<text x="%d" y="%.1f" class="tick" text-anchor="end">%s %s</text>`+"\n",
+			marginL-8, y+4, trimFloat(v), p.unitStr)
+	}
+	xstep := niceStep(float64(p.n), 8)
+	for v := 0.0; v < float64(p.n); v += xstep {
+		x := p.x(int(v))
+		p.printf(`<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" class="axis"/>`+"\n", x, x, plotH-marginB, plotH-marginB+5)
+		p.printf(`<text x="%.1f" y="%d" class="tick" text-anchor="middle">%s</text>`+"\n", x, plotH-marginB+19, fmtSI(v))
+	}
+	p.printf(`<line x1="%d" x2="%d" y1="%d" y2="%d" class="axis"/>`+"\n", marginL, plotW-marginR, plotH-marginB, plotH-marginB)
+	p.printf(`<line x1="%d" x2="%d" y1="%d" y2="%d" class="axis"/>`+"\n", marginL, marginL, marginT, plotH-marginB)
+	p.printf(`<text x="%d" y="%d" class="label" text-anchor="middle">%s</text>`+"\n",
+		(plotW+marginL-marginR)/2, plotH-10, template.HTMLEscapeString(xLabel))
+}
+
+// timelinePlot draws live bytes and each policy's reserved bytes over the
+// replayed events, with each peak marked.
+func timelinePlot(trace *Trace, results []*Result) template.HTML {
+	n := len(results[0].Timeline.Live)
+	if n == 0 {
+		return `<p class="note">The trace has no events to plot.</p>`
+	}
+	p := &svgPlot{n: n}
+	type line struct {
+		pts         []point
+		color, dash string
+	}
+	var lines []line
+	live := downsampleDense(results[0].Timeline.Live, plotBuckets)
+	var ymax uint64
+	for i, r := range results {
+		color := colorOf(r.Policy, i)
+		tl := &r.Timeline
+		lines = append(lines, line{downsampleSteps(&tl.PoolReserved, n, plotBuckets), color, ""})
+		// What the policy holds from the pool is the same line as the
+		// pool's reserved bytes for the policies that never give memory
+		// back; draw it only where it tells something (goalloc, passthrough).
+		if heldDiffers(r) {
+			lines = append(lines, line{downsampleSteps(&tl.AllocatorReserved, n, plotBuckets), color, "6 4"})
+		}
+		ymax = max(ymax, r.PeakReservedBytes, r.AllocatorPeakReservedBytes, r.PeakLiveBytes)
+	}
+	p.ymax = float64(max(ymax, 1)) * 1.06
+	p.unit, p.unitStr = unitFor(uint64(p.ymax))
+
+	p.printf(`<svg viewBox="0 0 %d %d" class="plot" role="img" aria-label="live and reserved bytes over the trace">`+"\n", plotW, plotH)
+	p.axes("replayed event (alloc and free_completed, in trace order)")
+	p.area(live, liveFill)
+	p.polyline(live, liveColor, "", 1.2)
+	for _, l := range lines {
+		p.polyline(l.pts, l.color, l.dash, 1.8)
+	}
+	r0 := results[0]
+	p.marker(r0.PeakLiveEvent, r0.PeakLiveBytes, liveColor)
+	label := fmt.Sprintf("peak live %s (event %s)", fmtBytes(r0.PeakLiveBytes), fmtCount(uint64(r0.PeakLiveEvent)))
+	lx, anchor := p.x(r0.PeakLiveEvent)+9, "start"
+	if lx > plotW*0.7 {
+		lx, anchor = p.x(r0.PeakLiveEvent)-9, "end"
+	}
+	p.printf(`<text x="%.1f" y="%.1f" class="peak" text-anchor="%s">%s</text>`+"\n",
+		lx, p.y(r0.PeakLiveBytes)+18, anchor, template.HTMLEscapeString(label))
+	for i, r := range results {
+		p.marker(r.PeakReservedEvent, r.PeakReservedBytes, colorOf(r.Policy, i))
+	}
+	p.b.WriteString("</svg>\n")
+
+	// The legend is HTML, where text wraps and aligns by itself.
+	var lg strings.Builder
+	lg.WriteString(`<div class="legend">`)
+	fmt.Fprintf(&lg, `<span><i class="sw" style="background:%s"></i>live bytes (peak %s)</span>`, liveFill+";border-color:"+liveColor, fmtBytes(r0.PeakLiveBytes))
+	for i, r := range results {
+		c := colorOf(r.Policy, i)
+		fmt.Fprintf(&lg, `<span><i class="sw line" style="border-color:%s"></i>%s pool reserved (peak %s, %.3f×)</span>`,
+			c, template.HTMLEscapeString(r.Policy), fmtBytes(r.PeakReservedBytes), r.Ratio)
+		if heldDiffers(r) {
+			fmt.Fprintf(&lg, `<span><i class="sw line dash" style="border-color:%s"></i>%s holds from the pool (peak %s)</span>`,
+				c, template.HTMLEscapeString(r.Policy), fmtBytes(r.AllocatorPeakReservedBytes))
+		}
+	}
+	lg.WriteString(`<span><i class="sw dot"></i>peaks</span></div>`)
+	return template.HTML(p.b.String() + lg.String())
+}
+
+// heldDiffers says whether the line of what r's policy holds from the
+// device tells something the others do not: when it peaks noticeably below
+// the pool's reserved bytes (by more than 0.5%), and noticeably above live
+// bytes (by more than 0.1%; passthrough holds exactly the live bytes).
+func heldDiffers(r *Result) bool {
+	held := float64(r.AllocatorPeakReservedBytes)
+	return held < 0.995*float64(r.PeakReservedBytes) && held > 1.001*float64(r.PeakLiveBytes)
+}
+
+// ratioBars draws each policy's peak reserved / peak live as a bar, with the
+// recorded run's own ratio as a line across them.
+func ratioBars(trace *Trace, results []*Result) template.HTML {
+	const (
+		w, rowH, left, right, top = 1100, 30, 130, 90, 26
+	)
+	h := top + rowH*len(results) + 34
+	hi := 1.0
+	for _, r := range results {
+		hi = max(hi, r.Ratio)
+	}
+	native := trace.Header.NativeRatio()
+	hi = max(hi, native)
+	lo := 1.0 // a ratio is never below 1 unless live memory was lost
+	for _, r := range results {
+		if r.Ratio > 0 {
+			lo = min(lo, r.Ratio)
+		}
+	}
+	lo = math.Floor(lo*10) / 10
+	hi = math.Ceil(hi*10+0.5) / 10
+	x := func(v float64) float64 { return left + (w-left-right)*(v-lo)/(hi-lo) }
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg viewBox="0 0 %d %d" class="bars" role="img" aria-label="peak reserved over peak live, per policy">`+"\n", w, h)
+	step := niceStep(hi-lo, 8)
+	for v := lo; v <= hi+1e-9; v += step {
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" class="grid"/>`, x(v), x(v), top-6, h-28)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" class="tick" text-anchor="middle">%s×</text>`+"\n", x(v), h-10, trimFloat(v))
+	}
+	for i, r := range results {
+		y := top + i*rowH
+		fmt.Fprintf(&b, `<text x="%d" y="%d" class="name" text-anchor="end">%s</text>`, left-10, y+rowH/2+4, template.HTMLEscapeString(r.Policy))
+		fmt.Fprintf(&b, `<rect x="%.1f" y="%d" width="%.1f" height="%d" rx="3" fill="%s"/>`,
+			x(lo), y+5, max(x(r.Ratio)-x(lo), 1), rowH-10, colorOf(r.Policy, i))
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" class="val">%.3f×</text>`+"\n", x(r.Ratio)+6, y+rowH/2+4, r.Ratio)
+	}
+	if native > 0 {
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" class="native"/>`, x(native), x(native), top-14, h-28)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%d" class="nativelabel" text-anchor="middle">recorded run %.3f×</text>`+"\n", x(native), top-16, native)
+	}
+	b.WriteString("</svg>\n")
+	return template.HTML(b.String())
+}
+
+// niceStep picks a round step (1, 2, 2.5 or 5 times a power of ten) that
+// cuts span into at most about n intervals.
+func niceStep(span float64, n int) float64 {
+	if span <= 0 {
+		return 1
+	}
+	raw := span / float64(n)
+	mag := math.Pow(10, math.Floor(math.Log10(raw)))
+	for _, m := range []float64{1, 2, 2.5, 5, 10} {
+		if m*mag >= raw {
+			return m * mag
+		}
+	}
+	return 10 * mag
+}
+
+// unitFor picks the byte unit the y axis counts in.
+func unitFor(max uint64) (uint64, string) {
+	switch {
+	case max >= 1<<30:
+		return 1 << 30, "GiB"
+	case max >= 1<<20:
+		return 1 << 20, "MiB"
+	case max >= 1<<10:
+		return 1 << 10, "KiB"
+	}
+	return 1, "B"
+}
+
+func trimFloat(v float64) string {
+	s := fmt.Sprintf("%.2f", v)
+	s = strings.TrimRight(strings.TrimRight(s, "0"), ".")
+	return s
+}
+
+// fmtSI writes an event count as 0, 500, 20k, 1.5M.
+func fmtSI(v float64) string {
+	switch {
+	case v >= 1e6:
+		return trimFloat(v/1e6) + "M"
+	case v >= 1e3:
+		return trimFloat(v/1e3) + "k"
+	}
+	return trimFloat(v)
+}
+
+// fmtBytes writes n in the largest binary unit it reaches, two decimals.
+func fmtBytes(n uint64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+// FormatBytes writes n as the report does: in the largest binary unit it
+// reaches, with two decimals (23.64 GiB).
+func FormatBytes(n uint64) string { return fmtBytes(n) }
+
+// fmtCount writes n with thousands separators.
+func fmtCount(n uint64) string {
+	s := fmt.Sprint(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}
+
+var reportFuncs = template.FuncMap{
+	"bytes": fmtBytes,
+	"ms":    func(seconds float64) float64 { return seconds * 1000 },
+}
+
+var reportTemplate = template.Must(template.New("report").Funcs(reportFuncs).Parse(`<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{{.Title}}</title>
+<style>
+:root { color-scheme: light; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
+  color: #202124; background: #f6f7f9; margin: 0; }
+main { max-width: 1240px; margin: 0 auto; padding: 24px 28px 40px; }
+h1 { font-size: 22px; margin: 0 0 4px; font-weight: 650; }
+h2 { font-size: 16px; margin: 0 0 10px; font-weight: 620; }
+.meta { color: #5f6368; margin: 0 0 18px; }
+.meta b { color: #202124; font-weight: 600; }
+.card { background: #fff; border: 1px solid #e1e4e8; border-radius: 10px; padding: 16px 18px; margin: 0 0 18px;
+  box-shadow: 0 1px 2px rgba(0,0,0,.04); }
+svg { width: 100%; height: auto; display: block; }
+svg text { font-family: inherit; fill: #3c4043; }
+svg .tick { font-size: 12px; fill: #5f6368; font-variant-numeric: tabular-nums; }
+svg .label { font-size: 12.5px; fill: #5f6368; }
+svg .peak { font-size: 13px; font-weight: 600; fill: #202124; paint-order: stroke; stroke: #fff; stroke-width: 4px; }
+svg .grid { stroke: #eceef1; stroke-width: 1; }
+svg .axis { stroke: #9aa0a6; stroke-width: 1; }
+svg .name { font-size: 13px; font-weight: 600; }
+svg .val { font-size: 12.5px; font-variant-numeric: tabular-nums; }
+svg .native { stroke: #202124; stroke-width: 1.5; stroke-dasharray: 5 4; }
+svg .nativelabel { font-size: 12px; fill: #202124; }
+.legend { display: flex; flex-wrap: wrap; gap: 6px 22px; margin: 10px 4px 0; color: #3c4043; font-size: 13px; }
+.legend span { display: inline-flex; align-items: center; gap: 7px; }
+.sw { display: inline-block; width: 22px; height: 12px; border: 1.5px solid; border-radius: 2px; box-sizing: border-box; }
+.sw.line { height: 0; border-width: 2.5px 0 0 0; border-radius: 0; }
+.sw.dash { border-top-style: dashed; }
+.sw.dot { width: 12px; height: 12px; border-radius: 50%; border: 2.5px solid #5f6368; background: #fff; }
+table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
+th, td { padding: 6px 7px; font-size: 12.5px; text-align: right; border-bottom: 1px solid #eceef1; white-space: nowrap; }
+th { font-size: 12px; font-weight: 600; color: #5f6368; vertical-align: bottom; }
+td small, th small { font-size: 11.5px; color: #5f6368; font-weight: 400; }
+td { vertical-align: top; }
+th:first-child, td:first-child { text-align: left; }
+tbody tr:hover { background: #f8f9fb; }
+td.policy { font-weight: 600; }
+td.policy i { display: inline-block; width: 10px; height: 10px; border-radius: 50%; margin-right: 8px; }
+tr.native td { color: #5f6368; font-style: italic; }
+.scroll { overflow-x: auto; }
+.note { color: #5f6368; font-size: 13px; margin: 10px 2px 0; }
+.note code { font-size: 12px; background: #f1f3f4; padding: 1px 4px; border-radius: 3px; }
+dl { display: grid; grid-template-columns: max-content 1fr; gap: 6px 16px; margin: 0; font-size: 13px; }
+dt { font-weight: 600; } dd { margin: 0; color: #3c4043; }
+</style>
+</head>
+<body>
+<main>
+<h1>{{.Title}}</h1>
+<p class="meta"><b>{{.Trace.Path}}</b>{{with .Trace.Header.Torch}} · torch {{.}}{{end}}{{with .Trace.Header.GPU}} · recorded on {{.}}{{end}} ·
+{{len .Trace.Events}} events replayed of {{.Trace.Lines}} · device <b>{{.Device}}</b></p>
+
+<section class="card">
+<h2>Memory over the trace</h2>
+{{.Plot}}
+<p class="note">Live bytes are the sum of the trace's live allocations. Solid lines are the device pool's reserved bytes under each policy
+(the memory the driver mapped); dashed lines, where shown, what the policy itself holds from the pool when that is less and is not just
+the live bytes (passthrough's is). Lines keep every peak: each pixel column draws the lowest and highest value of the events it covers.</p>
+</section>
+
+<section class="card">
+<h2>Peak reserved / peak live</h2>
+{{.Bars}}
+{{if .Native}}<p class="note">The dashed line is the recorded PyTorch run's own <code>max_reserved / max_allocated</code> from the trace header.</p>{{end}}
+</section>
+
+<section class="card">
+<h2>Results</h2>
+<div class="scroll">
+<table>
+<thead><tr>
+<th>policy</th><th>peak live</th><th>peak reserved<br>(pool)</th><th>ratio</th>{{if .Native}}<th>vs recorded<br>native</th>{{end}}
+<th>policy's peak<br>reserved</th><th>policy's peak<br>allocated</th>
+<th>frag. at<br>peak live</th><th>free at peak live<br><small>largest block</small></th>
+<th>device allocs<br>/ frees</th><th>OOMs</th><th>ns/op</th><th>events/s<br>end to end</th>
+</tr></thead>
+<tbody>
+{{range .Rows}}<tr>
+<td class="policy"><i style="background:{{.Color}}"></i>{{.Policy}}{{with .Conf}} <span class="note">({{.}})</span>{{end}}</td>
+<td>{{.PeakLive}}</td><td>{{.PeakReserved}}</td><td><b>{{.Ratio}}</b></td>{{if $.Native}}<td>{{.VsNative}}</td>{{end}}
+<td>{{.AllocReserved}}</td><td>{{.Alloc}}</td>
+<td>{{.Frag}}</td><td>{{.FreeAtPeak}}<br><small>{{.LargestAtPeak}}</small></td>
+<td>{{.DevAllocs}} / {{.DevFrees}}</td><td>{{.OOMs}}</td><td>{{.NsPerOp}}</td><td>{{.EndToEnd}}</td>
+</tr>
+{{end}}{{if .Native}}{{with .Trace.Header}}<tr class="native">
+<td>native, recorded run</td><td>{{bytes .MaxAllocated}}*</td><td>{{bytes .MaxReserved}}</td><td><b>{{printf "%.3f" .NativeRatio}}</b></td><td></td>
+<td>{{bytes .MaxReserved}}</td><td>{{bytes .MaxAllocated}}</td><td colspan="2">from the trace header</td>
+<td>{{$.Trace.SegmentAllocs}} segments</td><td colspan="3"></td>
+</tr>{{end}}{{end}}
+</tbody>
+</table>
+</div>
+{{range .Rows}}{{with .OOMAt}}<p class="note">First out-of-memory: {{.}}</p>{{end}}{{end}}
+</section>
+
+<section class="card">
+<h2>What the columns mean</h2>
+<dl>
+<dt>peak reserved (pool)</dt><dd>The device pool's reserved high-water mark (<code>CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH</code>, or the simulated pool's): memory really taken from the GPU. Comparable between policies, and between the simulation and a GPU.</dd>
+<dt>ratio</dt><dd>Peak reserved over peak live. 1.000 would waste nothing.</dd>
+<dt>policy's peak reserved / allocated</dt><dd>The policy's own accounting: bytes it held from the pool, and bytes it handed out with its rounding (PyTorch's <code>reserved_bytes</code> and <code>allocated_bytes</code> peaks).</dd>
+<dt>fragmentation at peak live</dt><dd>1 − largest free block / free bytes, over the memory the policy holds but has not handed out, right after event {{(index .Results 0).PeakLiveEvent}}, where live bytes first reach their peak. 0: all free memory is one piece.</dd>
+<dt>device allocs / frees</dt><dd>Calls that reached the device (the pool), counted the same way for every policy.</dd>
+<dt>ns/op, events/s</dt><dd>ns/op is the wall time of the replay loop per replayed event. Events per second end to end counts every event line of the trace over the time to read and parse it ({{printf "%.0f" (ms .Trace.Elapsed.Seconds)}} ms) plus the replay loop.</dd>
+{{if .Native}}<dt>native, recorded run</dt><dd>PyTorch's own figures at the end of the recorded run, from the trace header: *max_allocated counts whole blocks, so it is slightly above peak live; its segment count is the trace's segment_alloc lines.</dd>{{end}}
+</dl>
+</section>
+</main>
+</body>
+</html>
+`))

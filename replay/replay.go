@@ -1,0 +1,258 @@
+package replay
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/policies"
+)
+
+// Options says what to replay a trace on.
+type Options struct {
+	// Policy names a policy of package policies; "" is goalloc.
+	Policy string
+	// Conf is a GOALLOC_CONF string for the goalloc policy.
+	Conf string
+}
+
+// Result is what one replay of one trace on one policy measured.
+type Result struct {
+	Trace    string `json:"trace"`
+	Workload string `json:"workload"`
+	Policy   string `json:"policy"`
+	Conf     string `json:"conf,omitempty"`
+	Device   string `json:"device"` // "sim" or "cuda"
+
+	// Events is the number of event lines in the trace; Replayed those
+	// acted on (alloc and free_completed).
+	Events   int `json:"events"`
+	Replayed int `json:"events_replayed"`
+
+	// PeakLiveBytes is the most bytes the trace held allocated at once (the
+	// sum of its alloc sizes), as replayed: allocations that failed for lack
+	// of memory do not count.
+	PeakLiveBytes uint64 `json:"peak_live_bytes"`
+	// PeakReservedBytes is the device pool's reserved high-water mark
+	// (PoolUsage().ReservedHigh): memory the driver really mapped, the same
+	// measure on the simulated pool and on a GPU.
+	PeakReservedBytes uint64 `json:"peak_reserved_bytes"`
+	// AllocatorPeakReservedBytes is the policy's own count of the most bytes
+	// it held from the device (or, for a policy with no count of its own,
+	// the device wrapper's).
+	AllocatorPeakReservedBytes uint64 `json:"allocator_peak_reserved_bytes"`
+	// AllocatorPeakAllocatedBytes is the policy's peak of the bytes it
+	// handed out, requests rounded up to its blocks (PyTorch's
+	// allocated_bytes.all.peak); 0 when the policy does not count them.
+	AllocatorPeakAllocatedBytes uint64 `json:"allocator_peak_allocated_bytes,omitempty"`
+	// Ratio is PeakReservedBytes / PeakLiveBytes.
+	Ratio float64 `json:"ratio"`
+
+	// FragmentationAtPeak is Fragmentation.Ratio.
+	FragmentationAtPeak float64 `json:"fragmentation_at_peak"`
+	// Fragmentation is the policy's free memory right after the event at
+	// which live bytes first reach their peak in the trace (PeakEvent).
+	Fragmentation policies.Fragmentation `json:"fragmentation"`
+	// PeakLiveEvent and PeakReservedEvent are the indexes of the replayed
+	// events after which live bytes, and the pool's reserved bytes, first
+	// reached their peaks.
+	PeakLiveEvent     int `json:"peak_live_event"`
+	PeakReservedEvent int `json:"peak_reserved_event"`
+
+	// DeviceAllocs and DeviceFrees count the calls that reached the device.
+	DeviceAllocs uint64 `json:"device_allocs"`
+	DeviceFrees  uint64 `json:"device_frees"`
+	// OOMs counts allocations that failed for lack of memory; the replay
+	// goes on without them (and skips their frees). OOMError is the first.
+	OOMs     int    `json:"ooms"`
+	OOMError string `json:"oom_error,omitempty"`
+
+	// NsPerOp is the wall time of the replay loop over Replayed, and
+	// EventsPerSecond its inverse. EndToEndEventsPerSecond counts every event
+	// line over the time to read and parse the trace plus the replay loop.
+	NsPerOp                 float64 `json:"ns_per_op"`
+	EventsPerSecond         float64 `json:"events_per_second"`
+	EndToEndEventsPerSecond float64 `json:"end_to_end_events_per_second"`
+	ParseSeconds            float64 `json:"parse_seconds"`
+	ReplaySeconds           float64 `json:"replay_seconds"`
+
+	// The native allocator's own figures, from the trace header: what
+	// PyTorch reported at the end of the recorded run.
+	NativeMaxReserved   uint64  `json:"native_max_reserved"`
+	NativeMaxAllocated  uint64  `json:"native_max_allocated"`
+	NativeRatio         float64 `json:"native_ratio"`
+	NativeSegmentAllocs int     `json:"native_segment_allocs"`
+
+	// Timeline is the memory over the replay, for plots.
+	Timeline Timeline `json:"-"`
+}
+
+// Timeline is a replay's memory over its events. Live bytes change at every
+// event and are kept per event; reserved bytes change only when memory
+// crosses the device, and are kept as steps.
+type Timeline struct {
+	Live              []uint64 // after each replayed event
+	AllocatorReserved Steps    // bytes the policy held from the device
+	PoolReserved      Steps    // the pool's reserved bytes
+}
+
+// Steps is a series that holds Bytes[k] from event At[k] up to At[k+1].
+type Steps struct {
+	At    []int
+	Bytes []uint64
+}
+
+func (s *Steps) set(at int, v uint64) {
+	if n := len(s.Bytes); n > 0 && s.Bytes[n-1] == v {
+		return
+	}
+	s.At = append(s.At, at)
+	s.Bytes = append(s.Bytes, v)
+}
+
+// Peak is the largest value and the first event at which it holds.
+func (s *Steps) Peak() (at int, v uint64) {
+	for k, b := range s.Bytes {
+		if b > v {
+			at, v = s.At[k], b
+		}
+	}
+	return at, v
+}
+
+// DeviceName names dev's kind: "sim" or "cuda".
+func DeviceName(dev arena.Device) string {
+	switch dev.(type) {
+	case *arena.Sim:
+		return "sim"
+	case *arena.CUDA:
+		return "cuda"
+	}
+	return fmt.Sprintf("%T", dev)
+}
+
+// Replay runs the trace's allocations and frees through a policy over dev.
+// dev must be fresh (nothing allocated, the pool's high-water marks at zero),
+// and it belongs to the replay: it is closed when Replay returns.
+//
+// An allocation that fails for lack of memory is counted and skipped, with
+// its free; any other error stops the replay, naming the trace line.
+func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
+	name := opt.Policy
+	if name == "" {
+		name = "goalloc"
+	}
+	res = &Result{
+		Trace: t.Path, Workload: t.Header.Workload, Policy: name, Device: DeviceName(dev),
+		Events: t.Lines, Replayed: len(t.Events),
+		NativeMaxReserved: t.Header.MaxReserved, NativeMaxAllocated: t.Header.MaxAllocated,
+		NativeRatio: t.Header.NativeRatio(), NativeSegmentAllocs: t.SegmentAllocs(),
+		ParseSeconds: t.Elapsed.Seconds(),
+	}
+	if name == "goalloc" {
+		res.Conf = opt.Conf
+	}
+	cd := newCountingDevice(dev)
+	a, err := policies.New(name, cd, opt.Conf)
+	if err != nil {
+		dev.Close()
+		return nil, err
+	}
+	defer func() {
+		if cerr := a.Close(); cerr != nil && err == nil {
+			res, err = nil, fmt.Errorf("closing policy %s: %w", name, cerr)
+		}
+	}()
+
+	tl := &res.Timeline
+	tl.Live = make([]uint64, len(t.Events))
+	ptrs := make([]uintptr, t.Slots)
+	var live, peakLive uint64
+	var fragCost time.Duration
+	start := time.Now()
+	for i := range t.Events {
+		ev := &t.Events[i]
+		switch ev.Op {
+		case OpAlloc:
+			p, err := a.Malloc(ev.Size, ev.Stream)
+			if err != nil {
+				if !errors.Is(err, arena.ErrOutOfMemory) {
+					return nil, replayError(t, ev, name, err)
+				}
+				if res.OOMs == 0 {
+					res.OOMError = fmt.Sprintf("line %d: %v", ev.Line, err)
+				}
+				res.OOMs++
+				p = 0 // its free is skipped too
+			} else {
+				live += ev.Size
+			}
+			ptrs[ev.Slot] = p
+		case OpFree:
+			p := ptrs[ev.Slot]
+			if p == 0 {
+				break
+			}
+			if err := a.Free(p, ev.Size, ev.Stream); err != nil {
+				return nil, replayError(t, ev, name, err)
+			}
+			live -= ev.Size
+		}
+		tl.Live[i] = live
+		if live > peakLive {
+			peakLive, res.PeakLiveEvent = live, i
+		}
+		tl.AllocatorReserved.set(i, cd.held)
+		tl.PoolReserved.set(i, cd.poolReserved)
+		if i == t.PeakEvent {
+			// Once per replay; its cost is not the policy's speed.
+			f0 := time.Now()
+			res.Fragmentation = a.Fragmentation()
+			fragCost = time.Since(f0)
+		}
+	}
+	elapsed := time.Since(start) - fragCost
+
+	res.PeakLiveBytes = peakLive
+	res.FragmentationAtPeak = res.Fragmentation.Ratio
+	u, err := dev.PoolUsage()
+	if err != nil {
+		return nil, fmt.Errorf("reading the pool's figures after the replay: %w", err)
+	}
+	if cd.poolErr != nil {
+		return nil, fmt.Errorf("reading the pool's figures during the replay: %w", cd.poolErr)
+	}
+	res.PeakReservedBytes = u.ReservedHigh
+	res.PeakReservedEvent, _ = tl.PoolReserved.Peak()
+	if pr, ok := a.(policies.PeakReserver); ok {
+		res.AllocatorPeakReservedBytes = pr.PeakReserved()
+	} else {
+		_, res.AllocatorPeakReservedBytes = tl.AllocatorReserved.Peak()
+	}
+	if pa, ok := a.(policies.PeakAllocator); ok {
+		res.AllocatorPeakAllocatedBytes = pa.PeakAllocated()
+	}
+	if peakLive > 0 {
+		res.Ratio = float64(res.PeakReservedBytes) / float64(peakLive)
+	}
+	res.DeviceAllocs, res.DeviceFrees = cd.allocs, cd.frees
+	res.ReplaySeconds = elapsed.Seconds()
+	if n := len(t.Events); n > 0 && elapsed > 0 {
+		res.NsPerOp = float64(elapsed.Nanoseconds()) / float64(n)
+		res.EventsPerSecond = float64(n) / elapsed.Seconds()
+	}
+	if total := t.Elapsed + elapsed; total > 0 {
+		res.EndToEndEventsPerSecond = float64(t.Lines) / total.Seconds()
+	}
+	return res, nil
+}
+
+func replayError(t *Trace, ev *Event, policy string, err error) error {
+	what := "alloc"
+	if ev.Op == OpFree {
+		what = "free_completed"
+	}
+	return fmt.Errorf("%s: line %d: %s of %d bytes on stream %#x: policy %s: %w",
+		t.Path, ev.Line, what, ev.Size, uint64(ev.Stream), policy, err)
+}

@@ -1,0 +1,371 @@
+package replay
+
+import (
+	"bufio"
+	"bytes"
+	"compress/flate"
+	"compress/gzip"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/goalloc/goalloc/arena"
+)
+
+// Header is a trace's first line: where and how it was recorded, and the
+// native allocator's own peaks over the run.
+type Header struct {
+	Workload     string  `json:"workload"`
+	Torch        string  `json:"torch"`
+	GPU          string  `json:"gpu"`
+	MaxAllocated uint64  `json:"max_allocated"` // PyTorch's allocated_bytes.all.peak
+	MaxReserved  uint64  `json:"max_reserved"`  // PyTorch's reserved_bytes.all.peak
+	Events       int64   `json:"events"`        // event lines that follow
+	Seconds      float64 `json:"seconds"`
+}
+
+// NativeRatio is the native allocator's max_reserved / max_allocated, 0 when
+// the header does not have them.
+func (h Header) NativeRatio() float64 {
+	if h.MaxAllocated == 0 {
+		return 0
+	}
+	return float64(h.MaxReserved) / float64(h.MaxAllocated)
+}
+
+// Op is what the replay does for an Event.
+type Op uint8
+
+const (
+	OpAlloc Op = iota + 1 // Malloc(Size, Stream) into the pointer table at Slot
+	OpFree                // Free the pointer at Slot, of Size bytes, on Stream
+)
+
+// Event is one alloc or free_completed line, ready to replay. The trace's
+// address ids are gone: each live block has a slot in a dense pointer table,
+// freed slots are reused, so the table is as large as the most blocks live at
+// once and the replay needs no map.
+type Event struct {
+	Size   uint64 // the alloc's size, for its free too (the allocator wants it back)
+	Stream arena.Stream
+	Slot   int32
+	Line   int32 // line number in the trace file, for error messages
+	Op     Op
+}
+
+// Trace is a parsed trace.
+type Trace struct {
+	Path   string
+	Header Header
+	// Events holds the alloc and free_completed events, in file order; the
+	// segment_alloc and free_requested lines are checked and counted only.
+	Events []Event
+	// Lines is the number of event lines (every action), Actions their
+	// count per action.
+	Lines   int
+	Actions [numActions]int
+	// Slots is the size of the pointer table Events index.
+	Slots int
+	// PeakLive is the most bytes live at once (the sum of alloc sizes),
+	// first reached after Events[PeakEvent].
+	PeakLive  uint64
+	PeakEvent int
+	// Elapsed is how long reading and parsing took.
+	Elapsed time.Duration
+	// Warnings are oddities that do not stop the replay.
+	Warnings []string
+}
+
+// SegmentAllocs is how many segments the native allocator took from
+// cudaMalloc in the recorded run.
+func (t *Trace) SegmentAllocs() int { return t.Actions[actSegmentAlloc] }
+
+// ParseError is a trace that could not be read, at a line when Line > 0.
+type ParseError struct {
+	Path string
+	Line int
+	Err  error
+}
+
+func (e *ParseError) Error() string {
+	if e.Line > 0 {
+		return fmt.Sprintf("%s: line %d: %v", e.Path, e.Line, e.Err)
+	}
+	return fmt.Sprintf("%s: %v", e.Path, e.Err)
+}
+
+func (e *ParseError) Unwrap() error { return e.Err }
+
+// Open reads and parses the trace at path: gzipped JSON lines, or plain JSON
+// lines (told apart by the gzip magic number, not by the name).
+func Open(path string) (*Trace, error) {
+	start := time.Now()
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("opening trace: %w", err)
+	}
+	defer f.Close()
+	t, err := Read(f, path)
+	if err != nil {
+		return nil, err
+	}
+	t.Elapsed = time.Since(start)
+	return t, nil
+}
+
+// Read parses a trace from r; name is its path for messages.
+func Read(r io.Reader, name string) (*Trace, error) {
+	start := time.Now()
+	br := bufio.NewReaderSize(r, 64<<10)
+	magic, _ := br.Peek(2)
+	var src io.Reader = br
+	if len(magic) == 2 && magic[0] == 0x1f && magic[1] == 0x8b {
+		zr, err := gzip.NewReader(br)
+		if err != nil {
+			return nil, &ParseError{Path: name, Err: fmt.Errorf("unreadable gzip: %w", err)}
+		}
+		defer zr.Close()
+		src = zr
+	} else if strings.HasSuffix(name, ".gz") {
+		return nil, &ParseError{Path: name, Err: errors.New("unreadable gzip: the name ends in .gz but the file does not start with the gzip magic number")}
+	}
+	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}}
+	if err := p.run(src); err != nil {
+		return nil, err
+	}
+	if !p.sawHeader {
+		return nil, &ParseError{Path: name, Err: errors.New("empty trace: no header line")}
+	}
+	if h := p.t.Header.Events; h > 0 && h != int64(p.t.Lines) {
+		p.t.Warnings = append(p.t.Warnings, fmt.Sprintf("the header says %d events, the file has %d (truncated or edited?)", h, p.t.Lines))
+	}
+	p.t.Elapsed = time.Since(start)
+	return p.t, nil
+}
+
+// liveID is what the parser knows of a trace address id between its alloc
+// and its free_completed.
+type liveID struct {
+	slot int32
+	line int32
+	size uint64
+}
+
+type parser struct {
+	name      string
+	t         *Trace
+	line      int
+	sawHeader bool
+	ids       map[uint64]liveID
+	freeSlots []int32
+	live      uint64
+}
+
+// chunkSize is how much decompressed text goes to the parser at a time:
+// small enough that the pipeline fills and drains quickly (the parser waits
+// for the first chunk, and nothing overlaps the parsing of the last), large
+// enough that handing chunks over costs nothing.
+const chunkSize = 256 << 10
+
+type chunk struct {
+	buf []byte // whole lines, the last one possibly without its newline at the end of input
+	err error
+}
+
+// run parses everything src holds. Decompressing and parsing take about the
+// same time, so a goroutine reads and decompresses the next chunk while this
+// one parses the last.
+func (p *parser) run(src io.Reader) error {
+	chunks := make(chan chunk, 2)
+	spare := make(chan []byte, 4)
+	done := make(chan struct{})
+	defer close(done)
+	go readChunks(src, chunks, spare, done)
+	for c := range chunks {
+		// A read error says more than whatever the cut-off text it left
+		// would fail to parse as.
+		if c.err != nil && c.err != io.EOF {
+			return &ParseError{Path: p.name, Err: readError(c.err)}
+		}
+		if err := p.parseChunk(c.buf); err != nil {
+			return err
+		}
+		if c.err == io.EOF {
+			return nil
+		}
+		select {
+		case spare <- c.buf[:0]:
+		default:
+		}
+	}
+	return nil
+}
+
+// readError says what went wrong reading the (possibly compressed) text.
+func readError(err error) error {
+	var corrupt flate.CorruptInputError
+	switch {
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return fmt.Errorf("unreadable gzip: the file is truncated (%w)", err)
+	case errors.Is(err, gzip.ErrChecksum), errors.Is(err, gzip.ErrHeader), errors.As(err, &corrupt):
+		return fmt.Errorf("unreadable gzip: %w", err)
+	}
+	return fmt.Errorf("reading: %w", err)
+}
+
+// readChunks cuts src into chunks of whole lines and sends them on out; a
+// chunk that carries an error is the last. It stops early once done closes.
+func readChunks(src io.Reader, out chan<- chunk, spare <-chan []byte, done <-chan struct{}) {
+	defer close(out)
+	var rest []byte // the start of a line the last chunk cut off
+	for {
+		var buf []byte
+		select {
+		case buf = <-spare:
+		default:
+			buf = make([]byte, 0, chunkSize)
+		}
+		buf = append(buf, rest...)
+		var err error
+		for err == nil {
+			if len(buf) == cap(buf) {
+				if bytes.IndexByte(buf, '\n') >= 0 {
+					break
+				}
+				buf = append(buf, 0)[:len(buf)] // a line longer than the buffer: grow it
+			}
+			var n int
+			n, err = src.Read(buf[len(buf):cap(buf)])
+			buf = buf[:len(buf)+n]
+		}
+		c := chunk{buf: buf, err: err}
+		if err == nil {
+			cut := bytes.LastIndexByte(buf, '\n') + 1
+			rest = append(rest[:0], buf[cut:]...)
+			c.buf = buf[:cut]
+		}
+		select {
+		case out <- c:
+		case <-done:
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// parseChunk parses the lines of buf.
+func (p *parser) parseChunk(buf []byte) error {
+	var ev rawEvent
+	for len(buf) > 0 {
+		line := buf
+		if i := bytes.IndexByte(buf, '\n'); i >= 0 {
+			line, buf = buf[:i], buf[i+1:]
+		} else {
+			buf = nil
+		}
+		p.line++
+		if len(bytes.TrimSpace(line)) == 0 {
+			continue
+		}
+		if !p.sawHeader {
+			if err := p.header(line); err != nil {
+				return &ParseError{Path: p.name, Line: p.line, Err: err}
+			}
+			p.sawHeader = true
+			continue
+		}
+		if err := parseEvent(line, &ev); err != nil {
+			return &ParseError{Path: p.name, Line: p.line, Err: err}
+		}
+		if err := p.event(&ev); err != nil {
+			return &ParseError{Path: p.name, Line: p.line, Err: err}
+		}
+	}
+	return nil
+}
+
+func (p *parser) header(line []byte) error {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(line, &fields); err != nil || fields == nil {
+		if err == nil {
+			err = errors.New("null")
+		}
+		return fmt.Errorf("malformed header: want a JSON object (workload, max_allocated, max_reserved, ...): %v", err)
+	}
+	if _, ok := fields["a"]; ok {
+		return errors.New("the first line is an event, not the header: a trace starts with a header line (workload, torch, gpu, max_allocated, max_reserved, events, seconds)")
+	}
+	if err := json.Unmarshal(line, &p.t.Header); err != nil {
+		return fmt.Errorf("malformed header: %v", err)
+	}
+	// About two thirds of the events are replayed (alloc and free_completed
+	// of every block): sizing Events from the header saves growing it.
+	if n := p.t.Header.Events; n > 0 && n < 1<<28 {
+		p.t.Events = make([]Event, 0, n*2/3+16)
+	}
+	return nil
+}
+
+// event checks one parsed event line against the trace so far and, for an
+// alloc or a free_completed, appends it to the events to replay.
+func (p *parser) event(ev *rawEvent) error {
+	const required = hasA | hasAddr | hasSize | hasStream
+	if missing := required &^ ev.has; missing != 0 {
+		var names []string
+		for i, n := range []string{"a", "addr", "size", "stream"} {
+			if missing&(1<<i) != 0 {
+				names = append(names, `"`+n+`"`)
+			}
+		}
+		return fmt.Errorf("missing field %s (an event has a, addr, size, stream and t)", strings.Join(names, ", "))
+	}
+	if ev.act == actNone {
+		return fmt.Errorf("unknown action %q (want alloc, free_requested, free_completed or segment_alloc)", ev.badAction)
+	}
+	if p.line > math.MaxInt32 {
+		return errors.New("too many lines: a trace is limited to 2^31")
+	}
+	t := p.t
+	t.Lines++
+	t.Actions[ev.act]++
+	switch ev.act {
+	case actAlloc:
+		if prev, ok := p.ids[ev.addr]; ok {
+			return fmt.Errorf("alloc of id %d, which is already live (allocated on line %d, not freed since)", ev.addr, prev.line)
+		}
+		var slot int32
+		if n := len(p.freeSlots); n > 0 {
+			slot, p.freeSlots = p.freeSlots[n-1], p.freeSlots[:n-1]
+		} else {
+			slot = int32(t.Slots)
+			t.Slots++
+		}
+		p.ids[ev.addr] = liveID{slot: slot, line: int32(p.line), size: ev.size}
+		t.Events = append(t.Events, Event{Size: ev.size, Stream: arena.Stream(ev.stream), Slot: slot, Line: int32(p.line), Op: OpAlloc})
+		p.live += ev.size
+		if p.live > t.PeakLive {
+			t.PeakLive, t.PeakEvent = p.live, len(t.Events)-1
+		}
+	case actFreeRequested:
+		if _, ok := p.ids[ev.addr]; !ok {
+			return fmt.Errorf("free_requested of id %d, which is not live (never allocated, or already freed)", ev.addr)
+		}
+	case actFreeCompleted:
+		id, ok := p.ids[ev.addr]
+		if !ok {
+			return fmt.Errorf("free_completed of id %d, which is not live (never allocated, or already freed)", ev.addr)
+		}
+		delete(p.ids, ev.addr)
+		p.freeSlots = append(p.freeSlots, id.slot)
+		t.Events = append(t.Events, Event{Size: id.size, Stream: arena.Stream(ev.stream), Slot: id.slot, Line: int32(p.line), Op: OpFree})
+		p.live -= id.size
+	}
+	return nil
+}
