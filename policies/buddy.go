@@ -186,3 +186,6 @@ func (a *Buddy) PeakAllocated() uint64 { return a.allocated.peak }
 
 // Close closes the device; the arenas go with its pool.
 func (a *Buddy) Close() error { return a.dev.Close() }
+
+// HoldsSegments: Buddy takes whole segments, as cudaMalloc would (SegmentHolder).
+func (a *Buddy) HoldsSegments() {}

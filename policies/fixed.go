@@ -128,3 +128,6 @@ func (a *Fixed) PeakAllocated() uint64 { return a.allocated.peak }
 
 // Close closes the device; the cached blocks go with its pool.
 func (a *Fixed) Close() error { return a.dev.Close() }
+
+// HoldsSegments: Fixed takes whole segments, as cudaMalloc would (SegmentHolder).
+func (a *Fixed) HoldsSegments() {}

@@ -207,3 +207,6 @@ func (a *Native) PeakAllocated() uint64 { return a.allocated.peak }
 
 // Close closes the device; the segments go with its pool.
 func (a *Native) Close() error { return a.dev.Close() }
+
+// HoldsSegments: Native takes whole segments, as cudaMalloc would (SegmentHolder).
+func (a *Native) HoldsSegments() {}

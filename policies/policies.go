@@ -71,6 +71,14 @@ type PeakReserver interface {
 	PeakReserved() uint64
 }
 
+// SegmentHolder is implemented by the policies modelled on cudaMalloc
+// (native, buddy, fixed): each device allocation stands for a segment the
+// driver maps on its own, so the bytes they hold are what the device
+// reserves, whatever a stream-ordered pool would have packed them into.
+type SegmentHolder interface {
+	HoldsSegments()
+}
+
 // PeakAllocator is implemented by policies that count the bytes they hand
 // out, requests rounded up to their blocks, and reports the most at once:
 // PyTorch's allocated_bytes.all.peak.

@@ -37,7 +37,10 @@
 // The headline figure is PeakReservedBytes, the device pool's own reserved
 // high-water mark (arena.PoolUsage.ReservedHigh): what the driver really
 // mapped, the same measure on the simulated pool and on a GPU, and over the
-// trace's peak of live bytes it gives Ratio. Next to it stand the policy's
+// trace's peak of live bytes it gives Ratio. The policies modelled on
+// cudaMalloc (native, buddy, fixed) take whole segments, which the driver
+// maps one by one rather than packing them into a pool's chunks, so for them
+// the headline is the most bytes of segments they held. Next to it stand the policy's
 // own accounting (AllocatorPeakReservedBytes) and the trace header's figures
 // from the recorded PyTorch run (max_reserved / max_allocated).
 //

@@ -34,7 +34,9 @@ type Result struct {
 	// sum of its alloc sizes), as replayed: allocations that failed for lack
 	// of memory do not count.
 	PeakLiveBytes uint64 `json:"peak_live_bytes"`
-	// PeakReservedBytes is the device pool's reserved high-water mark
+	// PeakReservedBytes is the device pool's reserved high-water mark (for
+	// the cudaMalloc-style policies, policies.SegmentHolder, the most bytes
+	// of segments they held, which is what cudaMalloc would have mapped)
 	// (PoolUsage().ReservedHigh): memory the driver really mapped, the same
 	// measure on the simulated pool and on a GPU.
 	PeakReservedBytes uint64 `json:"peak_reserved_bytes"`
@@ -229,6 +231,10 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		res.AllocatorPeakReservedBytes = pr.PeakReserved()
 	} else {
 		_, res.AllocatorPeakReservedBytes = tl.AllocatorReserved.Peak()
+	}
+	if _, ok := a.(policies.SegmentHolder); ok {
+		// A cudaMalloc-style policy's segments are mapped one by one.
+		res.PeakReservedBytes = res.AllocatorPeakReservedBytes
 	}
 	if pa, ok := a.(policies.PeakAllocator); ok {
 		res.AllocatorPeakAllocatedBytes = pa.PeakAllocated()
