@@ -216,7 +216,7 @@ func (d *Sim) Free(ptr uintptr, size uint64, s Stream) error {
 	if d.capture[s] != CaptureNone {
 		return fmt.Errorf("sim: cuMemFreeAsync on stream %#x, which is being captured: the free would become a graph node", s)
 	}
-	if r, ok := d.pool.used[uint64(ptr)]; ok && r.size != roundUp(max(size, 1), d.pool.allocAlign) {
+	if r, ok := d.pool.used[uint64(ptr)]; ok && r.size != d.pool.roundSize(size) {
 		return fmt.Errorf("sim: cuMemFreeAsync of %#x with size %d, allocated with %d", ptr, size, r.size)
 	}
 	seq := d.enqueue(s)

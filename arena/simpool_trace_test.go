@@ -61,8 +61,8 @@ func TestSimPoolTracksTheGPU(t *testing.T) {
 		u, _ := d.PoolUsage()
 		ratio := float64(u.ReservedHigh) / float64(peak)
 		t.Logf("%s: sim %.4f, GPU %.4f", tc.trace, ratio, tc.gpuRatio)
-		// The model is within 4% of the GPU today, not yet the 2% the replay
-		// tool's issue asks for; BENCHMARKS.md says where they differ.
-		require.InEpsilon(t, tc.gpuRatio, ratio, 0.04)
+		// Within 3%: the model misses the GPU's slow growth over GPT-2's
+		// later steps (simpool.go); ResNet-50 agrees to 0.1%.
+		require.InEpsilon(t, tc.gpuRatio, ratio, 0.03)
 	}
 }

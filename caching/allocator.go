@@ -101,7 +101,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 // prewarm makes the pool reserve n bytes by allocating and freeing them, so
 // that the pool holds them (release threshold permitting) for later requests.
 func (a *Allocator) prewarm(n uint64) error {
-	n = roundUp(n, segmentSize)
+	n = roundUp(n, 2<<20)
 	if a.limit > 0 && n > a.limit {
 		return fmt.Errorf("goalloc: reserve of %d bytes is above the cap of %d bytes on device %d", n, a.limit, a.dev.Ordinal())
 	}
@@ -225,7 +225,7 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 	if seg := l.small[c].head; seg != nil { // a deferred free completed into it
 		return a.takeSlot(l, seg, size), nil
 	}
-	p, err := a.poolAlloc(segmentSize, l, size)
+	p, err := a.poolAlloc(uint64(classSegment[c]), l, size)
 	if err != nil {
 		return 0, err
 	}

@@ -52,7 +52,7 @@ func TestSmallAllocationStats(t *testing.T) {
 	assert.EqualValues(t, 512+1024, st.AllocatedBytes[StatSmall].Current)
 	assert.EqualValues(t, 700, st.RequestedBytes[StatAll].Current)
 	assert.EqualValues(t, 2, st.Allocation[StatAll].Current)
-	assert.EqualValues(t, 2*segmentSize, st.ReservedBytes[StatSmall].Current, "one segment per class")
+	assert.EqualValues(t, classSegment[0]+classSegment[1], st.ReservedBytes[StatSmall].Current, "one segment per class")
 	assert.EqualValues(t, 2, st.Segment[StatAll].Current)
 	assert.EqualValues(t, 2, sim.Allocs)
 	require.NoError(t, a.Free(p1, 100, 0))

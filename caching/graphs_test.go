@@ -41,9 +41,9 @@ func TestGraphCaptureUsesAPrivatePool(t *testing.T) {
 
 	st := a.Stats()
 	assert.EqualValues(t, 1, st.GraphPools)
-	assert.EqualValues(t, 8<<20+segmentSize, st.GraphReservedBytes)
+	assert.EqualValues(t, 8<<20+uint64(classSegment[1]), st.GraphReservedBytes)
 	f := a.Fragmentation()
-	assert.EqualValues(t, 8<<20+segmentSize, f.GraphPrivateBytes)
+	assert.EqualValues(t, 8<<20+uint64(classSegment[1]), f.GraphPrivateBytes)
 
 	// The graph's output x dies; its memory stays private.
 	require.NoError(t, a.Free(x, 8<<20, C))
@@ -67,7 +67,7 @@ func TestGraphCaptureUsesAPrivatePool(t *testing.T) {
 	assert.EqualValues(t, 1, a.Stats().GraphPools)
 	require.NoError(t, a.ReleasePool(id))
 	// Released: the free memory went back; x2 is still live and follows when freed.
-	assert.EqualValues(t, 8<<20+segmentSize, a.Stats().GraphReservedBytes, "x2 and tmp2 are live")
+	assert.EqualValues(t, 8<<20+uint64(classSegment[1]), a.Stats().GraphReservedBytes, "x2 and tmp2 are live")
 	require.NoError(t, a.CheckInvariants())
 	require.NoError(t, a.Free(x2, 8<<20, C))
 	require.NoError(t, a.Free(tmp2, 1000, C))

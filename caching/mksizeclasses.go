@@ -16,9 +16,12 @@
 // The generator computes the true bound over every n and writes it into the
 // output, and refuses to write a table that breaks maxWaste.
 //
-// Each class is carved out of segments of segmentSize bytes (see doc.go); the
-// tail of a segment that no whole slot fits in is also waste, bounded by
-// maxTailWaste and reported the same way.
+// Each class is carved out of segments (see doc.go) of the smallest size, a
+// multiple of segmentUnit from minSegment up, that holds at least minSlots
+// slots and wastes at most maxTailWaste in the tail no whole slot fits in.
+// Small segments matter: a segment pins the pool's physical 32 MiB chunk
+// it lies in for as long as one of its slots is live, and on the shipped
+// traces 256 KiB segments left the pool's peak lowest (BENCHMARKS.md).
 package main
 
 import (
@@ -33,7 +36,9 @@ const (
 	align            = 512
 	smallMax         = 64 << 10 // larger requests are large blocks
 	stepsPerDoubling = 4
-	segmentSize      = 2 << 20
+	segmentUnit      = 64 << 10
+	minSegment       = 256 << 10
+	minSlots         = 4
 	maxWaste         = 0.25
 	maxTailWaste     = 1.0 / 32
 )
@@ -68,9 +73,15 @@ func main() {
 			worst, worstN = w, n
 		}
 	}
+	segments := make([]int, len(classes))
 	worstTail, worstTailClass := 0.0, 0
-	for _, c := range classes {
-		if w := float64(segmentSize%c) / segmentSize; w > worstTail {
+	for i, c := range classes {
+		seg := minSegment
+		for seg/c < minSlots || float64(seg%c)/float64(seg) > maxTailWaste {
+			seg += segmentUnit
+		}
+		segments[i] = seg
+		if w := float64(seg%c) / float64(seg); w > worstTail {
 			worstTail, worstTailClass = w, c
 		}
 	}
@@ -84,14 +95,22 @@ func main() {
 	fmt.Fprintf(&b, "// Small size classes: %d classes from %d to %d bytes, %d per doubling.\n", len(classes), align, smallMax, stepsPerDoubling)
 	fmt.Fprintf(&b, "//\n// Worst waste inside a class, over every request above %d bytes: %.2f%% (at n=%d).\n", align*stepsPerDoubling, 100*worst, worstN)
 	fmt.Fprintf(&b, "// Smaller requests waste less than %d bytes each.\n", align)
-	fmt.Fprintf(&b, "// Worst segment tail no slot fits in: %.3f%% of a %d-byte segment (class %d).\n\n", 100*worstTail, segmentSize, worstTailClass)
-	fmt.Fprintf(&b, "const (\n\tsmallMax = %d\n\tsegmentSize = %d\n\tnumSmallClasses = %d\n\tclassAlign = %d\n)\n\n", smallMax, segmentSize, len(classes), align)
+	fmt.Fprintf(&b, "// Worst segment tail no slot fits in: %.3f%% of its segment (class %d).\n\n", 100*worstTail, worstTailClass)
+	fmt.Fprintf(&b, "const (\n\tsmallMax = %d\n\tnumSmallClasses = %d\n\tclassAlign = %d\n)\n\n", smallMax, len(classes), align)
 	fmt.Fprintf(&b, "// classSize[c] is the slot size of class c.\nvar classSize = [numSmallClasses]uint32{")
 	for i, c := range classes {
 		if i%8 == 0 {
 			b.WriteString("\n\t")
 		}
 		fmt.Fprintf(&b, "%d, ", c)
+	}
+	b.WriteString("\n}\n\n")
+	fmt.Fprintf(&b, "// classSegment[c] is the size of the segments class c is carved from.\nvar classSegment = [numSmallClasses]uint32{")
+	for i, seg := range segments {
+		if i%8 == 0 {
+			b.WriteString("\n\t")
+		}
+		fmt.Fprintf(&b, "%d, ", seg)
 	}
 	b.WriteString("\n}\n\n")
 	// Lookup table indexed by (n+511)/512 for every n up to smallMax.

@@ -2,7 +2,7 @@ package caching
 
 import "github.com/goalloc/goalloc/arena"
 
-// A Segment is one pool allocation of segmentSize bytes carved into equal
+// A Segment is one pool allocation of classSegment[class] bytes carved into equal
 // slots of one small size class. It belongs to the stream it was allocated
 // on: only that stream takes slots from it (see doc.go, "Streams").
 type Segment struct {
@@ -43,9 +43,10 @@ const (
 
 func newSegment(addr uintptr, class uint8, l *StreamFreeList) *Segment {
 	slot := uint64(classSize[class])
-	n := int32(segmentSize / slot)
+	size := uint64(classSegment[class])
+	n := int32(size / slot)
 	seg := &Segment{
-		addr: addr, size: segmentSize, stream: l.stream, list: l, class: class, slotSize: slot, nslots: n,
+		addr: addr, size: size, stream: l.stream, list: l, class: class, slotSize: slot, nslots: n,
 		freeSlots: make([]int32, n),
 		state:     make([]slotState, n),
 		requested: make([]uint32, n),

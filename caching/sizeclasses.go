@@ -6,11 +6,10 @@ package caching
 //
 // Worst waste inside a class, over every request above 2048 bytes: 20.00% (at n=32769).
 // Smaller requests waste less than 512 bytes each.
-// Worst segment tail no slot fits in: 1.562% of a 2097152-byte segment (class 49152).
+// Worst segment tail no slot fits in: 2.500% of its segment (class 24576).
 
 const (
 	smallMax        = 65536
-	segmentSize     = 2097152
 	numSmallClasses = 24
 	classAlign      = 512
 )
@@ -20,6 +19,13 @@ var classSize = [numSmallClasses]uint32{
 	512, 1024, 1536, 2048, 2560, 3072, 3584, 4096,
 	5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384,
 	20480, 24576, 28672, 32768, 40960, 49152, 57344, 65536,
+}
+
+// classSegment[c] is the size of the segments class c is carved from.
+var classSegment = [numSmallClasses]uint32{
+	262144, 262144, 262144, 262144, 262144, 262144, 262144, 262144,
+	262144, 262144, 262144, 262144, 262144, 262144, 262144, 262144,
+	327680, 327680, 262144, 262144, 327680, 393216, 458752, 262144,
 }
 
 // sizeToClass[(n+511)/512] is the class of an n-byte request, 1 <= n <= smallMax.
