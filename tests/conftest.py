@@ -13,7 +13,7 @@ and keeps one allocator per device for the life of the process. So:
 from __future__ import annotations
 
 import itertools
-import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -26,6 +26,14 @@ SIM_MEMORY = "8G"
 # The library sees only the environment the process started with (see
 # goalloc._lib.start_environment), so these cannot be set from here: check them.
 REQUIRED_ENV = {"GOALLOC_DEVICE": "sim", "GOALLOC_SIM_DEVICES": str(SIM_DEVICES), "GOALLOC_SIM_MEMORY": SIM_MEMORY}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Check the environment once it is known that tests outside tests/gpu run
+    (those set up their own children and need none of this)."""
+    gpu = Path(__file__).parent / "gpu"
+    if any(gpu not in Path(item.fspath).parents for item in items):
+        _check_start_environment()
 
 
 def _check_start_environment() -> None:
@@ -42,8 +50,6 @@ def _check_start_environment() -> None:
             returncode=4,
         )
 
-
-_check_start_environment()
 
 # Device 0 is left untouched by in-process tests (see test_untouched_device).
 _devices = itertools.count(1)
