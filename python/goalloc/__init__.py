@@ -128,7 +128,8 @@ def install(conf: Optional[str] = None) -> Any:
     as "fraction:0.9,reserve:0.1"; None keeps the GOALLOC_CONF environment
     variable. It sets torch's four allocator hooks (init, empty_cache,
     set_per_process_memory_fraction, record_stream), so those torch calls
-    reach goalloc, and points torch.cuda.memory_stats() and its family at
+    reach goalloc, and the CUDA graph pool hooks where the library has
+    them, and points torch.cuda.memory_stats() and its family at
     goalloc. Calling it again returns the same allocator.
 
     Raises ValueError for a bad conf (before torch is touched), ImportError

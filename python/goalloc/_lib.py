@@ -178,6 +178,15 @@ def address(name: str) -> int:
     return addr
 
 
+def has_function(name: str) -> bool:
+    """Whether the loaded library exports name (newer libraries add hooks)."""
+    try:
+        getattr(lib(), name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _take_string(ptr: Optional[int]) -> Optional[str]:
     """Copy a string the library malloc'd, and free it."""
     if not ptr:

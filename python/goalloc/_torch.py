@@ -4,7 +4,7 @@ without torch, and a missing torch must be reported by the call that needs it.
 Two jobs:
 
 1. Make goalloc torch's allocator: a CUDAPluggableAllocator over
-   libgoalloc.so with all four hooks set (install), or a torch.cuda.MemPool
+   libgoalloc.so with all its hooks set (install), or a torch.cuda.MemPool
    backed by it (mempool).
 2. Keep torch's statistics calls working. With a pluggable allocator, torch
    2.11's torch.cuda.memory_stats() and everything built on it
@@ -112,11 +112,19 @@ def init_library(torch: ModuleType) -> None:
         )
 
 
+# (setter on torch's pluggable allocator, function of libgoalloc.so)
+GRAPH_HOOKS = (
+    ("set_begin_allocate_to_pool", "goalloc_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "goalloc_end_allocate_to_pool"),
+    ("set_release_pool", "goalloc_release_pool"),
+)
+
+
 def _pluggable(torch: ModuleType) -> Any:
     """The process's one CUDAPluggableAllocator over libgoalloc.so, all hooks set.
 
     Without a hook the matching torch call is a silent no-op (PLATFORM.md),
-    so all four are set: empty_cache, set_per_process_memory_fraction and
+    so all are set: empty_cache, set_per_process_memory_fraction and
     Tensor.record_stream then reach goalloc, and torch's init call tells
     goalloc how many devices torch sees.
     """
@@ -128,6 +136,11 @@ def _pluggable(torch: ModuleType) -> Any:
         raw.set_reset_fn(_lib.address("goalloc_empty_cache"))
         raw.set_memory_fraction_fn(_lib.address("goalloc_set_memory_fraction"))
         raw.set_record_stream_fn(_lib.address("goalloc_record_stream"))
+        # CUDA graph hooks, in libraries that export them: capture then
+        # allocates from a private pool per graph instead of silently not.
+        for setter, name in GRAPH_HOOKS:
+            if _lib.has_function(name):
+                getattr(raw, setter)(_lib.address(name))
         _allocator = alloc
     return _allocator
 
@@ -200,17 +213,31 @@ def nested_stats(device: int) -> dict[str, Any]:
     """goalloc's memory_stats in torch._C._cuda_memoryStats's nested form.
 
     torch.cuda.memory_stats() flattens the nested dict by joining keys with
-    '.', so splitting goalloc's flat keys on '.' is its exact inverse.
+    '.', so torch's own keys are nested by splitting them on '.'. goalloc's
+    extras ("goalloc.*") stay single top-level keys, which flatten to
+    themselves: among them one name can be both a figure and the prefix of
+    others ("goalloc.graph_pools", "goalloc.graph_pools.reserved_bytes"),
+    which a nested dict cannot hold. Any other such clash is kept flat too.
     """
     from . import memory_stats
 
     nested: dict[str, Any] = {}
     for key, value in memory_stats(device).items():
+        if key.startswith("goalloc."):
+            nested[key] = value
+            continue
         node = nested
         *parents, leaf = key.split(".")
         for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                node = None
+                break
+            node = child
+        if node is None or isinstance(node.get(leaf), dict):
+            nested[key] = value
+        else:
+            node[leaf] = value
     return nested
 
 
