@@ -197,3 +197,21 @@ def test_hook_addresses_are_the_librarys_functions():
 
     for name in ("goalloc_init", "goalloc_empty_cache", "goalloc_set_memory_fraction", "goalloc_record_stream"):
         assert _lib.address(name) == ctypes.cast(getattr(_lib.lib(), name), ctypes.c_void_p).value
+
+
+def test_goalloc_conf_put_in_os_environ_after_start_is_applied_by_install():
+    """The library sees GOALLOC_CONF as the process started; install() and
+    mempool() apply a value set in os.environ since (before touching torch)."""
+    proc = run_python("""
+    import os, sys, warnings
+    warnings.simplefilter("ignore")
+    os.environ["GOALLOC_CONF"] = "large_cache:0"
+    sys.modules["torch"] = None
+    import goalloc
+    try:
+        goalloc.install()
+    except ImportError:
+        pass
+    print(goalloc.config()["conf"])
+    """)
+    assert "large_cache:0," in proc.stdout
