@@ -73,6 +73,17 @@ def test_nested_stats_flatten_back_to_memory_stats(raw, device):
     assert flat == goalloc.memory_stats(device)
 
 
+def test_nested_stats_keep_clashing_names_flat(monkeypatch):
+    """A name that is both a figure and a prefix of others cannot nest; it
+    stays a dotted top-level key, which torch's flattening leaves as it is."""
+    flat = {"allocation.all.current": 1, "goalloc.graph_pools": 2, "goalloc.graph_pools.reserved_bytes": 3,
+            "x.y": 4, "x.y.z": 5}
+    monkeypatch.setattr(goalloc, "memory_stats", lambda device: dict(flat))
+    nested = _torch.nested_stats(0)
+    assert nested == {"allocation": {"all": {"current": 1}}, "goalloc.graph_pools": 2,
+                      "goalloc.graph_pools.reserved_bytes": 3, "x": {"y": 4}, "x.y.z": 5}
+
+
 # --- with torch installed -------------------------------------------------------
 
 def test_install_without_cuda_says_it_needs_cuda():

@@ -92,9 +92,13 @@ def start_environment() -> dict[str, str]:
 
 
 def unseen_settings() -> list[str]:
-    """GOALLOC_* settings whose os.environ value the library will not see."""
+    """GOALLOC_* settings whose os.environ value the library will not see.
+
+    GOALLOC_CONF is not among them: install() and mempool() apply its
+    os.environ value themselves (goalloc._torch.apply_conf).
+    """
     start = start_environment()
-    return [k for k in LIBRARY_SETTINGS if os.environ.get(k) != start.get(k)]
+    return [k for k in LIBRARY_SETTINGS if k != "GOALLOC_CONF" and os.environ.get(k) != start.get(k)]
 
 
 def _warn_unseen_settings() -> None:
@@ -105,8 +109,7 @@ def _warn_unseen_settings() -> None:
         warnings.warn(
             f"goalloc: {', '.join(unseen)} changed in os.environ after this process "
             f"started, and libgoalloc.so reads only the environment the process started "
-            f"with. Set them in the shell or launcher instead; for the configuration, "
-            f"pass it to goalloc.install(conf=...) or goalloc.configure(...).",
+            f"with. Set them in the shell or launcher instead.",
             RuntimeWarning,
             stacklevel=4,
         )

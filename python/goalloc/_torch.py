@@ -24,7 +24,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from . import _lib, _snapshot
+from . import _lib
 
 _lock = threading.RLock()
 _allocator: Any = None  # the CUDAPluggableAllocator, made once per process
@@ -223,22 +223,23 @@ def nested_stats(device: int) -> dict[str, Any]:
 
     nested: dict[str, Any] = {}
     for key, value in memory_stats(device).items():
-        if key.startswith("goalloc."):
+        if key.startswith("goalloc.") or not _nest(nested, key.split("."), value):
             nested[key] = value
-            continue
-        node = nested
-        *parents, leaf = key.split(".")
-        for p in parents:
-            child = node.setdefault(p, {})
-            if not isinstance(child, dict):
-                node = None
-                break
-            node = child
-        if node is None or isinstance(node.get(leaf), dict):
-            nested[key] = value
-        else:
-            node[leaf] = value
     return nested
+
+
+def _nest(tree: dict[str, Any], path: list[str], value: Any) -> bool:
+    """Put value at path in tree; False, changing nothing, if a figure is in the way."""
+    node = tree
+    for p in path[:-1]:
+        child = node.get(p, {})
+        if not isinstance(child, dict):
+            return False
+        node = node.setdefault(p, child)
+    if isinstance(node.get(path[-1]), dict):
+        return False
+    node[path[-1]] = value
+    return True
 
 
 def _reset_peak(device: int) -> None:

@@ -370,9 +370,9 @@ if __name__ == "__main__":
                    os.environ.get("GOALLOC_GPU_OUT") or tempfile.mkdtemp(prefix="goalloc-gpu-"))
     if sys.argv[1] == "all":
         sys.exit(run_all(out_dir))
-    try:
-        import goalloc  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("goalloc") is None:
         sys.path.insert(0, str(ROOT / "python"))
         os.environ.setdefault("GOALLOC_LIBRARY", str(ROOT / "build" / "libgoalloc.so"))
     run_one(sys.argv[1], out_dir)
