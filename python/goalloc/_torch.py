@@ -149,10 +149,11 @@ def install(conf: Optional[str]) -> Any:
     global _installed
     with _lock:
         if _installed is not None:
-            if conf is not None and conf != _applied_conf:
+            in_force = _applied_conf if _applied_conf is not None else os.environ.get("GOALLOC_CONF", "")
+            if conf is not None and conf != in_force:
                 raise RuntimeError(
-                    f"goalloc.install(): already installed with conf {_applied_conf!r}; "
-                    f"the configuration cannot change once goalloc is torch's allocator "
+                    f"goalloc.install(): already installed with conf {in_force!r}; the "
+                    f"configuration cannot change once goalloc is torch's allocator "
                     f"(asked for {conf!r})."
                 )
             return _installed
