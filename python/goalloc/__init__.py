@@ -1,0 +1,315 @@
+"""goalloc: a CUDA memory allocator for PyTorch, written in Go.
+
+One line at the top of a training script makes it torch's allocator::
+
+    import torch, goalloc
+    goalloc.install()
+
+After that torch.cuda.memory_allocated(), memory_stats(), memory_summary()
+and the rest answer from goalloc. The functions here read the same figures
+directly, plus goalloc's own (cache hits, fragmentation), and work without
+torch: they only need the bundled libgoalloc.so.
+
+Devices are given as torch gives them: an int, a torch.device or a string
+such as "cuda:1"; None means torch's current device (0 while torch has not
+started CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from . import _lib, _snapshot, _summary
+from ._lib import GoallocError, library_path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GoallocError",
+    "Fragmentation",
+    "install",
+    "mempool",
+    "configure",
+    "config",
+    "device_count",
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "memory_summary",
+    "empty_cache",
+    "set_memory_fraction",
+    "fragmentation",
+    "snapshot",
+    "dump_snapshot",
+    "record_history",
+    "library_path",
+]
+
+#: A device as torch takes it: int, torch.device, "cuda:N", or None (current).
+Device = Union[int, str, Any, None]
+
+#: History size record_history() keeps by default: about 40 bytes an entry
+#: per device in the library, a few hundred bytes each in a snapshot.
+DEFAULT_HISTORY_ENTRIES = 100_000
+
+
+# --- devices and arguments ----------------------------------------------------
+
+def _device_index(device: Device) -> int:
+    """Turn a torch-style device into an index goalloc has, or raise ValueError."""
+    if device is None:
+        from ._torch import current_device
+
+        index = current_device()
+    elif isinstance(device, bool):
+        raise TypeError(f"goalloc: device must be an int, a torch.device or 'cuda:N', not {device!r}")
+    elif isinstance(device, str) or hasattr(device, "type"):
+        kind, index_or_none = _parse_device(device)
+        if kind != "cuda":
+            raise ValueError(f"goalloc: manages CUDA devices only, not {str(device)!r}")
+        if index_or_none is None:
+            from ._torch import current_device
+
+            index = current_device()
+        else:
+            index = index_or_none
+    else:
+        try:
+            index = operator.index(device)
+        except TypeError:
+            raise TypeError(
+                f"goalloc: device must be an int, a torch.device or 'cuda:N', not {device!r}"
+            ) from None
+    count = _lib.device_count()
+    if not 0 <= index < count:
+        kind = _lib.config().get("device", "")
+        raise ValueError(f"goalloc: device {index} does not exist ({count} {kind} devices: 0 to {count - 1})")
+    return index
+
+
+def _parse_device(device: Any) -> tuple[str, Optional[int]]:
+    """('cuda', 1) from 'cuda:1' or torch.device('cuda', 1); index None if not given."""
+    if isinstance(device, str):
+        kind, _, idx = device.partition(":")
+        if not idx:
+            return kind, None
+        if not idx.isdigit():
+            raise ValueError(f"goalloc: {device!r} is not a device; use 'cuda' or 'cuda:N'")
+        return kind, int(idx)
+    return str(device.type), device.index
+
+
+def _check_fraction(fraction: Any) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise TypeError(f"goalloc: memory fraction must be a number in (0, 1], not {fraction!r}")
+    f = float(fraction)
+    if math.isnan(f) or not 0 < f <= 1:
+        raise ValueError(f"goalloc: memory fraction {fraction!r} is outside (0, 1]: it is a share of the device's memory")
+    return f
+
+
+# --- torch integration ----------------------------------------------------------
+
+def install(conf: Optional[str] = None) -> Any:
+    """Make goalloc torch's CUDA allocator, and return the CUDAPluggableAllocator.
+
+    Call it before anything starts CUDA (at the top of the script): torch
+    cannot swap an allocator it has used. conf is a GOALLOC_CONF string such
+    as "fraction:0.9,reserve:0.1"; None keeps the GOALLOC_CONF environment
+    variable. It sets torch's four allocator hooks (init, empty_cache,
+    set_per_process_memory_fraction, record_stream), so those torch calls
+    reach goalloc, and the CUDA graph pool hooks where the library has
+    them, and points torch.cuda.memory_stats() and its family at
+    goalloc. Calling it again returns the same allocator.
+
+    Raises ValueError for a bad conf (before torch is touched), ImportError
+    without torch, RuntimeError without CUDA or after CUDA has started.
+    """
+    from . import _torch
+
+    return _torch.install(conf)
+
+
+def mempool(conf: Optional[str] = None) -> Any:
+    """A torch.cuda.MemPool whose memory comes from goalloc.
+
+    For `with torch.cuda.use_mem_pool(pool):`, which routes the allocations
+    made inside the block to goalloc while torch's own allocator keeps
+    serving the rest; unlike install(), it works after CUDA has started.
+    torch's caching allocator still carves the pool's segments, so
+    torch.cuda.memory_stats() keeps reporting torch's figures and
+    goalloc.memory_stats() shows the segments goalloc handed out.
+    """
+    from . import _torch
+
+    return _torch.mempool(conf)
+
+
+# --- configuration --------------------------------------------------------------
+
+def configure(conf: str) -> None:
+    """Set the configuration (GOALLOC_CONF syntax), replacing the environment's.
+
+    Only before the first allocation: the caches are built from it. A bad
+    key or value raises ValueError naming it.
+    """
+    if not isinstance(conf, str):
+        raise TypeError(f"goalloc: conf must be a string like 'fraction:0.8', not {type(conf).__name__}")
+    _lib.configure(conf)
+
+
+def config() -> dict[str, Any]:
+    """The configuration in force, the device kind (cuda or sim) and count,
+    per-device caps in bytes, the history size, and every GOALLOC_CONF key
+    with what it means."""
+    return _lib.config()
+
+
+def device_count() -> int:
+    """How many devices goalloc serves."""
+    return _lib.device_count()
+
+
+# --- statistics -------------------------------------------------------------------
+
+def memory_stats(device: Device = 0) -> dict[str, int]:
+    """Every statistic of a device, under torch.cuda.memory_stats()'s key names
+    ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
+    "num_ooms", ...), plus goalloc's own under "goalloc." (cache hits and
+    misses, deferred frees, bad input by kind). Keys are sorted; a device
+    goalloc has not used yet reads as zeros."""
+    return _lib.stats(_device_index(device))
+
+
+def memory_allocated(device: Device = 0) -> int:
+    """Bytes held by live allocations (their block sizes), like torch's."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: Device = 0) -> int:
+    """Peak of memory_allocated() since the start or the last reset."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: Device = 0) -> int:
+    """Bytes goalloc holds from the driver pool, in use or cached."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: Device = 0) -> int:
+    """Peak of memory_reserved() since the start or the last reset."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: Device = 0) -> None:
+    """Set every peak to its current value, e.g. to measure one training step."""
+    _lib.reset_peak(_device_index(device))
+
+
+def reset_accumulated_memory_stats(device: Device = 0) -> None:
+    """Zero the running totals (the .allocated/.freed figures) and the counters."""
+    _lib.reset_accumulated(_device_index(device))
+
+
+def memory_summary(device: Device = 0, abbreviated: bool = False) -> str:
+    """The statistics of a device as a table, in the layout of
+    torch.cuda.memory_summary(), followed by goalloc's own figures."""
+    d = _device_index(device)
+    return _summary.format_summary(_lib.stats(d), _lib.fragmentation(d), d, abbreviated)
+
+
+def empty_cache(device: Device = None) -> None:
+    """Give cached memory back to the driver: every device when device is None
+    (what torch.cuda.empty_cache() does), else that device. Waits for the
+    device first, as torch's does."""
+    if device is None:
+        for d in range(_lib.device_count()):
+            _lib.empty_cache_device(d)
+    else:
+        _lib.empty_cache_device(_device_index(device))
+
+
+def set_memory_fraction(fraction: float, device: Device = 0) -> None:
+    """Cap reserved memory at fraction x the device's memory, fraction in (0, 1].
+
+    The goalloc side of torch.cuda.set_per_process_memory_fraction(): past
+    the cap an allocation fails (NULL to torch) after goalloc has given its
+    cached memory back, and goalloc prints why on stderr. Lowering the cap
+    releases cached memory at once.
+    """
+    f = _check_fraction(fraction)
+    _lib.set_fraction(_device_index(device), f)
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    """How scattered a device's cached free memory is."""
+
+    #: Cached memory not in use: free slots of small segments and cached large blocks.
+    free_bytes: int
+    #: The largest request the cache could serve from one free piece.
+    largest_free_block: int
+    #: 1 - largest_free_block / free_bytes: 0 when the free memory is one
+    #: piece, near 1 when it is many small ones; 0 when nothing is free.
+    ratio: float
+    #: The driver pool's own reserved and used bytes.
+    pool_reserved_bytes: int
+    pool_used_bytes: int
+
+
+def fragmentation(device: Device = 0) -> Fragmentation:
+    """Cached free bytes, the largest free cached block, and 1 - largest/free."""
+    f = _lib.fragmentation(_device_index(device))
+    return Fragmentation(
+        free_bytes=f["free_bytes"],
+        largest_free_block=f["largest_free_block"],
+        ratio=f["fragmentation"],
+        pool_reserved_bytes=f["pool_reserved_bytes"],
+        pool_used_bytes=f["pool_used_bytes"],
+    )
+
+
+# --- snapshots and history ------------------------------------------------------
+
+def record_history(enabled: bool = True, max_entries: int = DEFAULT_HISTORY_ENTRIES) -> None:
+    """Turn recording of allocator events on (keeping the last max_entries per
+    device) or off, on every device. Turning it on starts a fresh history.
+    snapshot() then carries the events as device_traces. No stack traces are
+    recorded."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"goalloc: enabled must be True or False, not {enabled!r}")
+    if not enabled:
+        _lib.record_history(0)
+        return
+    if isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral):
+        raise TypeError(f"goalloc: max_entries must be an int, not {max_entries!r}")
+    if not 1 <= max_entries <= _lib.MAX_HISTORY_ENTRIES:
+        raise ValueError(f"goalloc: max_entries={max_entries} is outside [1, {_lib.MAX_HISTORY_ENTRIES}]")
+    _lib.record_history(int(max_entries))
+
+
+def snapshot() -> dict[str, Any]:
+    """The state of every device in the structure of torch.cuda.memory._snapshot():
+    {"segments": [...], "device_traces": [[device 0's events], ...]}. Each
+    segment has its blocks (state active_allocated, active_pending_free or
+    inactive); the traces are empty unless record_history() is on."""
+    return _snapshot.to_torch(_lib.snapshot(-1))
+
+
+def dump_snapshot(path: Union[str, os.PathLike[str]]) -> None:
+    """Write snapshot() as a pickle that PyTorch's memory visualiser reads:
+    python -m torch.cuda._memory_viz trace_plot PATH -o out.html"""
+    data = snapshot()
+    with open(path, "wb") as f:
+        # Protocol 4: the highest that the visualiser's JavaScript unpickler reads.
+        pickle.dump(data, f, protocol=4)

@@ -1,0 +1,290 @@
+"""ctypes binding of libgoalloc.so: finding it, loading it once, typed calls.
+
+Every control function of the C ABI returns -1 (or NULL) on failure and
+leaves the reason in goalloc_last_error(); the wrappers here turn that into a
+Python exception carrying the library's own message, so that what a user
+reads is what the allocator knows. Argument checks that Python can do
+(types, ranges, device numbers) are done by the callers in __init__.py before
+any call, so bad input never reaches the library's once-per-kind warnings.
+
+The library holds process-global state (one allocator per device). A process
+can load it only once: a second copy of a Go runtime in one process would
+not work. So the path is fixed at the first load, and library_path() returns
+that same path from then on, which is also the path PyTorch must dlopen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+LIBRARY_ENV = "GOALLOC_LIBRARY"
+LIBRARY_NAME = "libgoalloc.so"
+
+# The largest history ring the library accepts (export/registry.go).
+MAX_HISTORY_ENTRIES = 1 << 26
+
+
+class GoallocError(RuntimeError):
+    """The library refused a call; the message is goalloc_last_error()."""
+
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_loaded_path: Optional[str] = None
+
+
+def library_path() -> str:
+    """Path of the libgoalloc.so this process uses.
+
+    $GOALLOC_LIBRARY wins over the copy inside the package, so that a machine
+    without Go can use a library built elsewhere. Once the library is loaded,
+    the loaded path is returned whatever the environment says later.
+    """
+    if _loaded_path is not None:
+        return _loaded_path
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"goalloc: {LIBRARY_ENV}={env!r} is not a file; point it at a "
+                f"libgoalloc.so built with `make lib`, or unset it to use the "
+                f"library shipped in the package."
+            )
+        return str(p.resolve())
+    p = Path(__file__).resolve().parent / LIBRARY_NAME
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"goalloc: {LIBRARY_NAME} is not in the package folder {p.parent}. "
+            f"Install the package with `pip install .` from a goalloc checkout "
+            f"(this builds it with Go), or set {LIBRARY_ENV}=/path/to/{LIBRARY_NAME}."
+        )
+    return str(p)
+
+
+# The variables the library reads when it initialises (export/registry.go).
+LIBRARY_SETTINGS = ("GOALLOC_DEVICE", "GOALLOC_SIM_DEVICES", "GOALLOC_SIM_MEMORY", "GOALLOC_CONF")
+
+
+def start_environment() -> dict[str, str]:
+    """The environment this process started with, which is all the library sees.
+
+    A Go library loaded into a process reads the environment block the
+    process was started with, not the C environment as it is when the
+    library is loaded: os.environ changes made by Python before the first
+    goalloc call are invisible to it.
+    """
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[os.fsdecode(key)] = os.fsdecode(value)
+    return env
+
+
+def unseen_settings() -> list[str]:
+    """GOALLOC_* settings whose os.environ value the library will not see.
+
+    GOALLOC_CONF is not among them: install() and mempool() apply its
+    os.environ value themselves (goalloc._torch.apply_conf).
+    """
+    start = start_environment()
+    return [k for k in LIBRARY_SETTINGS if k != "GOALLOC_CONF" and os.environ.get(k) != start.get(k)]
+
+
+def _warn_unseen_settings() -> None:
+    unseen = unseen_settings()
+    if unseen:
+        import warnings
+
+        warnings.warn(
+            f"goalloc: {', '.join(unseen)} changed in os.environ after this process "
+            f"started, and libgoalloc.so reads only the environment the process started "
+            f"with. Set them in the shell or launcher instead.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Give every exported function its C signature (see export/main.go)."""
+    c_int, c_double, c_ssize_t, c_void_p, c_char_p = (
+        ctypes.c_int, ctypes.c_double, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p)
+    sigs: dict[str, tuple[Any, list[Any]]] = {
+        # The calls PyTorch makes.
+        "my_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
+        "my_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
+        "goalloc_init": (None, [c_int]),
+        "goalloc_empty_cache": (None, []),
+        "goalloc_set_memory_fraction": (None, [c_double, c_int]),
+        "goalloc_record_stream": (None, [c_void_p, c_void_p]),
+        # Control functions: 0 / -1, or a malloc'd string / NULL.
+        "goalloc_configure": (c_int, [c_char_p]),
+        "goalloc_init_checked": (c_int, [c_int]),
+        "goalloc_device_count": (c_int, []),
+        "goalloc_stats_json": (c_void_p, [c_int]),
+        "goalloc_fragmentation_json": (c_void_p, [c_int]),
+        "goalloc_snapshot_json": (c_void_p, [c_int]),
+        "goalloc_config_json": (c_void_p, []),
+        "goalloc_reset_peak_stats": (c_int, [c_int]),
+        "goalloc_reset_accumulated_stats": (c_int, [c_int]),
+        "goalloc_set_fraction": (c_int, [c_int, c_double]),
+        "goalloc_empty_cache_device": (c_int, [c_int]),
+        "goalloc_record_history": (c_int, [c_int]),
+        # Returns a malloc'd copy; kept as a void* so that it can be freed.
+        "goalloc_last_error": (c_void_p, []),
+        "goalloc_string_free": (None, [c_void_p]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library, loading it on first use.
+
+    Loading is lazy so that `import goalloc` is cheap and the environment
+    (GOALLOC_LIBRARY, GOALLOC_DEVICE, ...) can still be set after the import.
+    """
+    global _lib, _loaded_path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            try:
+                loaded = ctypes.CDLL(path)
+            except OSError as e:
+                raise OSError(f"goalloc: cannot load {path}: {e}") from e
+            _declare(loaded)
+            _warn_unseen_settings()
+            _loaded_path = path
+            _lib = loaded
+    return _lib
+
+
+def address(name: str) -> int:
+    """The C address of an exported function, as torch's hook setters take it."""
+    addr = ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+    if not addr:
+        raise GoallocError(f"goalloc: {library_path()} has no function {name}")
+    return addr
+
+
+def has_function(name: str) -> bool:
+    """Whether the loaded library exports name (newer libraries add hooks)."""
+    try:
+        getattr(lib(), name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _take_string(ptr: Optional[int]) -> Optional[str]:
+    """Copy a string the library malloc'd, and free it."""
+    if not ptr:
+        return None
+    try:
+        return ctypes.string_at(ptr).decode("utf-8", "replace")
+    finally:
+        lib().goalloc_string_free(ptr)
+
+
+def last_error() -> str:
+    """The library's message for the last failed call (empty if none)."""
+    return _take_string(lib().goalloc_last_error()) or ""
+
+
+def _error(what: str, exc: Callable[[str], Exception] = GoallocError) -> Exception:
+    msg = last_error() or f"goalloc: {what} failed, and the library gave no reason"
+    return exc(msg)
+
+
+def _config_error(msg: str) -> Exception:
+    """A bad setting (GOALLOC_CONF, GOALLOC_DEVICE, GOALLOC_SIM_*) is a
+    ValueError; anything else (no driver, too late to configure) is GoallocError."""
+    cause = msg.removeprefix("goalloc: not initialised: ")
+    if cause.startswith(("GOALLOC_CONF", "GOALLOC_SIM_", "GOALLOC_DEVICE=")):
+        return ValueError(msg)
+    return GoallocError(msg)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise _error(what)
+
+
+def _json(ptr: Optional[int], what: str) -> Any:
+    text = _take_string(ptr)
+    if text is None:
+        raise _error(what)
+    return json.loads(text)
+
+
+# Thin wrappers, one per control function. Devices are ints checked by the caller.
+
+def configure(conf: str) -> None:
+    """goalloc_configure: replace GOALLOC_CONF; only before the first allocation."""
+    if lib().goalloc_configure(conf.encode("utf-8")) != 0:
+        raise _error("configure", _config_error)
+
+
+def device_count() -> int:
+    """goalloc_device_count, which initialises the library from the environment."""
+    n = lib().goalloc_device_count()
+    if n < 0:
+        raise _error("device_count", _config_error)
+    return n
+
+
+def init(torch_device_count: int) -> None:
+    """goalloc_init_checked: what torch's init hook does, with errors reported."""
+    if lib().goalloc_init_checked(torch_device_count) != 0:
+        raise _error("init", _config_error)
+
+
+def config() -> dict[str, Any]:
+    return _json(lib().goalloc_config_json(), "config")
+
+
+def stats(device: int) -> dict[str, int]:
+    return _json(lib().goalloc_stats_json(device), "memory_stats")
+
+
+def fragmentation(device: int) -> dict[str, Any]:
+    return _json(lib().goalloc_fragmentation_json(device), "fragmentation")
+
+
+def snapshot(device: int = -1) -> list[dict[str, Any]]:
+    """goalloc_snapshot_json: one {device, segments, device_traces} per device."""
+    return _json(lib().goalloc_snapshot_json(device), "snapshot")
+
+
+def reset_peak(device: int) -> None:
+    _check(lib().goalloc_reset_peak_stats(device), "reset_peak_memory_stats")
+
+
+def reset_accumulated(device: int) -> None:
+    _check(lib().goalloc_reset_accumulated_stats(device), "reset_accumulated_memory_stats")
+
+
+def set_fraction(device: int, fraction: float) -> None:
+    _check(lib().goalloc_set_fraction(device, fraction), "set_memory_fraction")
+
+
+def empty_cache_device(device: int) -> None:
+    _check(lib().goalloc_empty_cache_device(device), "empty_cache")
+
+
+def record_history(max_entries: int) -> None:
+    _check(lib().goalloc_record_history(max_entries), "record_history")

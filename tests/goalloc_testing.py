@@ -1,0 +1,68 @@
+"""Helpers the Python tests share: the C ABI through ctypes, and child interpreters.
+
+A module of its own (not conftest.py) so that tests can import it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+STREAM = 0x1000  # any integer is a stream to the simulated device
+OTHER_STREAM = 0x2000
+
+
+class Raw:
+    """The C ABI as PyTorch calls it, through the package's own ctypes loader."""
+
+    def __init__(self) -> None:
+        from goalloc import _lib
+
+        self.lib = _lib.lib()
+
+    def malloc(self, size: int, device: int, stream: int = STREAM) -> int:
+        """my_malloc; 0 for NULL."""
+        return self.lib.my_malloc(size, device, stream) or 0
+
+    def must_malloc(self, size: int, device: int, stream: int = STREAM) -> int:
+        p = self.malloc(size, device, stream)
+        assert p, f"my_malloc({size}, {device}) returned NULL"
+        return p
+
+    def free(self, ptr: int, size: int, device: int, stream: int = STREAM) -> None:
+        self.lib.my_free(ptr, size, device, stream)
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        self.lib.goalloc_record_stream(ptr, stream)
+
+
+
+def run_python(code: str, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None,
+               check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run code in a fresh interpreter with this process's environment.
+
+    The child imports the same goalloc as the tests (installed, or from the
+    source tree through PYTHONPATH), with a library no call has touched yet.
+    """
+    import goalloc
+
+    full_env = dict(os.environ)
+    # The same package and library as this process, whatever the child's cwd.
+    package_parent = str(Path(goalloc.__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, full_env.get("PYTHONPATH")]))
+    if full_env.get("GOALLOC_LIBRARY"):
+        full_env["GOALLOC_LIBRARY"] = str(Path(full_env["GOALLOC_LIBRARY"]).resolve())
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env, cwd=cwd or Path(__file__).parent, capture_output=True, text=True, timeout=300,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc

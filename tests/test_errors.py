@@ -1,0 +1,100 @@
+"""Bad arguments give clear Python errors, and never a crash or a silent default."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import goalloc
+
+
+@pytest.mark.parametrize("fraction", [0, 0.0, -0.5, 1.5, math.nan, math.inf])
+def test_fraction_outside_zero_one_is_a_value_error(fraction):
+    with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
+        goalloc.set_memory_fraction(fraction, 1)
+
+
+@pytest.mark.parametrize("fraction", ["0.5", None, True])
+def test_fraction_that_is_not_a_number_is_a_type_error(fraction):
+    with pytest.raises(TypeError, match="memory fraction"):
+        goalloc.set_memory_fraction(fraction, 1)
+
+
+@pytest.mark.parametrize("device", [-1, 64, 99])
+def test_device_that_does_not_exist_is_a_value_error(device):
+    with pytest.raises(ValueError, match=f"device {device} does not exist \\(64 sim devices"):
+        goalloc.memory_stats(device)
+
+
+@pytest.mark.parametrize("call", [
+    lambda d: goalloc.memory_allocated(d),
+    lambda d: goalloc.max_memory_reserved(d),
+    lambda d: goalloc.reset_peak_memory_stats(d),
+    lambda d: goalloc.empty_cache(d),
+    lambda d: goalloc.set_memory_fraction(0.5, d),
+    lambda d: goalloc.fragmentation(d),
+    lambda d: goalloc.memory_summary(d),
+])
+def test_every_device_argument_is_checked(call):
+    with pytest.raises(ValueError, match="device 99 does not exist"):
+        call(99)
+
+
+@pytest.mark.parametrize("device, error, text", [
+    ("cpu", ValueError, "CUDA devices only"),
+    ("cuda:x", ValueError, "is not a device"),
+    (1.5, TypeError, "device must be"),
+    (True, TypeError, "device must be"),
+])
+def test_device_of_the_wrong_kind(device, error, text):
+    with pytest.raises(error, match=text):
+        goalloc.memory_stats(device)
+
+
+def test_bad_device_does_not_reach_the_library():
+    """Python checks first, so the library prints no warning and counts nothing."""
+    before = goalloc.memory_stats(0).get("goalloc.bad_input.bad_device", 0)
+    with pytest.raises(ValueError):
+        goalloc.memory_stats(99)
+    assert goalloc.memory_stats(0).get("goalloc.bad_input.bad_device", 0) == before
+
+
+@pytest.mark.parametrize("conf, named", [
+    ("fraction:2", "fraction"),
+    ("reserve:1", "reserve"),
+    ("large_cache:lots", "large_cache"),
+    ("quiet:perhaps", "quiet"),
+    ("bogus:1", '"bogus"'),
+    ("fraction", '"fraction" is not key:value'),
+    ("fraction:0.5,fraction:0.6", "given twice"),
+])
+def test_bad_conf_is_a_value_error_naming_the_key(conf, named):
+    with pytest.raises(ValueError, match="GOALLOC_CONF") as e:
+        goalloc.configure(conf)
+    assert named in str(e.value)
+
+
+def test_unknown_conf_key_lists_the_known_ones():
+    with pytest.raises(ValueError) as e:
+        goalloc.configure("fractoin:0.5")
+    known = ", ".join(sorted(goalloc.config()["keys"]))
+    assert f"(known: {known})" in str(e.value)
+
+
+def test_conf_must_be_a_string():
+    with pytest.raises(TypeError, match="conf must be a string"):
+        goalloc.configure(0.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("entries", [0, -1, 1 << 27])
+def test_history_size_out_of_range(entries):
+    with pytest.raises(ValueError, match="max_entries"):
+        goalloc.record_history(True, max_entries=entries)
+
+
+def test_history_arguments_of_the_wrong_type():
+    with pytest.raises(TypeError, match="enabled must be True or False"):
+        goalloc.record_history("yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_entries must be an int"):
+        goalloc.record_history(True, max_entries=1.5)  # type: ignore[arg-type]
