@@ -53,7 +53,7 @@ def test_snapshot_has_torchs_structure(recorded):
     assert set(seg) == SEGMENT_KEYS
     assert seg["segment_type"] == "small"
     assert seg["address"] == small
-    assert seg["total_size"] == 2 * 1024 * 1024
+    assert seg["total_size"] == 256 * 1024  # the 1024-byte class's segment
     assert seg["allocated_size"] == 2 * 1024  # two 1024-byte slots
     assert seg["requested_size"] == 2 * SMALL
     assert seg["segment_pool_id"] == (0, 0)
@@ -77,7 +77,7 @@ def test_device_trace_records_the_sequence(recorded):
         assert set(e) == TRACE_KEYS
     got = [(e["action"], e["addr"], e["size"]) for e in trace]
     assert got == [
-        ("segment_alloc", small, 2 * 1024 * 1024),
+        ("segment_alloc", small, 256 * 1024),
         ("alloc", small, 1024),
         ("segment_alloc", large, BLOCK),
         ("alloc", large, BLOCK),

@@ -1,8 +1,8 @@
 """Statistics against a known sequence of allocations made through the C ABI.
 
 The figures follow from goalloc's layout (caching/sizeclasses.go): a request
-of at most 64 KiB takes a slot of its size class inside a 2 MiB small
-segment (1000 bytes -> a 1024-byte slot); a larger one takes a block of its
+of at most 64 KiB takes a slot of its size class inside a small segment
+(1000 bytes -> a 1024-byte slot in a 256 KiB segment); a larger one takes a block of its
 size rounded up to 512 bytes (3,000,000 -> 3,000,320), its own segment, and
 stays cached on its stream when freed.
 """
@@ -15,7 +15,7 @@ import pytest
 
 import goalloc
 
-SEGMENT = 2 * 1024 * 1024  # a small segment
+SEGMENT = 256 * 1024  # the small segment of the 1024-byte class (classSegment)
 SLOT = 1024  # the slot of a 1000-byte request
 SMALL = 1000
 LARGE = 3_000_000
