@@ -28,6 +28,8 @@ gotest:
 ctest: lib
 	cc -O2 -Wall tests/c/harness.c -o $(BUILD)/harness -ldl -lpthread
 	GOALLOC_DEVICE=sim $(BUILD)/harness $(BUILD)/libgoalloc.so
+	c++ -O2 -Wall tests/c/torch_malloc_test.cpp -o $(BUILD)/torch_malloc_test -ldl
+	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/torch_malloc_test $(BUILD)/libgoalloc.so
 
 # pytest: the Python package as a user gets it. `pip install .` (build isolation
 # on, so it fetches setuptools from PyPI) builds the library with Go into the

@@ -375,7 +375,7 @@ func (e *OOMError) Error() string {
 	if e.Limit > 0 {
 		limit = fmt.Sprintf("cap %s", fmtBytes(e.Limit))
 	}
-	return fmt.Sprintf("goalloc: out of memory on device %d: %s requested; %s of %s total; reserved %s, allocated %s, cached free %s, largest free cached block %s (%v)",
+	return fmt.Sprintf("goalloc: out of memory on device %d: %s requested; %s, device %s; reserved %s, allocated %s, cached free %s, largest free cached block %s (%v)",
 		e.Device, fmtBytes(e.Requested), limit, fmtBytes(e.Total), fmtBytes(e.Reserved),
 		fmtBytes(e.Allocated), fmtBytes(e.Cached), fmtBytes(e.LargestFree), e.Cause)
 }

@@ -78,6 +78,7 @@ func (a *Allocator) BeginAllocateToPool(id PoolID) error {
 	}
 	p.users++
 	a.windows = append(a.windows, id)
+	a.stats.GraphBegins++
 	return nil
 }
 
@@ -88,6 +89,7 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 	for i := len(a.windows) - 1; i >= 0; i-- {
 		if a.windows[i] == id {
 			a.windows = append(a.windows[:i], a.windows[i+1:]...)
+			a.stats.GraphEnds++
 			return nil
 		}
 	}
@@ -105,6 +107,7 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 		return a.badInput("invalid_pool", fmt.Sprintf("release_pool on device %d for pool (%d, %d), which goalloc does not hold", a.dev.Ordinal(), id[0], id[1]))
 	}
 	p.users--
+	a.stats.GraphReleases++
 	if p.users > 0 {
 		return nil
 	}

@@ -78,7 +78,9 @@ type Stats struct {
 	// CUDA graph private pools (graphs.go), read when the stats are taken:
 	// how many, and the bytes they hold (part of reserved_bytes).
 	GraphPools, GraphReservedBytes int64
-	BadInput                       map[string]int64
+	// Calls of the three graph hooks, and releases that emptied a pool.
+	GraphBegins, GraphEnds, GraphReleases int64
+	BadInput                              map[string]int64
 }
 
 // Map flattens s into PyTorch's memory_stats() keys, e.g.
@@ -121,6 +123,9 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.deferred_frees"] = s.DeferredFrees
 	m["goalloc.graph_pools"] = s.GraphPools
 	m["goalloc.graph_pools.reserved_bytes"] = s.GraphReservedBytes
+	m["goalloc.graph_hooks.begin"] = s.GraphBegins
+	m["goalloc.graph_hooks.end"] = s.GraphEnds
+	m["goalloc.graph_hooks.release"] = s.GraphReleases
 	for k, v := range s.BadInput {
 		m["goalloc.bad_input."+k] = v
 	}

@@ -41,6 +41,19 @@ import "unsafe"
 
 func main() {}
 
+func init() { getenv = cGetenv }
+
+// cGetenv is getenv(3): the environment as it is now, not as it was when
+// the library was loaded.
+func cGetenv(name string) string {
+	cs := C.CString(name)
+	defer C.free(unsafe.Pointer(cs))
+	if v := C.getenv(cs); v != nil {
+		return C.GoString(v)
+	}
+	return ""
+}
+
 //export my_malloc
 func my_malloc(size C.ssize_t, device C.int, stream C.cudaStream_t) unsafe.Pointer {
 	return devicePointer(lib.malloc(int64(size), int(device), uintptr(stream)))

@@ -13,6 +13,12 @@ import (
 	"github.com/goalloc/goalloc/caching"
 )
 
+// getenv reads the process environment. main.go points it at C's getenv:
+// Go's own copy of the environment is taken when the library loads, and a
+// Python program that sets os.environ["GOALLOC_CONF"] afterwards (through
+// putenv) must still be heard.
+var getenv = os.Getenv
+
 // maxDevices bounds device ordinals; PyTorch hosts have at most a few dozen.
 const maxDevices = 64
 
@@ -97,13 +103,13 @@ func (l *library) initLocked(torchCount int) error {
 
 func (l *library) setup(torchCount int) error {
 	if !l.configured {
-		cfg, err := caching.ParseConfig(os.Getenv("GOALLOC_CONF"))
+		cfg, err := caching.ParseConfig(getenv("GOALLOC_CONF"))
 		if err != nil {
 			return fmt.Errorf("goalloc: not initialised: %v", err)
 		}
 		l.cfg = cfg
 	}
-	l.kind = os.Getenv("GOALLOC_DEVICE")
+	l.kind = getenv("GOALLOC_DEVICE")
 	switch l.kind {
 	case "", "cuda":
 		l.kind = "cuda"
@@ -114,7 +120,7 @@ func (l *library) setup(torchCount int) error {
 		l.count = n
 	case "sim":
 		l.count = 8
-		if v := os.Getenv("GOALLOC_SIM_DEVICES"); v != "" {
+		if v := getenv("GOALLOC_SIM_DEVICES"); v != "" {
 			n, err := strconv.Atoi(v)
 			if err != nil || n < 1 || n > maxDevices {
 				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_DEVICES=%q is not a device count in [1, %d]", v, maxDevices)
@@ -122,7 +128,7 @@ func (l *library) setup(torchCount int) error {
 			l.count = n
 		}
 		l.simMemory = arena.DefaultSimMemory
-		if v := os.Getenv("GOALLOC_SIM_MEMORY"); v != "" {
+		if v := getenv("GOALLOC_SIM_MEMORY"); v != "" {
 			n, err := caching.ParseBytes(v)
 			if err != nil || n < 1<<20 {
 				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q is not a size of at least 1M", v)

@@ -130,7 +130,12 @@ def _pluggable(torch: ModuleType) -> Any:
     """
     global _allocator
     if _allocator is None:
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib.library_path(), "my_malloc", "my_free")
+        # goalloc_torch_malloc raises where my_malloc would return NULL:
+        # torch does not check the pointer, so a NULL would become a tensor
+        # whose first kernel faults and breaks the CUDA context
+        # (export/torch_malloc.cpp).
+        malloc = "goalloc_torch_malloc" if _lib.has_function("goalloc_torch_malloc") else "my_malloc"
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib.library_path(), malloc, "my_free")
         raw = alloc.allocator()
         raw.set_init_fn(_lib.address("goalloc_init"))
         raw.set_reset_fn(_lib.address("goalloc_empty_cache"))

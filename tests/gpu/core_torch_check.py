@@ -44,7 +44,7 @@ def frag():
     return read_json(lib.goalloc_fragmentation_json, 0)
 
 
-pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "my_malloc", "my_free")
+pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "goalloc_torch_malloc", "my_free")
 hooks = pluggable.allocator()
 hooks.set_init_fn(fn_addr("goalloc_init"))
 hooks.set_reset_fn(fn_addr("goalloc_empty_cache"))
@@ -120,12 +120,12 @@ total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction(0.05)
 ooms_before = stats()["num_ooms"]
 try:
-    # torch does not check the NULL a pluggable allocator returns: the
-    # tensor looks made, and only its first use raises.
+    # goalloc_torch_malloc raises; my_malloc's NULL would have made a tensor
+    # whose first kernel faults (export/torch_malloc.cpp).
     big = torch.empty(int(total * 0.08) // 4, device="cuda")
     big.fill_(1.0)
     over_cap = "allocated"
-except Exception as e:  # noqa: BLE001
+except RuntimeError as e:
     over_cap = type(e).__name__ + ": " + str(e).splitlines()[0][:200]
 small = torch.ones(1000, device="cuda") * 3
 out["fraction"] = {"over_cap": over_cap, "ooms": stats()["num_ooms"] - ooms_before,

@@ -29,7 +29,7 @@ def addr(name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "my_malloc", "my_free")
+pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "goalloc_torch_malloc", "my_free")
 h = pluggable.allocator()
 h.set_init_fn(addr("goalloc_init"))
 h.set_reset_fn(addr("goalloc_empty_cache"))
@@ -95,13 +95,15 @@ del g1, o1, g3, o3
 gc.collect()
 torch.cuda.synchronize()
 st = stats()
-out["after_release_shared"] = {"graph_pools": st["goalloc.graph_pools"], "graph_bytes": st["goalloc.graph_pools.reserved_bytes"]}
+out["after_release_shared"] = {"graph_pools": st["goalloc.graph_pools"], "graph_bytes": st["goalloc.graph_pools.reserved_bytes"],
+                               "hooks": [st["goalloc.graph_hooks." + h] for h in ("begin", "end", "release")]}
 del g2, o2
 gc.collect()
 torch.cuda.synchronize()
 torch.cuda.empty_cache()
 st = stats()
 out["after_release_all"] = {"graph_pools": st["goalloc.graph_pools"], "graph_bytes": st["goalloc.graph_pools.reserved_bytes"],
+                            "hooks": [st["goalloc.graph_hooks." + h] for h in ("begin", "end", "release")],
                             "bad_input": {k: v for k, v in st.items() if k.startswith("goalloc.bad_input.") and v}}
 # make_graphed_callables, the training-side API.
 model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()

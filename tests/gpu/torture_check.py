@@ -49,7 +49,7 @@ def read_json(fn):
 
 
 if not args.native:
-    pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "my_malloc", "my_free")
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "goalloc_torch_malloc", "my_free")
     hooks = pluggable.allocator()
     for setter, name in [("set_init_fn", "goalloc_init"), ("set_reset_fn", "goalloc_empty_cache"),
                          ("set_memory_fraction_fn", "goalloc_set_memory_fraction"),
@@ -70,12 +70,12 @@ def cookie(i):
 def check(t, v, into):
     """Adds the mismatches of t against v to the GPU counter into. Under a
     cap the comparison's own temporary can fail to allocate (torch raises
-    on the empty tensor it makes): the check is then skipped and counted."""
+    on goalloc's refusal): the check is then skipped and counted."""
     try:
         into += (t != v).sum()
         return 0
     except RuntimeError as e:
-        if "not allocated" not in str(e):
+        if "goalloc: out of memory" not in str(e):
             raise
         return 1
 
@@ -103,20 +103,19 @@ def worker(tid, ops, result):
         s = rng.choice(streams)
         next_id += 1
         with torch.cuda.stream(s):
-            if size < 64:
-                t = torch.empty(size, dtype=torch.uint8, device="cuda")
-                v = next_id % 251 + 1
-            else:
-                t = torch.empty(size // 4, dtype=torch.int32, device="cuda")
-                v = cookie(next_id)
             try:
-                t.fill_(v)
-            except RuntimeError as e:  # the cap: goalloc said no, torch made an empty shell
-                if "not allocated" not in str(e):
+                if size < 64:
+                    t = torch.empty(size, dtype=torch.uint8, device="cuda")
+                    v = next_id % 251 + 1
+                else:
+                    t = torch.empty(size // 4, dtype=torch.int32, device="cuda")
+                    v = cookie(next_id)
+            except RuntimeError as e:  # the cap: goalloc said no, torch raised
+                if "goalloc: out of memory" not in str(e):
                     raise
                 ooms += 1
-                del t
                 continue
+            t.fill_(v)
         allocs += 1
         used = []
         if rng.random() < 0.25:
