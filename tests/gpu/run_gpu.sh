@@ -44,16 +44,38 @@ if want python; then
 fi
 if want replay; then
   step replay
+  # REPLAY_CONFS: extra GOALLOC_CONF strings to compare, separated by spaces.
   for t in gpt2 resnet50; do
-    for p in passthrough goalloc; do
-      timeout 300 build/goalloc replay traces/$t-train.jsonl.gz --device cuda --policy $p --json > "$OUT/replay-$t-$p.json" || status=1
+    timeout 300 build/goalloc replay traces/$t-train.jsonl.gz --device cuda --policy passthrough --json \
+      > "$OUT/replay-$t-passthrough.json" || status=1
+    i=0
+    for conf in "" ${REPLAY_CONFS:-}; do
+      timeout 300 build/goalloc replay traces/$t-train.jsonl.gz --device cuda --policy goalloc --conf "$conf" --json \
+        > "$OUT/replay-$t-goalloc-$i.json" || status=1
+      i=$((i + 1))
     done
   done
-  ls -la "$OUT"/replay-*
 fi
 if want bench; then
   step bench
   [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }
 fi
 step done
+# The device tool brings back at most 8 files: pack the small JSON results
+# into one, results.json, keyed by file name.
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+packed = {}
+for name in sorted(os.listdir(out)):
+    path = os.path.join(out, name)
+    if name.endswith(".json") and name not in ("pool.json", "results.json", "bench.json"):
+        try:
+            packed[name] = json.load(open(path))
+        except ValueError:
+            packed[name] = open(path).read()
+        os.remove(path)
+json.dump(packed, open(os.path.join(out, "results.json"), "w"), indent=1)
+print("packed", len(packed), "results into results.json")
+PY
 exit $status
