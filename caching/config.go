@@ -42,7 +42,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		ReleaseThreshold: math.MaxUint64,
-		LargeCache:       1 << 30,
+		LargeCache:       256 << 20,
 		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
 	}

@@ -46,6 +46,25 @@ def stats():
     return read_json(lib.goalloc_stats_json, 0)
 
 
+def private_free_bytes():
+    """Memory goalloc could give back but keeps in graph pools, by pool: free
+    large blocks and wholly free small segments. A released pool must keep
+    none, only memory still live (such as the cuBLAS workspace torch
+    allocated during a capture and keeps) and the free slots of segments
+    that still have a live slot."""
+    snap = read_json(lib.goalloc_snapshot_json, 0)
+    free = {}
+    for d in snap:
+        for s in d["segments"]:
+            pid = str(tuple(s["segment_pool_id"]))
+            if pid == "(0, 0)":
+                continue
+            free.setdefault(pid, 0)
+            if s["active_size"] == 0:
+                free[pid] += s["total_size"]
+    return free
+
+
 def pool_ids():
     snap = read_json(lib.goalloc_snapshot_json, 0)
     return sorted({tuple(s["segment_pool_id"]) for d in snap for s in d["segments"]} - {(0, 0)})
@@ -96,7 +115,8 @@ gc.collect()
 torch.cuda.synchronize()
 st = stats()
 out["after_release_shared"] = {"graph_pools": st["goalloc.graph_pools"], "graph_bytes": st["goalloc.graph_pools.reserved_bytes"],
-                               "hooks": [st["goalloc.graph_hooks." + h] for h in ("begin", "end", "release")]}
+                               "hooks": [st["goalloc.graph_hooks." + h] for h in ("begin", "end", "release")],
+                               "free_in_pools": private_free_bytes()}
 del g2, o2
 gc.collect()
 torch.cuda.synchronize()
@@ -104,6 +124,7 @@ torch.cuda.empty_cache()
 st = stats()
 out["after_release_all"] = {"graph_pools": st["goalloc.graph_pools"], "graph_bytes": st["goalloc.graph_pools.reserved_bytes"],
                             "hooks": [st["goalloc.graph_hooks." + h] for h in ("begin", "end", "release")],
+                            "free_in_pools": private_free_bytes(),
                             "bad_input": {k: v for k, v in st.items() if k.startswith("goalloc.bad_input.") and v}}
 # make_graphed_callables, the training-side API.
 model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()

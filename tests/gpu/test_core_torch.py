@@ -36,7 +36,10 @@ def test_training_runs_and_hits_the_cache(result):
     t = result["train"]
     assert t["finite"]
     assert t["last_loss"] < t["first_loss"]
-    assert t["cache_hits"] > 10 * t["cache_misses"]
+    # Most requests hit the cache, and what goalloc holds stays close to
+    # what the model uses (miss_release gives cached blocks back to the pool).
+    assert t["cache_hits"] > t["cache_misses"]
+    assert t["reserved_peak"] <= 1.10 * t["allocated_peak"]
     assert not t["bad_input"] or all(v == 0 for v in t["bad_input"].values()), t["bad_input"]
 
 

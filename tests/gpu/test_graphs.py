@@ -41,12 +41,19 @@ def test_pool_ids_cross_the_abi(result):
 
 
 def test_shared_pool_and_release(result):
+    # Three captures into two pools; torch releases a pool once per graph.
     assert result["three_graphs"]["graph_pools"] == 2
-    assert result["after_release_shared"]["graph_pools"] == 1
-    assert result["after_release_shared"]["graph_bytes"] < result["three_graphs"]["graph_bytes"]
-    assert result["after_release_all"]["graph_pools"] == 0
-    assert result["after_release_all"]["graph_bytes"] == 0
-    assert result["after_release_all"]["bad_input"] == {}
+    shared = result["after_release_shared"]
+    assert shared["hooks"] == [3, 3, 2]
+    assert shared["graph_bytes"] < result["three_graphs"]["graph_bytes"]
+    # The released shared pool keeps only memory still live: torch keeps the
+    # cuBLAS workspace it allocated during the first capture.
+    assert shared["free_in_pools"].get("(1, 0)", 0) == 0
+    done = result["after_release_all"]
+    assert done["hooks"] == [3, 3, 3]
+    assert all(v == 0 for v in done["free_in_pools"].values()), done
+    assert done["graph_bytes"] <= 64 << 20  # the workspace, not the graphs' memory
+    assert done["bad_input"] == {}
 
 
 def test_make_graphed_callables_trains(result):
