@@ -46,6 +46,18 @@ pytest: $(VENV)/bin/python
 	env -u GOALLOC_LIBRARY $(VENV)/bin/python -m pip install -q --force-reinstall --no-deps .
 	$(SIM_ENV) $(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
 
+## demo: the main job. With torch and a GPU: train a small transformer with
+## goalloc installed. Without: replay the bundled GPT-2 trace on the simulated
+## device under every policy and write report/gpt2.html.
+demo: lib tool
+	@if $(PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then \
+		GOALLOC_LIBRARY=$(CURDIR)/$(BUILD)/libgoalloc.so PYTHONPATH=$(CURDIR)/python $(PYTHON) examples/train_demo.py; \
+	else \
+		echo "no torch with CUDA here: replaying the GPT-2 trace on the simulated device"; \
+		mkdir -p report && $(BUILD)/goalloc replay --compare traces/gpt2-train.jsonl.gz --html report/gpt2.html && \
+		echo "report: report/gpt2.html"; \
+	fi
+
 ## bench: the cache-hit malloc+free pair from Go and through the C ABI (tag goalloc_bench)
 bench:
 	$(GO) test -tags goalloc_bench -run '^$$' -bench . -benchmem ./export ./caching

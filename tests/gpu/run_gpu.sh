@@ -56,6 +56,16 @@ if want replay; then
     done
   done
 fi
+if want ddp; then
+  step ddp
+  # One GPU here: torchrun with one rank, goalloc and native at the same seed,
+  # and FSDP with goalloc. NCCL multicast stays off (the device tool's rule).
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for a in goalloc native; do
+    timeout 200 torchrun --nproc_per_node=1 examples/ddp_train.py --allocator $a --json "$OUT/ddp.json" 2>&1 | tail -3 || status=1
+  done
+  timeout 200 torchrun --nproc_per_node=1 examples/ddp_train.py --allocator goalloc --fsdp --json "$OUT/ddp.json" 2>&1 | tail -3 || status=1
+fi
 if want bench; then
   step bench
   [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }
