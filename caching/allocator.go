@@ -153,9 +153,9 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 		return a.mallocSmallSlow(l, c, size)
 	}
 	n := roundUp(size, classAlign)
-	if id := a.findCached(l, n); id != noBlock {
+	if id, bucket := a.findCached(l, n); id != noBlock {
 		a.stats.CacheHits++
-		return a.takeBlock(id, size), nil
+		return a.takeBlock(id, bucket, size), nil
 	}
 	return a.mallocLargeSlow(l, n, size)
 }
@@ -183,7 +183,9 @@ func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintp
 	}
 	a.countAlloc(StatSmall, slot, size)
 	p := seg.slotAddr(i)
-	a.history.add(actionAlloc, p, uint64(slot), seg.stream)
+	if a.history != nil {
+		a.history.add(actionAlloc, p, uint64(slot), seg.stream)
+	}
 	return p
 }
 
@@ -196,26 +198,29 @@ func (a *Allocator) countAlloc(t StatType, held int64, requested uint64) {
 	st.ActiveBytes.add(t, held)
 }
 
-// findCached returns a cached block of s for an n-byte request: the smallest
-// one of at least n bytes and at most n plus the configured slack.
-func (a *Allocator) findCached(l *StreamFreeList, n uint64) blockID {
+// findCached returns a cached block of s for an n-byte request, the
+// smallest one of at least n bytes and at most n plus the configured slack,
+// and its bucket.
+func (a *Allocator) findCached(l *StreamFreeList, n uint64) (blockID, *sizeBucket) {
 	most := n + uint64(float64(n)*a.cfg.LargeSlack)
 	for i := l.bucketIndex(n); i < len(l.buckets) && l.buckets[i].size <= most; i++ {
 		if b := &l.buckets[i]; b.count > 0 {
-			return b.list.head
+			return b.list.head, b
 		}
 	}
-	return noBlock
+	return noBlock, nil
 }
 
-// takeBlock hands out the cached block id.
-func (a *Allocator) takeBlock(id blockID, size uint64) uintptr {
+// takeBlock hands out the cached block id, which is in bucket.
+func (a *Allocator) takeBlock(id blockID, bucket *sizeBucket, size uint64) uintptr {
 	b := &a.blocks[id]
-	a.uncache(id)
+	a.uncache(id, bucket)
 	b.state = blockLive
 	b.requested = size
 	a.countAlloc(StatLarge, int64(b.size), size)
-	a.history.add(actionAlloc, b.addr, b.size, b.stream)
+	if a.history != nil {
+		a.history.add(actionAlloc, b.addr, b.size, b.stream)
+	}
 	return b.addr
 }
 
@@ -236,15 +241,17 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 	a.stats.Segment.add(StatSmall, 1)
 	a.stats.ReservedBytes.add(StatSmall, int64(seg.size))
 	l.pool.reserved += seg.size
-	a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
+	if a.history != nil {
+		a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
+	}
 	return a.takeSlot(l, seg, size), nil
 }
 
 func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr, error) {
 	a.stats.CacheMisses++
 	if a.pollDeferred() > 0 {
-		if id := a.findCached(l, n); id != noBlock {
-			return a.takeBlock(id, size), nil
+		if id, bucket := a.findCached(l, n); id != noBlock {
+			return a.takeBlock(id, bucket, size), nil
 		}
 	}
 	l.pruneBuckets()
@@ -263,9 +270,13 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	a.stats.Segment.add(StatLarge, 1)
 	a.stats.ReservedBytes.add(StatLarge, int64(n))
 	l.pool.reserved += n
-	a.history.add(actionSegmentAlloc, p, n, l.stream)
+	if a.history != nil {
+		a.history.add(actionSegmentAlloc, p, n, l.stream)
+	}
 	a.countAlloc(StatLarge, int64(n), size)
-	a.history.add(actionAlloc, p, n, l.stream)
+	if a.history != nil {
+		a.history.add(actionAlloc, p, n, l.stream)
+	}
 	return p, nil
 }
 
@@ -385,7 +396,9 @@ func (e *OOMError) Unwrap() error { return arena.ErrOutOfMemory }
 func (a *Allocator) outOfMemory(size uint64, cause error) error {
 	a.stats.NumOOMs++
 	f := a.fragmentation()
-	a.history.add(actionOOM, 0, size, 0)
+	if a.history != nil {
+		a.history.add(actionOOM, 0, size, 0)
+	}
 	return &OOMError{
 		Device: a.dev.Ordinal(), Requested: size, Limit: a.limit, Total: a.total,
 		Reserved: a.reserved(), Allocated: uint64(a.stats.AllocatedBytes[StatAll].Current),
@@ -421,7 +434,9 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 		return a.badInput("double_free", fmt.Sprintf("double free of %#x (%d bytes) on device %d", ptr, size, a.dev.Ordinal()))
 	}
 	a.countFree(StatLarge, int64(b.size), b.requested)
-	a.history.add(actionFreeRequested, ptr, b.size, b.stream)
+	if a.history != nil {
+		a.history.add(actionFreeRequested, ptr, b.size, b.stream)
+	}
 	warn := a.checkFree(ptr, size, b.requested, s, b.stream)
 	if a.deferIfRecorded(ptr, b.list) {
 		b.state = blockPending
@@ -429,7 +444,9 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 	}
 	a.stats.Active.sub(StatLarge, 1)
 	a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
-	a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+	if a.history != nil {
+		a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+	}
 	a.cacheBlock(id)
 	return warn
 }
@@ -440,7 +457,9 @@ func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s 
 	}
 	req := uint64(seg.requested[i])
 	a.countFree(StatSmall, int64(seg.slotSize), req)
-	a.history.add(actionFreeRequested, ptr, seg.slotSize, seg.stream)
+	if a.history != nil {
+		a.history.add(actionFreeRequested, ptr, seg.slotSize, seg.stream)
+	}
 	warn := a.checkFree(ptr, size, req, s, seg.stream)
 	if a.deferIfRecorded(ptr, seg.list) {
 		seg.state[i] = slotPending
@@ -493,7 +512,9 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	slot := int64(seg.slotSize)
 	a.stats.Active.sub(StatSmall, 1)
 	a.stats.ActiveBytes.sub(StatSmall, slot)
-	a.history.add(actionFreeCompleted, seg.slotAddr(i), seg.slotSize, seg.stream)
+	if a.history != nil {
+		a.history.add(actionFreeCompleted, seg.slotAddr(i), seg.slotSize, seg.stream)
+	}
 	seg.state[i] = slotFree
 	seg.freeSlots = append(seg.freeSlots, i)
 	seg.used--
@@ -547,12 +568,14 @@ func (a *Allocator) cacheBlock(id blockID) {
 	}
 }
 
-// uncache takes the cached block id out of its bucket and the LRU list.
-func (a *Allocator) uncache(id blockID) {
+// uncache takes the cached block id out of its bucket (found if nil) and
+// the LRU list.
+func (a *Allocator) uncache(id blockID, bucket *sizeBucket) {
 	b := &a.blocks[id]
 	l := b.list
-	i := l.bucketIndex(b.size)
-	bucket := &l.buckets[i]
+	if bucket == nil {
+		bucket = &l.buckets[l.bucketIndex(b.size)]
+	}
 	a.unlink(&bucket.list, id, sizeLinks)
 	bucket.count--
 	if bucket.count == 0 {
@@ -575,10 +598,12 @@ func (a *Allocator) releaseBlock(id blockID) error {
 		return err
 	}
 	a.stats.NumDeviceFree++
-	a.uncache(id)
+	a.uncache(id, nil)
 	a.stats.Segment.sub(StatLarge, 1)
 	a.stats.ReservedBytes.sub(StatLarge, int64(b.size))
-	a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
+	if a.history != nil {
+		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
+	}
 	delete(a.largeByAddr, b.addr)
 	p := b.list.pool
 	p.reserved -= b.size
@@ -679,7 +704,9 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	a.removeSegment(seg)
 	a.stats.Segment.sub(StatSmall, 1)
 	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
-	a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
+	if a.history != nil {
+		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
+	}
 	l.pool.reserved -= seg.size
 	a.dropIfEmpty(l.pool)
 	return nil
@@ -733,7 +760,9 @@ func (a *Allocator) completeFree(ptr uintptr) {
 		b := &a.blocks[id]
 		a.stats.Active.sub(StatLarge, 1)
 		a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
-		a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+		if a.history != nil {
+			a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+		}
 		a.cacheBlock(id)
 		return
 	}
@@ -783,7 +812,9 @@ func (a *Allocator) EmptyCache() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	err := a.releaseAll()
-	a.history.add(actionEmptyCache, 0, 0, 0)
+	if a.history != nil {
+		a.history.add(actionEmptyCache, 0, 0, 0)
+	}
 	return err
 }
 

@@ -13,6 +13,8 @@ package main
 
 extern void *my_malloc(ssize_t size, int device, void *stream);
 extern void my_free(void *ptr, ssize_t size, int device, void *stream);
+extern void *goalloc_bench_nop_malloc(ssize_t size, int device, void *stream);
+extern void goalloc_bench_nop_free(void *ptr, ssize_t size, int device, void *stream);
 
 static void goalloc_bench_pairs(long n, ssize_t size) {
 	for (long i = 0; i < n; i++) {
@@ -20,7 +22,16 @@ static void goalloc_bench_pairs(long n, ssize_t size) {
 		my_free(p, size, 0, (void *)0);
 	}
 }
+
+static void goalloc_bench_nop_pairs(long n, ssize_t size) {
+	for (long i = 0; i < n; i++) {
+		void *p = goalloc_bench_nop_malloc(size, 0, (void *)0);
+		goalloc_bench_nop_free(p, size, 0, (void *)0);
+	}
+}
 */
 import "C"
 
 func benchPairs(n int, size int64) { C.goalloc_bench_pairs(C.long(n), C.ssize_t(size)) }
+
+func benchNopPairs(n int) { C.goalloc_bench_nop_pairs(C.long(n), 4096) }

@@ -12,6 +12,11 @@ import (
 // simulated device (make bench; BENCHMARKS.md has the figures).
 func BenchmarkCABIPair(b *testing.B) {
 	os.Setenv("GOALLOC_DEVICE", "sim")
+	b.Run("floor", func(b *testing.B) { // two exported no-ops: the crossing alone
+		benchNopPairs(100)
+		b.ResetTimer()
+		benchNopPairs(b.N)
+	})
 	for _, size := range []int64{4 << 10, 1 << 20, 64 << 20} {
 		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
 			benchPairs(100, size) // warm the cache
