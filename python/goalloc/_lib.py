@@ -67,52 +67,10 @@ def library_path() -> str:
     return str(p)
 
 
-# The variables the library reads when it initialises (export/registry.go).
+# The variables the library reads, with getenv(3), when it initialises
+# (export/registry.go): os.environ changes made before goalloc's first call
+# in the process count; later ones do not.
 LIBRARY_SETTINGS = ("GOALLOC_DEVICE", "GOALLOC_SIM_DEVICES", "GOALLOC_SIM_MEMORY", "GOALLOC_CONF")
-
-
-def start_environment() -> dict[str, str]:
-    """The environment this process started with, which is all the library sees.
-
-    A Go library loaded into a process reads the environment block the
-    process was started with, not the C environment as it is when the
-    library is loaded: os.environ changes made by Python before the first
-    goalloc call are invisible to it.
-    """
-    try:
-        raw = Path("/proc/self/environ").read_bytes()
-    except OSError:
-        return dict(os.environ)
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[os.fsdecode(key)] = os.fsdecode(value)
-    return env
-
-
-def unseen_settings() -> list[str]:
-    """GOALLOC_* settings whose os.environ value the library will not see.
-
-    GOALLOC_CONF is not among them: install() and mempool() apply its
-    os.environ value themselves (goalloc._torch.apply_conf).
-    """
-    start = start_environment()
-    return [k for k in LIBRARY_SETTINGS if k != "GOALLOC_CONF" and os.environ.get(k) != start.get(k)]
-
-
-def _warn_unseen_settings() -> None:
-    unseen = unseen_settings()
-    if unseen:
-        import warnings
-
-        warnings.warn(
-            f"goalloc: {', '.join(unseen)} changed in os.environ after this process "
-            f"started, and libgoalloc.so reads only the environment the process started "
-            f"with. Set them in the shell or launcher instead.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -167,7 +125,6 @@ def lib() -> ctypes.CDLL:
             except OSError as e:
                 raise OSError(f"goalloc: cannot load {path}: {e}") from e
             _declare(loaded)
-            _warn_unseen_settings()
             _loaded_path = path
             _lib = loaded
     return _lib

@@ -74,18 +74,14 @@ def apply_conf(conf: Optional[str]) -> None:
     """Give the library install()'s or mempool()'s conf, before torch is touched.
 
     conf=None keeps GOALLOC_CONF from the environment, which the library reads
-    itself when it initialises (see init_library), or applies os.environ's
-    value when that was changed after the process started. A conf string replaces
-    GOALLOC_CONF; the library accepts that only before its first allocation.
+    itself (getenv) when it initialises (see init_library). A conf string
+    replaces GOALLOC_CONF; the library accepts that only before its first
+    allocation.
     A bad string raises ValueError with the library's message, naming the key.
     """
     global _applied_conf
     if conf is None:
-        # The library sees GOALLOC_CONF as the process started; a value set in
-        # os.environ since (a launcher script, a notebook) is applied here.
-        conf = os.environ.get("GOALLOC_CONF")
-        if conf is None or conf == _lib.start_environment().get("GOALLOC_CONF"):
-            return
+        return
     if not isinstance(conf, str):
         raise TypeError(f"goalloc: conf must be a string like 'fraction:0.8', not {type(conf).__name__}")
     if conf != _applied_conf:
