@@ -917,6 +917,7 @@ func (a *Allocator) fragmentation() Fragmentation {
 	}
 	if u, err := a.dev.PoolUsage(); err == nil {
 		f.PoolReserved, f.PoolUsed = u.ReservedCurrent, u.UsedCurrent
+		f.PoolReservedHigh, f.PoolUsedHigh = u.ReservedHigh, u.UsedHigh
 	}
 	return f
 }

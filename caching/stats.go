@@ -187,4 +187,9 @@ type Fragmentation struct {
 	// PoolReserved and PoolUsed are the driver pool's own figures.
 	PoolReserved uint64 `json:"pool_reserved_bytes"`
 	PoolUsed     uint64 `json:"pool_used_bytes"`
+	// PoolReservedHigh and PoolUsedHigh are the pool's high-water marks
+	// since it was made or reset_peak_memory_stats: what the device really
+	// had to map for this process's allocations at most.
+	PoolReservedHigh uint64 `json:"pool_reserved_high_bytes"`
+	PoolUsedHigh     uint64 `json:"pool_used_high_bytes"`
 }

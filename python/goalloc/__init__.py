@@ -265,6 +265,10 @@ class Fragmentation:
     #: The driver pool's own reserved and used bytes.
     pool_reserved_bytes: int
     pool_used_bytes: int
+    #: The pool's high-water marks since it was made or the last
+    #: reset_peak_memory_stats: what the device had to map at most.
+    pool_reserved_high_bytes: int = 0
+    pool_used_high_bytes: int = 0
 
 
 def fragmentation(device: Device = 0) -> Fragmentation:
@@ -276,6 +280,8 @@ def fragmentation(device: Device = 0) -> Fragmentation:
         ratio=f["fragmentation"],
         pool_reserved_bytes=f["pool_reserved_bytes"],
         pool_used_bytes=f["pool_used_bytes"],
+        pool_reserved_high_bytes=f.get("pool_reserved_high_bytes", 0),
+        pool_used_high_bytes=f.get("pool_used_high_bytes", 0),
     )
 
 
