@@ -384,11 +384,11 @@ type OOMError struct {
 func (e *OOMError) Error() string {
 	limit := "no cap"
 	if e.Limit > 0 {
-		limit = fmt.Sprintf("cap %s", fmtBytes(e.Limit))
+		limit = fmt.Sprintf("cap %s", FormatBytes(e.Limit))
 	}
 	return fmt.Sprintf("goalloc: out of memory on device %d: %s requested; %s, device %s; reserved %s, allocated %s, cached free %s, largest free cached block %s (%v)",
-		e.Device, fmtBytes(e.Requested), limit, fmtBytes(e.Total), fmtBytes(e.Reserved),
-		fmtBytes(e.Allocated), fmtBytes(e.Cached), fmtBytes(e.LargestFree), e.Cause)
+		e.Device, FormatBytes(e.Requested), limit, FormatBytes(e.Total), FormatBytes(e.Reserved),
+		FormatBytes(e.Allocated), FormatBytes(e.Cached), FormatBytes(e.LargestFree), e.Cause)
 }
 
 func (e *OOMError) Unwrap() error { return arena.ErrOutOfMemory }
@@ -947,7 +947,9 @@ func (a *Allocator) badInput(kind, msg string) error {
 	return &InputError{Kind: kind, Msg: msg}
 }
 
-func fmtBytes(n uint64) string {
+// FormatBytes writes n in the largest binary unit it reaches, with two
+// decimals (23.64 GiB), as goalloc's messages and reports do.
+func FormatBytes(n uint64) string {
 	switch {
 	case n >= 1<<30:
 		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))

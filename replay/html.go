@@ -2,6 +2,7 @@ package replay
 
 import (
 	"fmt"
+	"github.com/goalloc/goalloc/caching"
 	"html/template"
 	"io"
 	"math"
@@ -355,22 +356,12 @@ func fmtSI(v float64) string {
 	return trimFloat(v)
 }
 
-// fmtBytes writes n in the largest binary unit it reaches, two decimals.
-func fmtBytes(n uint64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
-}
+// fmtBytes writes n as goalloc does everywhere (caching.FormatBytes).
+var fmtBytes = caching.FormatBytes
 
 // FormatBytes writes n as the report does: in the largest binary unit it
 // reaches, with two decimals (23.64 GiB).
-func FormatBytes(n uint64) string { return fmtBytes(n) }
+var FormatBytes = caching.FormatBytes
 
 // fmtCount writes n with thousands separators.
 func fmtCount(n uint64) string {

@@ -8,49 +8,16 @@ on it. Run from the repository root:
 
     GOALLOC_LIBRARY=build/libgoalloc.so python3 tests/gpu/core_torch_check.py
 """
-import ctypes
 import json
-import os
 import sys
 
 import torch
 
-path = os.path.abspath(os.environ.get("GOALLOC_LIBRARY", "build/libgoalloc.so"))
-lib = ctypes.CDLL(path)
-lib.goalloc_stats_json.restype = ctypes.c_void_p
-lib.goalloc_fragmentation_json.restype = ctypes.c_void_p
-lib.goalloc_string_free.argtypes = [ctypes.c_void_p]
+from rawlib import RawGoalloc  # noqa: E402
 
-
-def fn_addr(name):
-    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
-
-def read_json(fn, *args):
-    p = fn(*args)
-    if not p:
-        raise RuntimeError("goalloc returned NULL")
-    try:
-        return json.loads(ctypes.string_at(p).decode())
-    finally:
-        lib.goalloc_string_free(p)
-
-
-def stats():
-    return read_json(lib.goalloc_stats_json, 0)
-
-
-def frag():
-    return read_json(lib.goalloc_fragmentation_json, 0)
-
-
-pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "goalloc_torch_malloc", "my_free")
-hooks = pluggable.allocator()
-hooks.set_init_fn(fn_addr("goalloc_init"))
-hooks.set_reset_fn(fn_addr("goalloc_empty_cache"))
-hooks.set_memory_fraction_fn(fn_addr("goalloc_set_memory_fraction"))
-hooks.set_record_stream_fn(fn_addr("goalloc_record_stream"))
-torch.cuda.memory.change_current_allocator(pluggable)
+goalloc = RawGoalloc()
+goalloc.install(torch)
+stats, frag = goalloc.stats, goalloc.fragmentation
 out = {}
 
 # 1. Train a small transformer: forward, backward (autograd thread), AdamW.

@@ -3,47 +3,19 @@ CUDA graphs). Prints one JSON object; tests/gpu/test_graphs.py asserts on it.
 
     GOALLOC_LIBRARY=build/libgoalloc.so python3 tests/gpu/graphs_check.py
 """
-import ctypes
 import gc
 import json
-import os
 
 import torch
 
-path = os.path.abspath(os.environ.get("GOALLOC_LIBRARY", "build/libgoalloc.so"))
-lib = ctypes.CDLL(path)
-for f in ("goalloc_stats_json", "goalloc_snapshot_json"):
-    getattr(lib, f).restype = ctypes.c_void_p
-lib.goalloc_string_free.argtypes = [ctypes.c_void_p]
+from rawlib import RawGoalloc  # noqa: E402
 
-
-def read_json(fn, arg):
-    p = fn(arg)
-    try:
-        return json.loads(ctypes.string_at(p).decode())
-    finally:
-        lib.goalloc_string_free(p)
-
-
-def addr(name):
-    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
-
-pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "goalloc_torch_malloc", "my_free")
-h = pluggable.allocator()
-h.set_init_fn(addr("goalloc_init"))
-h.set_reset_fn(addr("goalloc_empty_cache"))
-h.set_memory_fraction_fn(addr("goalloc_set_memory_fraction"))
-h.set_record_stream_fn(addr("goalloc_record_stream"))
-h.set_begin_allocate_to_pool(addr("goalloc_begin_allocate_to_pool"))
-h.set_end_allocate_to_pool_fn(addr("goalloc_end_allocate_to_pool"))
-h.set_release_pool(addr("goalloc_release_pool"))
-torch.cuda.memory.change_current_allocator(pluggable)
+goalloc = RawGoalloc()
+goalloc.install(torch)
 out = {}
 
 
-def stats():
-    return read_json(lib.goalloc_stats_json, 0)
+stats = goalloc.stats
 
 
 def private_free_bytes():
@@ -52,7 +24,7 @@ def private_free_bytes():
     none, only memory still live (such as the cuBLAS workspace torch
     allocated during a capture and keeps) and the free slots of segments
     that still have a live slot."""
-    snap = read_json(lib.goalloc_snapshot_json, 0)
+    snap = goalloc.snapshot(0)
     free = {}
     for d in snap:
         for s in d["segments"]:
@@ -66,7 +38,7 @@ def private_free_bytes():
 
 
 def pool_ids():
-    snap = read_json(lib.goalloc_snapshot_json, 0)
+    snap = goalloc.snapshot(0)
     return sorted({tuple(s["segment_pool_id"]) for d in snap for s in d["segments"]} - {(0, 0)})
 
 

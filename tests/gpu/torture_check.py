@@ -12,10 +12,7 @@ object. Run from the repository root:
     ... --threads 4       (several Python threads allocating at once)
 """
 import argparse
-import ctypes
 import json
-import math
-import os
 import random
 import threading
 import time
@@ -33,29 +30,11 @@ ap.add_argument("--max-log2", type=int, default=28, help="largest size is 2**thi
 ap.add_argument("--native", action="store_true", help="run on PyTorch's own allocator, for comparison")
 args = ap.parse_args()
 
-path = os.path.abspath(os.environ.get("GOALLOC_LIBRARY", "build/libgoalloc.so"))
-lib = ctypes.CDLL(path)
-lib.goalloc_stats_json.restype = ctypes.c_void_p
-lib.goalloc_fragmentation_json.restype = ctypes.c_void_p
-lib.goalloc_string_free.argtypes = [ctypes.c_void_p]
+from rawlib import RawGoalloc  # noqa: E402
 
-
-def read_json(fn):
-    p = fn(0)
-    try:
-        return json.loads(ctypes.string_at(p).decode())
-    finally:
-        lib.goalloc_string_free(p)
-
-
+goalloc = RawGoalloc()
 if not args.native:
-    pluggable = torch.cuda.memory.CUDAPluggableAllocator(path, "goalloc_torch_malloc", "my_free")
-    hooks = pluggable.allocator()
-    for setter, name in [("set_init_fn", "goalloc_init"), ("set_reset_fn", "goalloc_empty_cache"),
-                         ("set_memory_fraction_fn", "goalloc_set_memory_fraction"),
-                         ("set_record_stream_fn", "goalloc_record_stream")]:
-        getattr(hooks, setter)(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value)
-    torch.cuda.memory.change_current_allocator(pluggable)
+    goalloc.install(torch)
 
 torch.cuda.init()
 if args.fraction:
@@ -157,10 +136,10 @@ out = {"ops": per * args.threads, "threads": args.threads, "streams": args.strea
        "skipped_checks": sum(r["skipped_checks"] for r in results.values()),
        "threads_finished": len(results)}
 if not args.native:
-    st = read_json(lib.goalloc_stats_json)
+    st = goalloc.stats()
     torch.cuda.empty_cache()
-    after = read_json(lib.goalloc_stats_json)
-    frag = read_json(lib.goalloc_fragmentation_json)
+    after = goalloc.stats()
+    frag = goalloc.fragmentation()
     out.update({
         "num_ooms": st["num_ooms"], "num_alloc_retries": st["num_alloc_retries"],
         "cache_hits": st["goalloc.cache_hits"], "cache_misses": st["goalloc.cache_misses"],
