@@ -1,0 +1,576 @@
+#!/usr/bin/env python3
+"""Turn a benchmark suite's bench.json into BENCHMARKS.md.
+
+    python3 bench/render.py OUTDIR/bench.json                 # markdown on stdout
+    python3 bench/render.py OUTDIR/bench.json --write         # replace ./BENCHMARKS.md
+    python3 bench/render.py OUTDIR/bench.json --output F.md   # write F.md
+    python3 bench/render.py OUTDIR/bench.json --unpack bench/results   # one JSON file per run
+
+This is the only thing that writes numbers into BENCHMARKS.md: every figure
+in it is computed here from the runs recorded in bench.json (medians over
+repeats, ratios of medians, goals met or missed and by how much). Old
+results are replaced, never appended. Standard library only.
+
+--notes FILE appends a hand-written closing note (the why of a missed goal,
+from a profile) under the computed goals; it should carry no numbers of its
+own: the computed sections above it have them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-mempool", "c-floor")
+PAIR_CASES = (("4KiB", "4 KiB"), ("1MiB", "1 MiB"), ("64MiB", "64 MiB"), ("burst64", "burst of 64 mixed"))
+TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("resnet50", "ResNet-50", "images/s"))
+
+# The issue's goals.
+GOAL_MEMORY_OVER_LIVE = 1.05
+GOAL_THROUGHPUT_VS_NATIVE = 0.99
+GOAL_PAIR_VS_FLOOR = 1.10
+
+GiB, MiB, KiB = float(1 << 30), float(1 << 20), float(1 << 10)
+
+
+# --- aggregation ---------------------------------------------------------------
+
+
+def dig(d: Any, *path: str) -> Any:
+    """d[path[0]][path[1]]..., or None where any step is missing."""
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def number(v: Any) -> Optional[float]:
+    """v as a float if it is a finite number, else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+@dataclass
+class Agg:
+    """The values of one metric over the repeats, and their median."""
+
+    values: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def median(self) -> Optional[float]:
+        return float(statistics.median(self.values)) if self.values else None
+
+    @property
+    def lo(self) -> Optional[float]:
+        return min(self.values) if self.values else None
+
+    @property
+    def hi(self) -> Optional[float]:
+        return max(self.values) if self.values else None
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b, or None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def runs_of(doc: dict[str, Any], workload: str, config: Optional[str] = None,
+            trace: Optional[str] = None) -> list[dict[str, Any]]:
+    """The recorded runs of a workload (and configuration, and trace) that left a result."""
+    out = []
+    for r in doc.get("runs", []):
+        if r.get("workload") != workload or not isinstance(r.get("result"), dict):
+            continue
+        if config is not None and r.get("config") != config:
+            continue
+        if trace is not None and r.get("trace") != trace:
+            continue
+        out.append(r)
+    return out
+
+
+def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Agg:
+    """Agg of get(run["result"]) over the runs where it is a number.
+
+    A run that failed part way still counts for the sections it finished
+    (workloads.py writes a section only once it is complete).
+    """
+    vals = []
+    for r in runs:
+        v = number(get(r["result"]))
+        if v is not None:
+            vals.append(v)
+    return Agg(vals)
+
+
+def memory_of_record(config: str, result: dict[str, Any]) -> Any:
+    """The issue's 'peak device memory' of a training run, by configuration.
+
+    goalloc: its driver pool's reserved high-water mark (the maximum of the
+    readings taken after every step and at the end; the pool keeps what it
+    reserved, release threshold at its maximum). torch's allocators: their
+    max reserved. goalloc-mempool: torch's max reserved (torch's own segments
+    plus the segments goalloc handed its pool). c-floor: what it holds from
+    cuMemAlloc, at its peak.
+    """
+    a = result.get("allocator") or {}
+    if config == "goalloc":
+        return a.get("pool_reserved_max_read")
+    return a.get("reserved_peak")
+
+
+MEMORY_BASIS = {
+    "goalloc": "driver pool reserved high-water mark",
+    "goalloc-mempool": "torch max reserved (its pool's segments come from goalloc)",
+    "c-floor": "bytes held from cuMemAlloc, peak",
+}
+
+
+def basis(config: str) -> str:
+    return MEMORY_BASIS.get(config, "torch max reserved")
+
+
+# --- formatting ------------------------------------------------------------------
+
+
+def fmt(v: Optional[float], digits: int = 2) -> str:
+    return "—" if v is None else f"{v:,.{digits}f}"
+
+
+def fmt_x(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.3f}×"
+
+
+def fmt_bytes(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    if abs(v) >= GiB:
+        return f"{v / GiB:.2f} GiB"
+    if abs(v) >= MiB or v == 0:
+        return f"{v / MiB:.1f} MiB"
+    return f"{v / KiB:.0f} KiB"
+
+
+def fmt_spread(a: Agg, f: Callable[[Optional[float]], str]) -> str:
+    if a.n == 0:
+        return "—"
+    if a.n == 1:
+        return f"{f(a.median)} (n=1)"
+    return f"{f(a.median)} ({f(a.lo)}–{f(a.hi)}, n={a.n})"
+
+
+def pct(r: float) -> str:
+    return f"{(r - 1) * 100:+.1f}%"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def present_configs(doc: dict[str, Any], workload: str) -> list[str]:
+    """The configurations planned or run for a workload, in the standard order."""
+    seen = {r.get("config") for r in doc.get("plan", []) + doc.get("runs", []) if r.get("workload") == workload}
+    return [c for c in CONFIGS if c in seen] + sorted(c for c in seen if c not in CONFIGS and c)
+
+
+# --- the sections -------------------------------------------------------------------
+
+
+def section_header(doc: dict[str, Any]) -> list[str]:
+    env = doc.get("env") or {}
+    smi = doc.get("nvidia_smi") or {}
+    opts = doc.get("options") or {}
+    runs = doc.get("runs", [])
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+    gpu = smi.get("name") or env.get("gpu") or "unknown"
+    lines = [
+        "# goalloc benchmarks",
+        "",
+        "Generated by `bench/render.py` from the suite's `bench.json`; every number below",
+        "comes from that run. Re-run with the command below, then render again (this file is",
+        "replaced, not appended). Each workload ran in a fresh process per configuration and",
+        "repeat, configurations interleaved in a rotated order; figures are medians over the",
+        "repeats (min–max and n in brackets); ratios are ratios of medians.",
+        "",
+        f"- GPU: {gpu}; driver {smi.get('driver_version') or env.get('cuda_driver') or 'unknown'}; "
+        f"{fmt_bytes(number(env.get('gpu_memory')))}",
+        f"- torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', '?')}), transformers "
+        f"{env.get('transformers', '?')}, torchvision {env.get('torchvision', '?')}, Python {env.get('python', '?')}",
+        f"- date: {doc.get('started', '?')} (UTC); suite wall time {fmt(number(doc.get('elapsed_s')), 0)} s "
+        f"of a {fmt(number(doc.get('budget_s')), 0)} s budget",
+        f"- command: `{doc.get('command', '?')}`",
+        f"- options: repeats {opts.get('repeats', '?')}; GPT-2 {opts.get('gpt2_warmup', '?')} warm-up + "
+        f"{opts.get('gpt2_steps', '?')} timed steps, batch {rng(opts.get('gpt2_batch'))}, sequence "
+        f"{rng(opts.get('gpt2_seq'))}; ResNet-50 {opts.get('resnet_warmup', '?')} + {opts.get('resnet_steps', '?')} "
+        f"steps, batch {rng(opts.get('resnet_batch'))}, {rng(opts.get('resnet_res'))} px; mem_get_info sampled "
+        f"every {opts.get('sample_ms', '?')} ms"
+        + (f"; GOALLOC_CONF `{opts['goalloc_conf']}`" if opts.get("goalloc_conf") else "; goalloc's default configuration"),
+        "- runs: " + (", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none")
+        + (f"; repository commit {doc['git_commit']}" if doc.get("git_commit") else ""),
+    ]
+    for when, key in (("before", "nvidia_smi"), ("after", "nvidia_smi_end")):
+        g = doc.get(key) or {}
+        if g.get("clocks.sm") or g.get("temperature.gpu"):
+            lines.append(f"- GPU {when} the runs (nvidia-smi): SM clock {g.get('clocks.sm', '?')} MHz of "
+                         f"{g.get('clocks.max.sm', '?')}, memory clock {g.get('clocks.mem', '?')} MHz, "
+                         f"{g.get('temperature.gpu', '?')} °C, power limit {g.get('power.limit', '?')} W")
+    cf = doc.get("cfloor") or {}
+    if cf and not cf.get("ok"):
+        lines.append(f"- c-floor did not build: {first_line(cf.get('error'))}")
+    bad = [r for r in runs if r.get("status") not in ("ok", None)]
+    if bad:
+        lines += ["", "Runs that did not finish:", ""]
+        for r in bad:
+            why = r.get("reason") or first_line(dig(r, "meta", "error")) or first_line(r.get("output_tail"), last=True)
+            lines.append(f"- {r.get('name', '?')}: {r.get('status')}" + (f": {why}" if why else ""))
+    return lines
+
+
+def rng(v: Any) -> str:
+    if isinstance(v, (list, tuple)) and len(v) == 2:
+        return f"{v[0]}–{v[1]}"
+    return "?"
+
+
+def first_line(s: Any, last: bool = False) -> str:
+    if not isinstance(s, str) or not s.strip():
+        return ""
+    lines = [ln.strip() for ln in s.strip().splitlines() if ln.strip()]
+    line = lines[-1] if last else lines[0]
+    return line[:200].replace("|", "/")
+
+
+def section_pairs(doc: dict[str, Any]) -> list[str]:
+    configs = present_configs(doc, "micro")
+    lines = ["## 1. Alloc+free pairs through `torch.empty`", "",
+             "Microseconds per pair (a tensor made and freed at once in a Python loop; a burst makes 64",
+             "tensors of mixed sizes, then frees them in a shuffled order, and counts 64 pairs). Device",
+             "allocs: how many times the allocator went to the driver during the timed rounds (median).", ""]
+    rows = []
+    for key, label in PAIR_CASES:
+        base = collect(runs_of(doc, "micro", "native"), lambda r, k=key: dig(r, "pairs", k, "us_per_pair")).median
+        floor = collect(runs_of(doc, "micro", "c-floor"), lambda r, k=key: dig(r, "pairs", k, "us_per_pair")).median
+        for c in configs:
+            runs = runs_of(doc, "micro", c)
+            a = collect(runs, lambda r, k=key: dig(r, "pairs", k, "us_per_pair"))
+            d = collect(runs, lambda r, k=key: dig(r, "pairs", k, "device_allocs_during"))
+            rows.append([label, c, fmt_spread(a, fmt), fmt_x(ratio(a.median, base)), fmt_x(ratio(a.median, floor)),
+                         fmt(d.median, 0)])
+    lines += table(["size", "config", "µs per pair", "× native", "× c-floor", "device allocs"], rows)
+    return lines
+
+
+def section_cross(doc: dict[str, Any]) -> list[str]:
+    configs = present_configs(doc, "micro")
+    lines = ["## 2. Cross-stream producer/consumer", "",
+             "Every iteration a producer stream allocates buffers of "
+             + cross_sizes(doc) + " and fills them; a consumer stream reads them",
+             "after it; `record_stream` marks them, and the producer frees them at once. Throughput in",
+             "iterations per second; memory: peak reserved on the basis of the training tables (goalloc:",
+             "its driver pool), the driver's peak in use (`mem_get_info`) over the idle baseline, and the",
+             "peak of live bytes. 'correct': the consumer's sums came out exact in every run (a buffer",
+             "reused too early breaks them).", ""]
+    base = collect(runs_of(doc, "micro", "native"), lambda r: dig(r, "cross_stream", "iterations_per_s")).median
+    floor = collect(runs_of(doc, "micro", "c-floor"), lambda r: dig(r, "cross_stream", "iterations_per_s")).median
+    rows = []
+    for c in configs:
+        runs = [r for r in runs_of(doc, "micro", c) if dig(r["result"], "cross_stream") is not None]
+        it = collect(runs, lambda r: dig(r, "cross_stream", "iterations_per_s"))
+        res = collect(runs, lambda r, c=c: memory_of_record(c, r["cross_stream"]))
+        dev = collect(runs, lambda r: dig(r, "cross_stream", "device", "peak_over_baseline"))
+        live = collect(runs, lambda r: dig(r, "cross_stream", "allocator", "allocated_peak"))
+        correct = [dig(r["result"], "cross_stream", "correct") for r in runs]
+        ok = "—" if not correct else ("yes" if all(x is True for x in correct) else
+                                     f"NO ({sum(x is not True for x in correct)} of {len(correct)})")
+        rows.append([c, fmt_spread(it, lambda v: fmt(v, 0)), fmt_x(ratio(it.median, base)),
+                     fmt_x(ratio(it.median, floor)), fmt_bytes(res.median), fmt_bytes(dev.median),
+                     fmt_bytes(live.median), ok])
+    lines += table(["config", "iterations/s", "× native", "× c-floor", "peak reserved",
+                    "device peak over idle", "peak live", "correct"], rows)
+    return lines
+
+
+def cross_sizes(doc: dict[str, Any]) -> str:
+    for r in runs_of(doc, "micro"):
+        b = dig(r["result"], "cross_stream", "buffers")
+        if isinstance(b, list) and b:
+            return ", ".join(fmt_bytes(float(x)) for x in b)
+    return "several sizes"
+
+
+def train_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg]:
+    runs = runs_of(doc, workload, config)
+    return {
+        "speed": collect(runs, lambda r: r.get("units_per_s")),
+        "memory": collect(runs, lambda r, c=config: memory_of_record(c, r)),
+        "device": collect(runs, lambda r: dig(r, "device", "peak_over_baseline")),
+        "live": collect(runs, lambda r: dig(r, "allocator", "allocated_peak")),
+        "requested": collect(runs, lambda r: dig(r, "allocator", "requested_peak")),
+        "reserved": collect(runs, lambda r: dig(r, "allocator", "reserved_peak")),
+        "step": collect(runs, lambda r: r.get("median_step_s")),
+    }
+
+
+def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, heading: str) -> list[str]:
+    configs = present_configs(doc, workload)
+    lines = [f"## {heading}. Training: {label}", ""]
+    if workload == "gpt2":
+        lines += ["`transformers.GPT2LMHeadModel(GPT2Config())`, random init, bf16 autocast, AdamW; batch and",
+                  "sequence length drawn per step (the same draws for every configuration of a repeat)."]
+    else:
+        lines += ["`torchvision.models.resnet50(weights=None)`, channels_last, bf16 autocast, SGD with momentum;",
+                  "batch and resolution drawn per step (the same draws for every configuration of a repeat)."]
+    lines += ["Throughput over the timed steps (wall time between device synchronisations). Peak device",
+              "memory as the issue defines it: goalloc, its driver pool's reserved high-water mark; torch's",
+              "allocators, their max reserved (see 'basis'); 'device peak over idle' is the driver's count",
+              "(`mem_get_info`, sampled) over the idle baseline for every configuration, which also holds",
+              "the CUDA context's growth (lazily loaded kernels, library handles); peak live is the",
+              "allocator's peak of allocated bytes.", ""]
+    aggs = {c: train_aggs(doc, workload, c) for c in configs}
+    base = aggs.get("native")
+    floor = aggs.get("c-floor")  # c-floor trains only when --train-configs asks for it
+    rows = []
+    for c in configs:
+        a = aggs[c]
+        rows.append([
+            c,
+            fmt_spread(a["speed"], lambda v: fmt(v, 0)),
+            fmt_x(ratio(a["speed"].median, base["speed"].median if base else None)),
+        ] + ([fmt_x(ratio(a["speed"].median, floor["speed"].median))] if floor else []) + [
+            fmt_bytes(a["memory"].median),
+            fmt_x(ratio(a["memory"].median, a["live"].median)),
+            fmt_x(ratio(a["memory"].median, base["memory"].median if base else None)),
+            fmt_bytes(a["device"].median),
+            fmt_bytes(a["live"].median),
+            basis(c),
+        ])
+    lines += table(["config", unit, "× native"] + (["× c-floor"] if floor else []) +
+                   ["peak device memory", "÷ peak live", "× native", "device peak over idle", "peak live", "basis"], rows)
+    if "goalloc-mempool" in configs:
+        lines += ["", "goalloc-mempool: `torch.cuda.use_mem_pool` routes the calling thread's allocations only;",
+                  "autograd runs backward on its own thread, whose allocations go to torch's own allocator."]
+    return lines
+
+
+def section_replay(doc: dict[str, Any]) -> list[str]:
+    lines = ["## 4. Trace replay on the GPU", "",
+             "`goalloc replay TRACE --device cuda --policy P --json` on the shipped traces, one process each.",
+             "Peak reserved: the driver pool's reserved high-water mark; ratio: peak reserved ÷ peak live;",
+             "'native (recorded)': the native allocator's max reserved ÷ max allocated in the recorded run,",
+             "from the trace header; 'vs native' divides the two ratios.", ""]
+    traces = sorted({r.get("trace") for r in runs_of(doc, "replay") if r.get("trace")} |
+                    {p.get("trace") for p in doc.get("plan", []) if p.get("workload") == "replay" and p.get("trace")})
+    policies = sorted({p.get("config") for p in doc.get("plan", []) + doc.get("runs", [])
+                       if p.get("workload") == "replay" and p.get("config")})
+    rows = []
+    for t in traces:
+        for p in policies:
+            runs = runs_of(doc, "replay", p, t)
+            live = collect(runs, lambda r: r.get("peak_live_bytes"))
+            res = collect(runs, lambda r: r.get("peak_reserved_bytes"))
+            rat = collect(runs, lambda r: r.get("ratio"))
+            nat = collect(runs, lambda r: r.get("native_ratio"))
+            ns = collect(runs, lambda r: r.get("ns_per_op"))
+            ooms = collect(runs, lambda r: r.get("ooms"))
+            rows.append([Path(t).name, p, fmt_bytes(live.median), fmt_bytes(res.median), fmt(rat.median, 3),
+                         fmt(nat.median, 3), fmt_x(ratio(rat.median, nat.median)),
+                         fmt_spread(ns, lambda v: fmt(v, 0)), fmt(ooms.median, 0)])
+    lines += table(["trace", "policy", "peak live", "peak reserved", "ratio", "native (recorded)", "vs native",
+                    "ns per event", "OOMs"], rows)
+    return lines
+
+
+# --- goals ---------------------------------------------------------------------------
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return {True: "**met**", False: "**missed**", None: "**not measured**"}[ok]
+
+
+def goals(doc: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The goals section, and the goals as data (for tests and the console)."""
+    lines = ["## Goals", "", "Computed from the tables above (medians of the same run).", ""]
+    data: list[dict[str, Any]] = []
+
+    def add(name: str, ok: Optional[bool], text: str) -> None:
+        data.append({"goal": name, "met": ok, "text": text})
+        lines.append(f"- {name}: {verdict(ok)}. {text}")
+
+    for workload, label, unit in TRAIN:
+        if not any(p.get("workload") == workload for p in doc.get("plan", [])):
+            continue
+        g = train_aggs(doc, workload, "goalloc")
+        mem, live = g["memory"].median, g["live"].median
+        r = ratio(mem, live)
+        if r is None:
+            add(f"{label} peak memory ≤ {GOAL_MEMORY_OVER_LIVE:.2f} × peak live", None, "No goalloc figures.")
+        else:
+            ok = r <= GOAL_MEMORY_OVER_LIVE
+            how = (f"goalloc {fmt_bytes(mem)} over peak live {fmt_bytes(live)} = {r:.3f}×"
+                   + ("" if ok else f", {pct(r / GOAL_MEMORY_OVER_LIVE)} over the goal"))
+            add(f"{label} peak memory ≤ {GOAL_MEMORY_OVER_LIVE:.2f} × peak live", ok, how + ".")
+            lines.extend(breakdown(doc, workload, label))
+        for other in ("native", "expandable", "async"):
+            o = train_aggs(doc, workload, other)
+            om = o["memory"].median
+            rr = ratio(mem, om)
+            dev_r = ratio(g["device"].median, o["device"].median)
+            extra = "" if dev_r is None else f"; by the driver's count (device peak over idle), {dev_r:.3f}×"
+            if rr is None:
+                add(f"{label} peak memory below {other}", None, f"No figures for goalloc or {other}.")
+            else:
+                add(f"{label} peak memory below {other}", rr < 1,
+                    f"goalloc {fmt_bytes(mem)} vs {other} {fmt_bytes(om)}: {rr:.3f}× ({pct(rr)}){extra}.")
+        n = train_aggs(doc, workload, "native")
+        rs = ratio(g["speed"].median, n["speed"].median)
+        if rs is None:
+            add(f"{label} throughput ≥ {GOAL_THROUGHPUT_VS_NATIVE:.2f} × native", None, "No figures for goalloc or native.")
+        else:
+            ok = rs >= GOAL_THROUGHPUT_VS_NATIVE
+            how = f"goalloc {fmt(g['speed'].median, 0)} vs native {fmt(n['speed'].median, 0)} {unit} = {rs:.3f}×"
+            if not ok:
+                how += f", {(GOAL_THROUGHPUT_VS_NATIVE - rs) * 100:.1f} points under the goal"
+                gs, ns = g["step"].median, n["step"].median
+                if gs is not None and ns is not None:
+                    how += f"; median step {gs * 1e3:.1f} ms vs {ns * 1e3:.1f} ms"
+            add(f"{label} throughput ≥ {GOAL_THROUGHPUT_VS_NATIVE:.2f} × native", ok, how + ".")
+
+    for key, label in PAIR_CASES:
+        def med(c: str, k: str = key) -> Optional[float]:
+            return collect(runs_of(doc, "micro", c), lambda res: dig(res, "pairs", k, "us_per_pair")).median
+
+        ga, fl, asy = med("goalloc"), med("c-floor"), med("async")
+        r = ratio(ga, fl)
+        if r is None:
+            add(f"pair ({label}) ≤ {GOAL_PAIR_VS_FLOOR:.2f} × c-floor", None, "No figures for goalloc or c-floor.")
+        else:
+            ok = r <= GOAL_PAIR_VS_FLOOR
+            how = f"goalloc {ga:.2f} µs vs c-floor {fl:.2f} µs = {r:.3f}×"
+            if not ok:
+                how += f", {pct(r / GOAL_PAIR_VS_FLOOR)} over the goal ({ga - fl:.2f} µs per pair above the floor)"
+                d = collect(runs_of(doc, "micro", "goalloc"), lambda rr, k=key: dig(rr, "pairs", k, "device_allocs_during"))
+                if d.median is not None:
+                    how += f"; goalloc went to the driver {d.median:.0f} times during the timed rounds"
+            add(f"pair ({label}) ≤ {GOAL_PAIR_VS_FLOOR:.2f} × c-floor", ok, how + ".")
+        ra = ratio(ga, asy)
+        if ra is None:
+            add(f"pair ({label}) below async", None, "No figures for goalloc or async.")
+        else:
+            add(f"pair ({label}) below async", ra < 1, f"goalloc {ga:.2f} µs vs async {asy:.2f} µs = {ra:.3f}×.")
+
+    met = [d for d in data if d["met"] is True]
+    missed = [d for d in data if d["met"] is False]
+    unknown = [d for d in data if d["met"] is None]
+    lines += ["", f"{len(met)} met, {len(missed)} missed, {len(unknown)} not measured."]
+    if missed:
+        lines += ["", "Where a goal is missed, the closing note says why, from a profile, and what would close it."]
+    return lines, data
+
+
+def breakdown(doc: dict[str, Any], workload: str, label: str) -> list[str]:
+    """Where goalloc's peak memory goes, from its own counters (medians).
+
+    These are differences of peaks, which need not fall at the same moment:
+    a guide to the layers, not an exact account.
+    """
+    runs = runs_of(doc, workload, "goalloc")
+    pool = collect(runs, lambda r: dig(r, "allocator", "pool_reserved_max_read")).median
+    res = collect(runs, lambda r: dig(r, "allocator", "reserved_peak")).median
+    alloc = collect(runs, lambda r: dig(r, "allocator", "allocated_peak")).median
+    req = collect(runs, lambda r: dig(r, "allocator", "requested_peak")).median
+    parts = []
+    if pool is not None and res is not None:
+        parts.append(f"driver pool over goalloc's own reserved peak {fmt_bytes(pool - res)}")
+    if res is not None and alloc is not None:
+        parts.append(f"goalloc reserved over allocated peak (cache and segment slack) {fmt_bytes(res - alloc)}")
+    if alloc is not None and req is not None:
+        parts.append(f"allocated over requested peak (rounding) {fmt_bytes(alloc - req)}")
+    if not parts:
+        return []
+    return ["  - where it goes (goalloc's own counters; differences of peaks): " + "; ".join(parts) + "."]
+
+
+# --- the document -----------------------------------------------------------------------
+
+
+def render(doc: dict[str, Any], notes: Optional[str] = None) -> str:
+    lines = section_header(doc)
+    planned = {p.get("workload") for p in doc.get("plan", [])} | {r.get("workload") for r in doc.get("runs", [])}
+    if "micro" in planned:
+        lines += [""] + section_pairs(doc) + [""] + section_cross(doc)
+    for i, (workload, label, unit) in enumerate(TRAIN):
+        if workload in planned:
+            lines += [""] + section_train(doc, workload, label, unit, "3" + "ab"[i])
+    if "replay" in planned:
+        lines += [""] + section_replay(doc)
+    g, _ = goals(doc)
+    lines += [""] + g
+    lines += ["", "## Closing note", ""]
+    lines.append(notes.strip() if notes else "None was given to this rendering (`bench/render.py --notes FILE`).")
+    return "\n".join(lines) + "\n"
+
+
+def unpack(doc: dict[str, Any], folder: Path) -> list[Path]:
+    """Write every run of doc as folder/NAME.json; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in doc.get("runs", []):
+        name = r.get("name") or f"{r.get('id', 0):03d}-{r.get('workload')}-{r.get('config')}-r{r.get('repeat')}"
+        p = folder / f"{name}.json"
+        p.write_text(json.dumps(r, indent=1) + "\n")
+        paths.append(p)
+    return paths
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bench_json", help="the suite's bench.json")
+    out = ap.add_mutually_exclusive_group()
+    out.add_argument("--write", action="store_true", help="replace BENCHMARKS.md at the repository root")
+    out.add_argument("--output", help="write the markdown to this file instead of stdout")
+    ap.add_argument("--notes", help="a hand-written closing note (markdown) to append")
+    ap.add_argument("--unpack", metavar="DIR", help="also write each run as DIR/NAME.json")
+    args = ap.parse_args(argv)
+    try:
+        doc = json.loads(Path(args.bench_json).read_text())
+    except (OSError, ValueError) as e:
+        print(f"render: cannot read {args.bench_json}: {e}", file=sys.stderr)
+        return 1
+    notes = Path(args.notes).read_text() if args.notes else None
+    text = render(doc, notes)
+    if args.unpack:
+        n = len(unpack(doc, Path(args.unpack)))
+        print(f"render: wrote {n} run files under {args.unpack}", file=sys.stderr)
+    if args.write or args.output:
+        path = Path(args.output) if args.output else Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        print(f"render: wrote {path}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

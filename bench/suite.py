@@ -1,0 +1,605 @@
+#!/usr/bin/env python3
+"""The goalloc GPU benchmark suite: plan, run every (workload, config, repeat)
+in its own process, and keep every result.
+
+    python3 bench/suite.py OUTDIR [options]        # normally through bench/run.sh OUTDIR
+    python3 bench/suite.py OUTDIR --dry-run        # the plan and its estimated time, nothing run
+    python3 bench/suite.py OUTDIR --quick          # a smoke run: one repeat, few steps
+
+What it does, in order:
+
+1. builds the c-floor allocator (bench/cfloor.c) with gcc;
+2. one 'env' process: versions, the GPU, and every module imported once
+   (so that the first timed process does not pay for a cold page cache);
+3. the plan, repeat by repeat: for each workload, every configuration in a
+   rotated order (repeat r starts at the r-th configuration), each run a
+   fresh process (bench/workloads.py, or build/goalloc for trace replay)
+   with its own timeout. A failed, crashed or timed-out run is recorded
+   with the tail of its output, and the suite goes on;
+4. a time budget: a run whose estimated time (the longest of the last three
+   runs of its kind, or the default estimate before any) no longer fits is skipped
+   and recorded as such, so the suite ends within the budget with whole
+   repeats first;
+5. after every run, OUTDIR/results/NAME.json (the run) and OUTDIR/bench.json
+   (everything: environment, options, plan, every run) are rewritten, so a
+   suite stopped at any point (SIGTERM, SIGINT) leaves all it finished.
+
+Standard library only; torch is imported only by the child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-mempool", "c-floor")
+WORKLOADS = ("micro", "gpt2", "resnet50", "replay")
+TRAIN_WORKLOADS = ("gpt2", "resnet50")
+REPLAY_POLICIES = ("goalloc", "passthrough")
+DEFAULT_TRACES = ("traces/gpt2-train.jsonl.gz", "traces/resnet50-train.jsonl.gz")
+DEFAULT_BUDGET_S = 480.0
+
+# Estimated seconds per run, used for the plan and, until a run of the kind
+# has finished, for the budget (afterwards the longest of the last three runs of the
+# kind is used). A process start (python, import torch, CUDA context) is a
+# few seconds of each; transformers adds a few more. Training adds a cost per
+# step (GPT-2 up to batch 8 x 1024 tokens, ResNet-50 up to 64 x 224 px on an
+# H200, with the first steps' kernel loading in the fixed part).
+ESTIMATE_FIXED_S = {"env": 20.0, "micro": 6.0, "gpt2": 9.0, "resnet50": 6.5, "replay": 2.0}
+ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "resnet50": 0.12}
+# A run is stopped after this many times its estimate (at least MIN_TIMEOUT_S).
+TIMEOUT_FACTOR, MIN_TIMEOUT_S, ENV_TIMEOUT_S = 5.0, 45.0, 150.0
+# Seconds a run may still start within past the budget's end, for its timeout.
+GRACE_S = 15.0
+TAIL_CHARS = 3000
+
+
+@dataclass
+class Run:
+    """One planned process: a workload under a configuration (for replay, a
+    policy on a trace) in one repeat."""
+
+    id: int
+    workload: str
+    config: str
+    repeat: int
+    trace: Optional[str] = None
+    estimate_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        t = f"-{Path(self.trace).name.split('.')[0]}" if self.trace else ""
+        return f"{self.id:03d}-{self.workload}{t}-{self.config}-r{self.repeat}"
+
+
+@dataclass
+class State:
+    """What the suite has done so far; written out as bench.json."""
+
+    doc: dict[str, Any]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    measured: dict[str, list[float]] = field(default_factory=dict)  # wall times of finished runs, per kind
+
+    def estimate(self, run: Run) -> float:
+        """The longest of the last three finished runs of its kind, else the default."""
+        m = self.measured.get(run.workload)
+        return max(m[-3:]) if m else run.estimate_s
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT: stop the current run, keep everything, exit."""
+
+
+# --- options and the plan ---------------------------------------------------------
+
+
+def csv_list(choices: tuple[str, ...]) -> Any:
+    def parse(s: str) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{s!r}: want a comma-separated list of {', '.join(choices)}" + (f" (unknown: {', '.join(bad)})" if bad else ""))
+        return items
+    return parse
+
+
+def positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s}: must be at least 1")
+    return v
+
+
+def nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s}: must be 0 or more")
+    return v
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("outdir", help="where results/, bench.json and logs go")
+    p.add_argument("--repeats", type=positive_int, default=3, help="repeats of every run (default 3)")
+    p.add_argument("--configs", type=csv_list(CONFIGS), default=list(CONFIGS),
+                   help="configurations of the microbenchmarks (default: all six)")
+    p.add_argument("--train-configs", type=csv_list(CONFIGS),
+                   default=[c for c in CONFIGS if c != "c-floor"],
+                   help="configurations of the training workloads (default: all but c-floor)")
+    p.add_argument("--workloads", type=csv_list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--gpt2-steps", type=positive_int, default=10, help="timed GPT-2 steps per run")
+    p.add_argument("--gpt2-warmup", type=nonneg_int, default=3)
+    p.add_argument("--resnet-steps", type=positive_int, default=10, help="timed ResNet-50 steps per run")
+    p.add_argument("--resnet-warmup", type=nonneg_int, default=3)
+    p.add_argument("--gpt2-batch", type=positive_int, nargs=2, default=[4, 8], metavar=("MIN", "MAX"))
+    p.add_argument("--gpt2-seq", type=positive_int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--resnet-batch", type=positive_int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--resnet-res", type=positive_int, nargs=2, default=[160, 224], metavar=("MIN", "MAX"))
+    p.add_argument("--micro-rounds", type=positive_int, default=5, help="timed rounds per pair size")
+    p.add_argument("--cross-iters", type=positive_int, default=1000, help="timed cross-stream iterations")
+    p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
+    p.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES), help="traces to replay")
+    p.add_argument("--replay-policies", type=csv_list(REPLAY_POLICIES), default=list(REPLAY_POLICIES))
+    p.add_argument("--goalloc-conf", default="",
+                   help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds the whole suite may take (default {DEFAULT_BUDGET_S:.0f})")
+    p.add_argument("--timeout", type=float, help="a fixed per-run timeout in seconds (default: from the estimates)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 repeat, 1+2 training steps, small shapes, short microbenchmarks")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the workload processes")
+    p.add_argument("--goalloc-tool", default=str(REPO / "build" / "goalloc"), help="the replay tool")
+    p.add_argument("--goalloc-library", default=os.environ.get("GOALLOC_LIBRARY") or str(REPO / "build" / "libgoalloc.so"))
+    p.add_argument("--build-dir", default=str(REPO / "build"), help="where libcfloor.so is built")
+    p.add_argument("--workloads-script", default=str(BENCH / "workloads.py"), help=argparse.SUPPRESS)
+    p.add_argument("--command", help="the command line to record (bench/run.sh passes its own)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
+        args.gpt2_steps, args.gpt2_warmup = 2, 1
+        args.resnet_steps, args.resnet_warmup = 2, 1
+        args.gpt2_batch, args.gpt2_seq = [2, 4], [128, 256]
+        args.resnet_batch, args.resnet_res = [16, 32], [128, 160]
+        args.micro_rounds, args.cross_iters = 2, 200
+    for name in ("gpt2_batch", "gpt2_seq", "resnet_batch", "resnet_res"):
+        lo, hi = getattr(args, name)
+        if lo > hi:
+            p.error(f"--{name.replace('_', '-')}: MIN {lo} is above MAX {hi}")
+    if args.gpt2_seq[1] > 1024:
+        p.error("--gpt2-seq: GPT-2's context is 1024 tokens")
+    if args.budget <= 0:
+        p.error("--budget must be positive")
+    if args.sample_ms < 0:
+        p.error("--sample-ms must be 0 (off) or positive")
+    return args
+
+
+def estimate(workload: str, args: argparse.Namespace) -> float:
+    """The default estimate of one run of a workload, in seconds."""
+    s = ESTIMATE_FIXED_S[workload]
+    if workload == "gpt2":
+        s += ESTIMATE_PER_STEP_S["gpt2"] * (args.gpt2_steps + args.gpt2_warmup)
+    elif workload == "resnet50":
+        s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup)
+    elif workload == "micro" and args.quick:
+        s -= 1.0
+    return s
+
+
+def rotated(items: list[str], r: int) -> list[str]:
+    """items starting at index r (mod len): repeat r's order."""
+    if not items:
+        return []
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def build_plan(args: argparse.Namespace) -> list[Run]:
+    """Every run, repeat by repeat, configurations rotated within each workload."""
+    plan: list[Run] = []
+    for r in range(args.repeats):
+        for w in WORKLOADS:
+            if w not in args.workloads:
+                continue
+            if w == "replay":
+                for t in args.traces:
+                    for pol in rotated(list(args.replay_policies), r):
+                        plan.append(Run(len(plan) + 1, w, pol, r, trace=t, estimate_s=estimate(w, args)))
+                continue
+            configs = args.configs if w == "micro" else args.train_configs
+            for c in rotated(list(configs), r):
+                plan.append(Run(len(plan) + 1, w, c, r, estimate_s=estimate(w, args)))
+    return plan
+
+
+def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
+    """Print the plan with its estimates; return the estimated total."""
+    total = ESTIMATE_FIXED_S["env"]
+    print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s)")
+    print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}  trace")
+    print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ESTIMATE_FIXED_S['env']:>6.1f}")
+    for run in plan:
+        total += run.estimate_s
+        print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}  {run.trace or ''}")
+    per: dict[str, list[float]] = {}
+    for run in plan:
+        per.setdefault(run.workload, []).append(run.estimate_s)
+    parts = ", ".join(f"{w} {len(v)} x {v[0]:.1f} s" for w, v in per.items())
+    fits = total <= args.budget
+    print(f"estimated total: {total:.0f} s (env {ESTIMATE_FIXED_S['env']:.0f} s, {parts}); "
+          f"budget {args.budget:.0f} s: {'fits' if fits else 'OVER BUDGET'}")
+    return total
+
+
+# --- running ------------------------------------------------------------------------
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def child_env(config: str, args: argparse.Namespace, cfloor_lib: Optional[str]) -> dict[str, str]:
+    """The environment of a workload process under a configuration."""
+    env = dict(os.environ)
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "GOALLOC_CONF", "GOALLOC_DEVICE",
+              "GOALLOC_SIM_DEVICES", "GOALLOC_SIM_MEMORY", "BENCH_CFLOOR_LIB"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "python"), os.environ.get("PYTHONPATH")]))
+    env["GOALLOC_LIBRARY"] = args.goalloc_library
+    env["PYTHONUNBUFFERED"] = "1"
+    # Nothing can be fetched on the GPU machine; transformers must not try.
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+                "TOKENIZERS_PARALLELISM": "false"})
+    if config == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    elif config == "async":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+    elif config == "c-floor" and cfloor_lib:
+        env["BENCH_CFLOOR_LIB"] = cfloor_lib
+    elif config in ("goalloc", "goalloc-mempool") and args.goalloc_conf:
+        env["GOALLOC_CONF"] = args.goalloc_conf
+    return env
+
+
+def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]:
+    """The command of one run."""
+    if run.workload == "replay":
+        return [args.goalloc_tool, "replay", str(run.trace), "--device", "cuda", "--policy", run.config, "--json"]
+    cmd = [args.python, args.workloads_script, "--workload", run.workload, "--config", run.config,
+           "--repeat", str(run.repeat), "--out", str(out), "--sample-ms", str(args.sample_ms)]
+    if run.workload == "micro":
+        cmd += ["--micro-rounds", str(args.micro_rounds), "--cross-iters", str(args.cross_iters)]
+        if args.quick:
+            cmd += ["--micro-round-s", "0.02", "--cross-warmup", "20"]
+    elif run.workload == "gpt2":
+        cmd += ["--steps", str(args.gpt2_steps), "--warmup", str(args.gpt2_warmup),
+                "--gpt2-batch", *map(str, args.gpt2_batch), "--gpt2-seq", *map(str, args.gpt2_seq)]
+    elif run.workload == "resnet50":
+        cmd += ["--steps", str(args.resnet_steps), "--warmup", str(args.resnet_warmup),
+                "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]
+    return cmd
+
+
+_current: Optional[subprocess.Popen[str]] = None
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill a run's process group (it was started in a session of its own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def execute(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, Optional[int], str, float]:
+    """Run cmd; returns (status, return code, output, seconds). Status is
+    'ok', 'failed' or 'timeout'. The process gets a session of its own, so
+    that a timeout kills it and anything it started."""
+    global _current
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        return "failed", None, f"cannot start {cmd[0]}: {e}", time.monotonic() - t0
+    _current = proc
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        status = "ok" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        status = "timeout"
+    except BaseException:
+        kill_group(proc)
+        proc.communicate()
+        raise
+    finally:
+        _current = None
+    return status, proc.returncode, out or "", time.monotonic() - t0
+
+
+def run_one(run: Run, args: argparse.Namespace, results: Path, cfloor_lib: Optional[str],
+            timeout: float) -> dict[str, Any]:
+    """Run one planned process and return its record for bench.json."""
+    out = results / f"{run.name}.json"
+    rec: dict[str, Any] = {"id": run.id, "name": run.name, "workload": run.workload, "config": run.config,
+                           "repeat": run.repeat, "timeout_s": round(timeout, 1)}
+    if run.trace:
+        rec["trace"] = run.trace
+    if run.config == "c-floor" and not cfloor_lib:
+        rec.update(status="failed", reason="c-floor was not built", result=None)
+        return rec
+    cmd = workload_command(run, args, out)
+    rec["command"] = shlex.join(cmd)
+    env = child_env(run.config, args, cfloor_lib)
+    status, rc, output, seconds = execute(cmd, env, timeout)
+    rec.update(status=status, returncode=rc, wall_s=round(seconds, 3), output_tail=output[-TAIL_CHARS:])
+    if run.workload == "replay":
+        try:
+            rec["result"] = json.loads(output[output.index("{"):output.rindex("}") + 1]) if status == "ok" else None
+        except ValueError as e:
+            rec.update(status="failed", reason=f"replay output is not JSON: {e}", result=None)
+    else:
+        try:
+            child = json.loads(out.read_text())
+        except (OSError, ValueError):
+            child = None
+        if child is None:
+            rec["result"] = None
+            if status == "ok":
+                rec.update(status="failed", reason="no result file")
+        else:
+            rec["result"] = child.pop("result", None)
+            rec["meta"] = child
+            if status == "ok" and not child.get("ok"):
+                rec["status"] = "failed"
+    if rec["status"] != "ok" and "reason" not in rec:
+        err = (rec.get("meta") or {}).get("error")
+        if err:
+            rec["reason"] = err
+        elif status == "timeout":
+            rec["reason"] = f"timed out after {timeout:.0f} s"
+        else:
+            why = f"exit status {rc}"
+            if rc is not None and rc < 0:
+                try:
+                    why += f" ({signal.Signals(-rc).name})"
+                except ValueError:
+                    pass
+            if run.workload != "replay" and rec.get("meta") is None:
+                why += "; no result file"
+            rec["reason"] = why
+    write_json_atomic(out, rec)
+    return rec
+
+
+def build_cfloor(args: argparse.Namespace) -> tuple[dict[str, Any], Optional[str]]:
+    """Compile bench/cfloor.c with gcc (cc where there is no gcc); returns its
+    record and the library's path, or None if it did not build."""
+    build = Path(args.build_dir)
+    lib = build / "libcfloor.so"
+    cc = "cc" if shutil.which("gcc") is None and shutil.which("cc") else "gcc"
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", str(lib), str(BENCH / "cfloor.c"), "-ldl", "-lpthread"]
+    rec: dict[str, Any] = {"command": shlex.join(cmd)}
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        lib.unlink(missing_ok=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        rec["ok"] = p.returncode == 0 and lib.is_file()
+        if not rec["ok"]:
+            rec["error"] = (p.stderr or p.stdout)[-TAIL_CHARS:]
+        v = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        rec["compiler"] = v.stdout.splitlines()[0] if v.stdout else None
+    except (OSError, subprocess.SubprocessError) as e:
+        rec.update(ok=False, error=str(e))
+    return rec, (str(lib) if rec.get("ok") else None)
+
+
+def nvidia_smi() -> dict[str, Any]:
+    """The GPU as nvidia-smi reports it (name, driver, memory; then its clocks,
+    temperature and power limit, asked apart so that a field this driver
+    lacks loses only those), or why it could not."""
+    out: dict[str, Any] = {}
+    for fields in ("name,driver_version,memory.total", "clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,power.limit"):
+        try:
+            p = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            out.setdefault("error", str(e))
+            break
+        if p.returncode != 0:
+            out.setdefault("error", (p.stderr or p.stdout).strip()[-500:])
+            continue
+        first = p.stdout.strip().splitlines()[0] if p.stdout.strip() else ""
+        out.update(zip(fields.split(","), (v.strip() for v in first.split(","))))
+    return out
+
+
+def git_commit() -> Optional[str]:
+    try:
+        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return p.stdout.strip() or None if p.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def summary_line(rec: dict[str, Any]) -> str:
+    """A few figures of a finished run, for the console."""
+    r = rec.get("result")
+    if not isinstance(r, dict):
+        return rec.get("reason", "")[:120] if rec.get("status") != "ok" else ""
+    gib = float(1 << 30)
+    try:
+        if rec["workload"] == "micro":
+            pairs = r.get("pairs") or {}
+            s = " ".join(f"{k} {v['us_per_pair']:.2f}us" for k, v in pairs.items())
+            cs = r.get("cross_stream") or {}
+            if cs:
+                s += f" | cross {cs['iterations_per_s']:.0f} it/s{'' if cs.get('correct') else ' WRONG SUMS'}"
+            return s
+        if rec["workload"] in TRAIN_WORKLOADS:
+            a = r.get("allocator") or {}
+            d = r.get("device") or {}
+            mem = a.get("pool_reserved_max_read") if rec["config"] == "goalloc" else a.get("reserved_peak")
+            return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
+                    f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
+                    f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
+        if rec["workload"] == "replay":
+            return f"ratio {r['ratio']:.3f}  peak reserved {r['peak_reserved_bytes'] / gib:.2f} GiB  {r['ns_per_op']:.0f} ns/op"
+    except (KeyError, TypeError, ValueError):
+        pass
+    return ""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    plan = build_plan(args)
+    if args.dry_run:
+        total = print_plan(plan, args)
+        return 0 if total <= args.budget else 3
+
+    out = Path(args.outdir).resolve()
+    results = out / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    opts = {k: v for k, v in vars(args).items() if k not in ("outdir", "command", "dry_run")}
+    state = State(doc={
+        "schema": 1,
+        "command": args.command or shlex.join([sys.executable, *sys.argv]),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "outdir": str(out),
+        "started": now_iso(),
+        "finished": None,
+        "status": "running",
+        "budget_s": args.budget,
+        "options": opts,
+        "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                 "suite_python": sys.version.split()[0]},
+        "git_commit": git_commit(),
+        "plan": [asdict(r) | {"name": r.name} for r in plan],
+    })
+    state.doc["runs"] = state.runs
+
+    def save() -> None:
+        state.doc["elapsed_s"] = round(time.monotonic() - start, 1)
+        write_json_atomic(out / "bench.json", state.doc)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"goalloc bench: {len(plan)} runs, budget {args.budget:.0f} s, results in {out}", flush=True)
+    exit_status = 0
+    in_flight: Optional[Run] = None
+    try:
+        state.doc["nvidia_smi"] = nvidia_smi()
+        state.doc["cfloor"], cfloor_lib = build_cfloor(args)
+        print(f"c-floor: {'built' if cfloor_lib else 'NOT built: ' + str(state.doc['cfloor'].get('error'))[:300]}", flush=True)
+        save()
+        state.doc["env"] = run_env(args, results)
+        print(f"env: {json.dumps(state.doc['env'])[:400]}", flush=True)
+        save()
+        for i, run in enumerate(plan):
+            elapsed = time.monotonic() - start
+            kind = run.workload
+            est = state.estimate(run)
+            left = args.budget - elapsed
+            if est > left:
+                rec = {"id": run.id, "name": run.name, "workload": kind, "config": run.config, "repeat": run.repeat,
+                       "status": "skipped", "reason": f"budget: {elapsed:.0f} s spent, {est:.0f} s needed, "
+                                                      f"{max(left, 0):.0f} s left", "result": None}
+                if run.trace:
+                    rec["trace"] = run.trace
+            else:
+                timeout = args.timeout or max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * est)
+                timeout = min(timeout, left + GRACE_S)
+                in_flight = run
+                rec = run_one(run, args, results, cfloor_lib, timeout)
+                in_flight = None
+                if rec.get("wall_s") is not None and rec["status"] == "ok":
+                    state.measured.setdefault(kind, []).append(float(rec["wall_s"]))
+            state.runs.append(rec)
+            save()
+            print(f"[{i + 1:3d}/{len(plan)} {time.monotonic() - start:5.0f}s] {kind:<8} {run.config:<16} "
+                  f"r{run.repeat} {rec['status']:<7} {rec.get('wall_s', 0) or 0:5.1f}s  {summary_line(rec)}", flush=True)
+        state.doc["status"] = "complete"
+        state.doc["nvidia_smi_end"] = nvidia_smi()  # clocks and temperature after the runs
+    except Stopped as e:
+        state.doc["status"] = f"stopped ({e})"
+        print(f"goalloc bench: stopped by {e}; keeping what finished", flush=True)
+        exit_status = 124
+    except Exception as e:  # a bug in the suite itself: keep what finished, say what broke
+        state.doc["status"] = f"crashed ({type(e).__name__}: {e})"
+        traceback.print_exc()
+        exit_status = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if _current is not None:
+            kill_group(_current)
+        done = {r["id"] for r in state.runs}
+        for run in plan:
+            if run.id not in done:
+                killed = in_flight is not None and run.id == in_flight.id
+                rec = {"id": run.id, "name": run.name, "workload": run.workload, "config": run.config,
+                       "repeat": run.repeat, "status": "killed" if killed else "skipped",
+                       "reason": "the suite was stopped while it ran" if killed else "the suite was stopped",
+                       "result": None}
+                if run.trace:
+                    rec["trace"] = run.trace
+                state.runs.append(rec)
+        state.doc["finished"] = now_iso()
+        save()
+    counts: dict[str, int] = {}
+    for r in state.runs:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(f"goalloc bench: {state.doc['status']} in {state.doc['elapsed_s']:.0f} s: "
+          + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), flush=True)
+    if exit_status == 0 and any(r["status"] != "ok" for r in state.runs):
+        exit_status = 1
+    return exit_status
+
+
+def run_env(args: argparse.Namespace, results: Path) -> dict[str, Any]:
+    """The env process: versions, the GPU, and a warm page cache."""
+    out = results / "000-env.json"
+    cmd = [args.python, args.workloads_script, "--workload", "env", "--out", str(out)]
+    status, rc, output, seconds = execute(cmd, child_env("native", args, None), ENV_TIMEOUT_S)
+    env: dict[str, Any] = {"status": status, "wall_s": round(seconds, 3)}
+    try:
+        child = json.loads(out.read_text())
+        env.update(child.get("result") or {})
+        if child.get("error"):
+            env["error"] = child["error"]
+    except (OSError, ValueError):
+        env["error"] = output[-TAIL_CHARS:]
+    return env
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,607 @@
+"""The GPU benchmark suite (bench/), tested without a GPU.
+
+What runs here: the plan and its time budget (suite.py --dry-run), argument
+handling, the whole suite driving stand-in workload and replay programs
+(failures, crashes, timeouts, the budget, SIGTERM: every run recorded, partial
+results kept), the aggregation and the BENCHMARKS.md renderer on a bench.json
+with known numbers, and the c-floor allocator (bench/cfloor.c) compiled with
+gcc and driven through ctypes over a fake CUDA driver. Only the CPU smoke run
+of the training code needs torch, and skips without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+GiB = 1 << 30
+
+
+def load(name: str) -> Any:
+    """Import bench/NAME.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+suite = load("suite")
+render = load("render")
+workloads = load("workloads")
+
+
+def run_py(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+# --- the plan and the options -----------------------------------------------------
+
+
+def test_dry_run_lists_every_run_and_fits_the_budget():
+    p = run_py(str(BENCH / "suite.py"), "OUT", "--dry-run")
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "plan: 60 runs + 1 env run, 3 repeat(s)"
+    rows = [ln.split() for ln in lines if ln.strip()[:1].isdigit()]
+    assert len(rows) == 60
+    count: dict[str, int] = {}
+    for r in rows:
+        count[r[1]] = count.get(r[1], 0) + 1
+    # 6 configs x 3 for micro, 5 (no c-floor) x 3 per training model, 2 policies x 2 traces x 3.
+    assert count == {"micro": 18, "gpt2": 15, "resnet50": 15, "replay": 12}
+    last = lines[-1]
+    assert last.startswith("estimated total: ") and last.endswith("fits")
+    total = float(last.split()[2])
+    assert total <= suite.DEFAULT_BUDGET_S <= 9 * 60
+
+
+def test_dry_run_over_budget_says_so_and_exits_3():
+    p = run_py(str(BENCH / "suite.py"), "OUT", "--dry-run", "--repeats", "9")
+    assert p.returncode == 3
+    assert "OVER BUDGET" in p.stdout.splitlines()[-1]
+
+
+def test_quick_is_one_short_repeat():
+    args = suite.parse_args(["OUT", "--quick"])
+    plan = suite.build_plan(args)
+    assert args.repeats == 1 and args.gpt2_steps == 2 and args.resnet_steps == 2
+    assert len(plan) == 6 + 5 + 5 + 4
+    assert sum(r.estimate_s for r in plan) + suite.ESTIMATE_FIXED_S["env"] < 180
+
+
+def test_plan_interleaves_configs_in_a_rotated_order():
+    args = suite.parse_args(["OUT", "--workloads", "micro", "--repeats", "3"])
+    plan = suite.build_plan(args)
+    by_repeat = [[r.config for r in plan if r.repeat == k] for k in range(3)]
+    assert by_repeat[0] == list(suite.CONFIGS)
+    assert by_repeat[1] == list(suite.CONFIGS[1:]) + [suite.CONFIGS[0]]
+    assert by_repeat[2] == list(suite.CONFIGS[2:]) + list(suite.CONFIGS[:2])
+    assert [r.id for r in plan] == list(range(1, 19))
+    assert len({r.name for r in plan}) == 18
+
+
+def test_steps_and_repeats_are_options_and_change_the_estimate():
+    short = suite.parse_args(["OUT", "--workloads", "gpt2", "--gpt2-steps", "5", "--gpt2-warmup", "1"])
+    long = suite.parse_args(["OUT", "--workloads", "gpt2", "--gpt2-steps", "40"])
+    assert suite.estimate("gpt2", short) < suite.estimate("gpt2", long)
+    assert len(suite.build_plan(suite.parse_args(["OUT", "--workloads", "gpt2", "--repeats", "5"]))) == 25
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["OUT", "--configs", "native,bogus"], "unknown: bogus"),
+    (["OUT", "--workloads", ""], "comma-separated"),
+    (["OUT", "--repeats", "0"], "at least 1"),
+    (["OUT", "--gpt2-seq", "512", "256"], "above MAX"),
+    (["OUT", "--gpt2-seq", "256", "2048"], "1024 tokens"),
+    (["OUT", "--budget", "0"], "positive"),
+    ([], "outdir"),
+])
+def test_bad_arguments_are_usage_errors(argv: list[str], message: str):
+    p = run_py(str(BENCH / "suite.py"), *argv)
+    assert p.returncode == 2
+    assert message in p.stderr
+
+
+def test_child_environments():
+    args = suite.parse_args(["OUT"])
+    base = suite.child_env("native", args, "/x/libcfloor.so")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in base and "BENCH_CFLOOR_LIB" not in base
+    assert base["PYTHONPATH"].split(os.pathsep)[0] == str(REPO / "python")
+    assert base["HF_HUB_OFFLINE"] == "1"
+    assert suite.child_env("expandable", args, None)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert suite.child_env("async", args, None)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert suite.child_env("c-floor", args, "/x/libcfloor.so")["BENCH_CFLOOR_LIB"] == "/x/libcfloor.so"
+    assert "GOALLOC_CONF" not in suite.child_env("goalloc", args, None)
+    tuned = suite.parse_args(["OUT", "--goalloc-conf", "large_cache:512M"])
+    assert suite.child_env("goalloc-mempool", tuned, None)["GOALLOC_CONF"] == "large_cache:512M"
+    assert "GOALLOC_CONF" not in suite.child_env("native", tuned, None)
+
+
+def test_replay_command():
+    args = suite.parse_args(["OUT", "--goalloc-tool", "/t/goalloc"])
+    run = suite.Run(1, "replay", "passthrough", 0, trace="traces/gpt2-train.jsonl.gz")
+    assert suite.workload_command(run, args, Path("x.json")) == [
+        "/t/goalloc", "replay", "traces/gpt2-train.jsonl.gz", "--device", "cuda", "--policy", "passthrough", "--json"]
+
+
+def test_workloads_help_and_shapes_need_no_torch():
+    p = run_py(str(BENCH / "workloads.py"), "--help")
+    assert p.returncode == 0 and "c-floor" in p.stdout
+    limits = {"batch_min": 4, "batch_max": 8, "seq_min": 256, "seq_max": 1024}
+    a = workloads.train_shapes("gpt2", 1, 13, limits)
+    assert a == workloads.train_shapes("gpt2", 1, 13, limits)  # the same for every config of a repeat
+    assert a != workloads.train_shapes("gpt2", 2, 13, limits)
+    assert all(4 <= b <= 8 and 256 <= s <= 1024 and s % 64 == 0 for b, s in a)
+    sizes, order = workloads.burst_plan()
+    assert len(sizes) == 64 and sorted(order) == list(range(64))
+    assert all(s % 512 == 0 and 512 <= s <= 16 << 20 for s in sizes)
+
+
+def test_workloads_records_a_failure_as_json(tmp_path: Path):
+    """Without a GPU (and here maybe without torch) a run fails, and says why in its result file."""
+    out = tmp_path / "r.json"
+    p = run_py(str(BENCH / "workloads.py"), "--workload", "micro", "--config", "goalloc", "--out", str(out))
+    assert p.returncode == 1
+    res = json.loads(out.read_text())
+    assert res["ok"] is False and res["workload"] == "micro" and res["config"] == "goalloc"
+    assert res["error"] and "Traceback" in res["traceback"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (the CPU build will do)")
+@pytest.mark.parametrize("workload, shape", [("gpt2", ["--gpt2-batch", "1", "2", "--gpt2-seq", "64", "128"]),
+                                             ("resnet50", ["--resnet-batch", "2", "2", "--resnet-res", "32", "32"])])
+def test_training_code_runs_on_the_cpu(tmp_path: Path, workload: str, shape: list[str]):
+    out = tmp_path / "r.json"
+    p = run_py(str(BENCH / "workloads.py"), "--workload", workload, "--smoke-cpu", "--out", str(out),
+               "--warmup", "1", "--steps", "1", *shape, timeout=600)
+    res = json.loads(out.read_text())
+    assert res["ok"], res.get("traceback") or p.stderr
+    r = res["result"]
+    assert r["losses_finite"] and r["units_per_s"] > 0 and len(r["step_log"]) == 2
+
+
+# --- the whole suite, over stand-in programs --------------------------------------------
+
+STUB_WORKLOADS = r'''
+import argparse, json, os, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--workload"); p.add_argument("--config", default="native"); p.add_argument("--repeat", type=int, default=0)
+p.add_argument("--out")
+args, _ = p.parse_known_args()
+res = {"workload": args.workload, "config": args.config, "repeat": args.repeat, "ok": True}
+mode = os.environ.get("STUB_MODE", "")
+if args.workload == "env":
+    res["result"] = {"torch": "2.11.0+stub", "gpu": "Stub GPU", "python": "3.12"}
+elif args.config == "async" and args.workload == "gpt2":
+    res.update(ok=False, error="RuntimeError: stub failure")
+    json.dump(res, open(args.out, "w")); sys.exit(1)
+elif args.config == "c-floor":
+    os.abort()                      # a crash: no result file at all
+elif args.config == "expandable" and args.workload == "resnet50" and "hang" in mode:
+    time.sleep(60)                  # a hang: the suite's timeout must stop it
+elif args.workload == "micro":
+    k = {"native": 3.0, "expandable": 3.5, "async": 4.5, "goalloc": 3.2, "goalloc-mempool": 3.1}[args.config]
+    res["result"] = {"pairs": {n: {"us_per_pair": k + args.repeat * 0.1, "device_allocs_during": 0}
+                               for n in ("4KiB", "1MiB", "64MiB", "burst64")},
+                     "cross_stream": {"iterations_per_s": 5000.0, "correct": True, "buffers": [262144],
+                                      "allocator": {"reserved_peak": 1 << 28, "allocated_peak": 1 << 27},
+                                      "device": {"peak_over_baseline": 1 << 28}}}
+else:
+    res["result"] = {"unit": "tokens", "units_per_s": 1000.0 + args.repeat, "median_step_s": 0.05,
+                     "allocator": {"reserved_peak": 11 << 30, "allocated_peak": 10 << 30,
+                                   "pool_reserved_max_read": 10 << 30},
+                     "device": {"peak_over_baseline": 11 << 30}}
+json.dump(res, open(args.out, "w"))
+'''
+
+STUB_TOOL = r'''#!/bin/sh
+case "$*" in
+  *resnet50*) echo "goalloc replay: --device cuda: no GPU" >&2; exit 1;;
+esac
+echo 'goalloc replay: warning: something'  >&2
+cat <<EOF
+{"trace": "$2", "policy": "$6", "peak_live_bytes": 1000, "peak_reserved_bytes": 1010, "ratio": 1.01,
+ "native_ratio": 1.106, "ns_per_op": 500, "ooms": 0}
+EOF
+'''
+
+
+def stub_suite(tmp_path: Path, *extra: str, mode: str = "") -> tuple[subprocess.Popen[str], Path]:
+    stub = tmp_path / "stub_workloads.py"
+    stub.write_text(STUB_WORKLOADS)
+    tool = tmp_path / "goalloc"
+    tool.write_text(STUB_TOOL)
+    tool.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, STUB_MODE=mode)
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "suite.py"), str(out), "--workloads-script", str(stub), "--goalloc-tool", str(tool),
+         "--build-dir", str(tmp_path / "build"), "--repeats", "2", "--command", "bash bench/run.sh OUTDIR", *extra],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def test_suite_records_every_run_and_goes_on_after_failures(tmp_path: Path):
+    proc, out = stub_suite(tmp_path, "--timeout", "3", mode="hang")
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, log  # some runs failed
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["status"] == "complete" and doc["command"] == "bash bench/run.sh OUTDIR"
+    assert doc["env"]["gpu"] == "Stub GPU"
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert len(runs) == len(doc["plan"]) == 40
+    status = {(r["workload"], r["config"]): r["status"] for r in doc["runs"]}
+    assert status[("gpt2", "async")] == "failed"
+    assert status[("resnet50", "expandable")] == "timeout"
+    assert status[("micro", "goalloc")] == "ok" and status[("gpt2", "goalloc")] == "ok"
+    cfl = [r for r in doc["runs"] if r["config"] == "c-floor"]
+    assert cfl and all(r["status"] == "failed" for r in cfl)
+    if doc["cfloor"]["ok"]:  # built with gcc: the stub crashed, leaving no result
+        assert all(r["reason"] == "exit status -6 (SIGABRT); no result file" for r in cfl), cfl[0]["reason"]
+    failed = next(r for r in doc["runs"] if r["workload"] == "gpt2" and r["config"] == "async")
+    assert failed["reason"] == "RuntimeError: stub failure"
+    replay = [r for r in doc["runs"] if r["workload"] == "replay"]
+    assert {r["status"] for r in replay if "gpt2" in r["trace"]} == {"ok"}
+    assert {r["status"] for r in replay if "resnet50" in r["trace"]} == {"failed"}
+    assert next(r for r in replay if r["status"] == "ok")["result"]["ratio"] == 1.01
+    # One file per run as well, the same record.
+    files = sorted(p.name for p in (out / "results").glob("0*.json"))
+    assert len(files) == 41  # 40 runs and env
+    one = json.loads((out / "results" / f"{failed['name']}.json").read_text())
+    assert one["status"] == "failed"
+    # And it renders, with the failures listed and the goals computed.
+    text = render.render(doc)
+    assert "gpt2-async-r" in text and "stub failure" in text
+    assert "| 4 KiB | goalloc | 3.25 (3.20–3.30, n=2) | 1.066× | — |" in text
+
+
+def test_suite_skips_what_the_budget_cannot_hold(tmp_path: Path):
+    proc, out = stub_suite(tmp_path, "--budget", "1", "--workloads", "micro")
+    log, _ = proc.communicate(timeout=120)
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["status"] == "complete"
+    assert {r["status"] for r in doc["runs"]} == {"skipped"}
+    assert all(r["reason"].startswith("budget:") for r in doc["runs"])
+    assert proc.returncode == 1
+    render.render(doc)  # nothing measured still renders
+
+
+def test_sigterm_keeps_what_finished(tmp_path: Path):
+    proc, out = stub_suite(tmp_path, "--workloads", "resnet50", "--timeout", "60", mode="hang")
+    bench = out / "bench.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # native is done: expandable, which hangs, has started
+        if bench.exists() and json.loads(bench.read_text()).get("runs"):
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 124, log
+    doc = json.loads(bench.read_text())
+    assert doc["status"] == "stopped (SIGTERM)" and doc["finished"]
+    st = [(r["config"], r["status"]) for r in doc["runs"]]
+    assert st[:2] == [("native", "ok"), ("expandable", "killed")]
+    assert len(st) == 10 and all(s == "skipped" for _, s in st[2:])
+    assert (out / "results" / f"{doc['runs'][0]['name']}.json").is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_run_sh_leaves_four_files(tmp_path: Path):
+    """The device tool brings back few files: run.sh packs the per-run files into one."""
+    stub = tmp_path / "stub_workloads.py"
+    stub.write_text(STUB_WORKLOADS)
+    tool = tmp_path / "goalloc"
+    tool.write_text(STUB_TOOL)
+    tool.chmod(0o755)
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", str(BENCH / "run.sh"), str(out), "--repeats", "1", "--workloads", "micro,replay",
+                        "--configs", "native,goalloc", "--workloads-script", str(stub), "--goalloc-tool", str(tool),
+                        "--build-dir", str(tmp_path / "build")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHON=sys.executable))
+    assert p.returncode == 1, p.stdout + p.stderr  # the resnet50 replays fail in the stub
+    assert sorted(x.name for x in out.iterdir()) == ["BENCHMARKS.md", "bench.json", "console.log", "results.tar.gz"]
+    names = subprocess.run(["tar", "-tzf", str(out / "results.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert "results/000-env.json" in names and len([n for n in names if n.endswith(".json")]) == 1 + 2 + 4
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["command"] == ("bash bench/run.sh OUTDIR --repeats 1 --workloads micro,replay --configs native,goalloc "
+                              f"--workloads-script {stub} --goalloc-tool {tool} --build-dir {tmp_path / 'build'}")
+    assert (out / "BENCHMARKS.md").read_text().startswith("# goalloc benchmarks")
+    assert "# goalloc benchmarks" in p.stdout and "suite exit status 1" in (out / "console.log").read_text()
+
+
+# --- aggregation and the renderer on known numbers ----------------------------------------
+
+
+def fake_doc() -> dict[str, Any]:
+    """A bench.json with known numbers: 3 repeats of everything, one failure."""
+    runs: list[dict[str, Any]] = []
+    plan: list[dict[str, Any]] = []
+
+    def add(workload: str, config: str, repeat: int, result: Optional[dict[str, Any]], status: str = "ok",
+            trace: Optional[str] = None) -> None:
+        rec = {"id": len(runs) + 1, "name": f"{len(runs) + 1:03d}-{workload}-{config}-r{repeat}", "workload": workload,
+               "config": config, "repeat": repeat, "status": status, "result": result}
+        if trace:
+            rec["trace"] = trace
+        if status != "ok":
+            rec["reason"] = "RuntimeError: boom"
+        runs.append(rec)
+        plan.append({k: rec[k] for k in ("id", "workload", "config", "repeat")} | ({"trace": trace} if trace else {}))
+
+    pair = {"native": [3.0, 2.8, 3.4], "expandable": [4.0, 4.1, 3.9], "async": [4.6, 4.5, 5.0],
+            "goalloc": [3.6, 3.7, 3.5], "goalloc-mempool": [3.1, 3.0, 3.2], "c-floor": [3.4, 3.5, 3.3]}
+    for r in range(3):
+        for c, us in pair.items():
+            add("micro", c, r, {
+                "pairs": {k: {"us_per_pair": us[r] * (20 if k == "64MiB" and c == "goalloc" else 1),
+                              "device_allocs_during": 7 if k == "64MiB" and c == "goalloc" else 0}
+                          for k in ("4KiB", "1MiB", "64MiB", "burst64")},
+                "cross_stream": {"iterations_per_s": 1000.0 * (r + 1), "correct": c != "c-floor" or r != 1,
+                                 "buffers": [262144, 8 << 20],
+                                 "allocator": {"reserved_peak": 2 * GiB, "allocated_peak": GiB},
+                                 "device": {"peak_over_baseline": 3 * GiB}}})
+    # GPT-2: goalloc 10.4 GiB pool over 10 GiB live (1.04, met), 0.985 x native speed (missed).
+    speed = {"native": 1000.0, "expandable": 990.0, "async": 995.0, "goalloc": 985.0, "goalloc-mempool": 1001.0}
+    for r in range(3):
+        for c, s in speed.items():
+            alloc = {"reserved_peak": 12 * GiB, "allocated_peak": 10 * GiB, "requested_peak": int(9.9 * GiB)}
+            if c == "goalloc":
+                alloc.update(reserved_peak=int(10.2 * GiB), pool_reserved_max_read=int(10.4 * GiB))
+            add("gpt2", c, r, {"unit": "tokens", "units_per_s": s, "median_step_s": 1 / s,
+                               "allocator": alloc, "device": {"peak_over_baseline": 13 * GiB}})
+    add("gpt2", "async", 3, None, status="failed")
+    for r in range(3):
+        for t in ("traces/gpt2-train.jsonl.gz",):
+            for pol, ratio_ in (("goalloc", 1.0088), ("passthrough", 1.037)):
+                add("replay", pol, r, {"peak_live_bytes": 100 * GiB // 100, "peak_reserved_bytes": int(ratio_ * GiB),
+                                       "ratio": ratio_, "native_ratio": 1.106, "ns_per_op": 400 + r, "ooms": 0}, trace=t)
+    return {"schema": 1, "command": "bash bench/run.sh OUTDIR", "started": "2026-01-01T00:00:00Z", "elapsed_s": 400,
+            "budget_s": 480, "options": {"repeats": 3}, "env": {"gpu": "Stub GPU", "torch": "2.11.0"},
+            "nvidia_smi": {"name": "NVIDIA H200", "driver_version": "580.0"}, "plan": plan, "runs": runs,
+            "nvidia_smi_end": {"clocks.sm": "1980", "clocks.max.sm": "1980", "clocks.mem": "3201",
+                               "temperature.gpu": "45", "power.limit": "700.00"}, "git_commit": "abc123"}
+
+
+def test_aggregation_medians_and_ratios():
+    doc = fake_doc()
+    a = render.collect(render.runs_of(doc, "micro", "native"), lambda r: render.dig(r, "pairs", "4KiB", "us_per_pair"))
+    assert a.values == [3.0, 2.8, 3.4] and a.median == 3.0 and (a.lo, a.hi, a.n) == (2.8, 3.4, 3)
+    assert render.Agg([1.0, 4.0]).median == 2.5 and render.Agg([]).median is None
+    assert render.ratio(3.6, 3.4) == pytest.approx(1.0588, abs=1e-4)
+    assert render.ratio(None, 1.0) is None and render.ratio(1.0, 0) is None
+    # A run without a result (failed) is not counted; NaN and booleans are not numbers.
+    assert render.train_aggs(doc, "gpt2", "async")["speed"].n == 3
+    assert render.number(float("nan")) is None and render.number(True) is None
+    assert render.memory_of_record("goalloc", {"allocator": {"pool_reserved_max_read": 5, "reserved_peak": 4}}) == 5
+    assert render.memory_of_record("native", {"allocator": {"pool_reserved_max_read": 5, "reserved_peak": 4}}) == 4
+
+
+def test_render_tables_and_goals():
+    doc = fake_doc()
+    text = render.render(doc, notes="Why: see the profile.")
+    for heading in ("## 1. Alloc+free pairs", "## 2. Cross-stream", "## 3a. Training: GPT-2 124M",
+                    "## 4. Trace replay", "## Goals", "## Closing note\n\nWhy: see the profile."):
+        assert heading in text
+    assert "Training: ResNet-50" not in text  # not planned, not shown
+    assert "NVIDIA H200; driver 580.0" in text and "`bash bench/run.sh OUTDIR`" in text
+    assert "- GPU after the runs (nvidia-smi): SM clock 1980 MHz of 1980, memory clock 3201 MHz, 45 °C" in text
+    assert "GPU before" not in text and "repository commit abc123" in text
+    # goalloc 4 KiB: median 3.6 over native 3.0 and c-floor 3.4.
+    assert "| 4 KiB | goalloc | 3.60 (3.50–3.70, n=3) | 1.200× | 1.059× | 0 |" in text
+    assert "| 64 MiB | goalloc | 72.00 (70.00–74.00, n=3) | 24.000× | 21.176× | 7 |" in text
+    assert "NO (1 of 3)" in text  # c-floor's wrong sums in one repeat
+    # GPT-2 goalloc: 985 tokens/s, 0.985x native; 10.40 GiB, 1.040x live, 0.867x native's 12 GiB.
+    assert "| goalloc | 985 (985–985, n=3) | 0.985× | 10.40 GiB | 1.040× | 0.867× | 13.00 GiB | 10.00 GiB |" in text
+    assert "256 KiB, 8.0 MiB" in text
+    assert "| gpt2-train.jsonl.gz | goalloc | 1.00 GiB | 1.01 GiB | 1.009 | 1.106 | 0.912× |" in text
+    _, goals = render.goals(doc)
+    by = {g["goal"]: g for g in goals}
+    assert by["GPT-2 124M peak memory ≤ 1.05 × peak live"]["met"] is True
+    assert by["GPT-2 124M peak memory below native"]["met"] is True
+    thr = by["GPT-2 124M throughput ≥ 0.99 × native"]
+    assert thr["met"] is False and "0.985×" in thr["text"] and "0.5 points under the goal" in thr["text"]
+    p4 = by["pair (4 KiB) ≤ 1.10 × c-floor"]
+    assert p4["met"] is True and "1.059×" in p4["text"]
+    p64 = by["pair (64 MiB) ≤ 1.10 × c-floor"]
+    assert p64["met"] is False and "+1825.1% over the goal" in p64["text"] and "7 times" in p64["text"]
+    assert by["pair (4 KiB) below async"]["met"] is True
+    assert by["pair (64 MiB) below async"]["met"] is False
+    assert "RuntimeError: boom" in text  # the failed run is listed
+    assert ("  - where it goes (goalloc's own counters; differences of peaks): driver pool over goalloc's own "
+            "reserved peak 204.8 MiB;") in text
+    assert "None was given" in render.render(doc)
+
+
+def test_render_command_line_writes_and_unpacks(tmp_path: Path):
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(fake_doc()))
+    out = tmp_path / "B.md"
+    p = run_py(str(BENCH / "render.py"), str(src), "--output", str(out), "--unpack", str(tmp_path / "results"))
+    assert p.returncode == 0, p.stderr
+    first = out.read_text()
+    assert first.startswith("# goalloc benchmarks")
+    assert len(list((tmp_path / "results").glob("*.json"))) == len(fake_doc()["runs"])
+    p = run_py(str(BENCH / "render.py"), str(src), "--output", str(out))
+    assert out.read_text() == first  # replaced, not appended
+    p = run_py(str(BENCH / "render.py"), str(tmp_path / "missing.json"))
+    assert p.returncode == 1 and "cannot read" in p.stderr
+
+
+# --- c-floor, over a fake driver --------------------------------------------------------------
+
+FAKE_CUDA = r"""
+#include <stdint.h>
+#include <stdlib.h>
+typedef int CUresult;
+static long long allocs, frees, used, cap = -1, records;
+static int events_done = 1, ctx_dummy;
+static void *current;
+CUresult cuInit(unsigned f) { (void)f; return 0; }
+CUresult cuDeviceGet(int *d, int o) { *d = o; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = &ctx_dummy; return 0; }
+CUresult cuCtxGetCurrent(void **c) { *c = current; return 0; }
+CUresult cuCtxSetCurrent(void *c) { current = c; return 0; }
+CUresult cuCtxSynchronize(void) { return 0; }
+CUresult cuMemAlloc_v2(unsigned long long *p, size_t n) {
+  if (cap >= 0 && used + (long long)n > cap) return 2;
+  size_t *m = malloc(n + 16); m[0] = n; used += (long long)n; allocs++;
+  *p = (unsigned long long)(uintptr_t)(m + 2); return 0;
+}
+CUresult cuMemFree_v2(unsigned long long p) {
+  size_t *m = (size_t *)(uintptr_t)p - 2; used -= (long long)m[0]; frees++; free(m); return 0;
+}
+CUresult cuEventCreate(void **e, unsigned f) { (void)f; *e = malloc(1); return 0; }
+CUresult cuEventRecord(void *e, void *s) { (void)e; (void)s; records++; return 0; }
+CUresult cuEventQuery(void *e) { (void)e; return events_done ? 0 : 600; }
+void fake_set(int done, long long c) { events_done = done; cap = c; }
+void fake_counts(long long *o) { o[0] = allocs; o[1] = frees; o[2] = used; o[3] = records; }
+"""
+
+
+@pytest.fixture
+def cfloor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """A freshly built libcfloor.so (its own globals) over a fake libcuda."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc")
+    fake_c = tmp_path / "fake_cuda.c"
+    fake_c.write_text(FAKE_CUDA)
+    fake = tmp_path / "libfakecuda.so"
+    subprocess.run([gcc, "-O1", "-shared", "-fPIC", "-Wall", "-o", str(fake), str(fake_c)], check=True)
+    lib = tmp_path / "libcfloor.so"
+    # -Werror here: the source must stay warning-free for the gcc on the GPU machine.
+    p = subprocess.run([gcc, "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", "-o", str(lib),
+                        str(BENCH / "cfloor.c"), "-ldl", "-lpthread"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    monkeypatch.setenv("CFLOOR_LIBCUDA", str(fake))
+    c = ctypes.CDLL(str(lib))
+    c.cfloor_malloc.restype = ctypes.c_void_p
+    c.cfloor_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    c.cfloor_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    c.cfloor_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    f = ctypes.CDLL(str(fake))
+    f.fake_set.argtypes = [ctypes.c_int, ctypes.c_longlong]
+    return c, f
+
+
+def stats(c: Any) -> dict[str, int]:
+    out = (ctypes.c_longlong * 8)()
+    c.cfloor_stats(out)
+    keys = ("reserved_current", "reserved_peak", "allocated_current", "allocated_peak",
+            "device_allocs", "device_frees", "cache_hits", "cache_misses")
+    return dict(zip(keys, out))
+
+
+def fake_counts(f: Any) -> dict[str, int]:
+    out = (ctypes.c_longlong * 4)()
+    f.fake_counts(out)
+    return dict(zip(("allocs", "frees", "used", "records"), out))
+
+
+def test_cfloor_compiles_with_gcc_in_the_suite(tmp_path: Path):
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    rec, lib = suite.build_cfloor(suite.parse_args([str(tmp_path), "--build-dir", str(tmp_path / "b")]))
+    assert rec["ok"], rec.get("error")
+    assert lib and Path(lib).is_file() and rec["command"].startswith("gcc -O2 -shared")
+    syms = subprocess.run(["nm", "-D", lib], capture_output=True, text=True).stdout if shutil.which("nm") else ""
+    for name in ("cfloor_malloc", "cfloor_free", "cfloor_record_stream", "cfloor_init", "cfloor_empty_cache",
+                 "cfloor_stats"):
+        assert not syms or name in syms
+
+
+def test_cfloor_reuses_exact_sizes_per_stream(cfloor: tuple[Any, Any]):
+    c, f = cfloor
+    s1, s2 = 0x10, 0x20
+    a = c.cfloor_malloc(4096, 0, s1)
+    assert a and a % 16 == 0
+    c.cfloor_free(a, 4096, 0, s1)
+    assert c.cfloor_malloc(4096, 0, s1) == a            # same size, same stream: reused
+    b = c.cfloor_malloc(4000, 0, s1)                     # rounds to 4096 too, but a is taken
+    assert b != a
+    c.cfloor_free(b, 4000, 0, s1)
+    assert c.cfloor_malloc(4096, 0, s2) not in (a, b)   # another stream never gets s1's block
+    assert c.cfloor_malloc(4096 + 512, 0, s1) not in (a, b)  # another size neither
+    st = stats(c)
+    assert st["device_allocs"] == 4 and st["cache_hits"] == 1
+    assert st["reserved_current"] == 4096 * 3 + 4608
+    assert st["allocated_current"] == 4096 * 2 + 4608  # a, the s2 block and the 4608 one are live, b cached
+    assert st["reserved_peak"] == st["reserved_current"]
+    assert c.cfloor_malloc(0, 0, s1) is None
+    c.cfloor_free(None, 0, 0, s1)                        # ignored
+
+
+def test_cfloor_record_stream_defers_reuse_until_the_events_complete(cfloor: tuple[Any, Any]):
+    c, f = cfloor
+    prod, cons = 0x10, 0x20
+    a = c.cfloor_malloc(1 << 20, 0, prod)
+    c.cfloor_record_stream(a, cons)
+    c.cfloor_record_stream(a, cons)  # twice: one event
+    f.fake_set(0, -1)                # the consumer is still busy
+    c.cfloor_free(a, 1 << 20, 0, prod)
+    assert fake_counts(f)["records"] == 1
+    b = c.cfloor_malloc(1 << 20, 0, prod)
+    assert b != a                    # not reusable yet
+    c.cfloor_free(b, 1 << 20, 0, prod)
+    f.fake_set(1, -1)                # the consumer is done
+    got = {c.cfloor_malloc(1 << 20, 0, prod), c.cfloor_malloc(1 << 20, 0, prod)}
+    assert got == {a, b}
+    assert stats(c)["device_allocs"] == 2
+
+
+def test_cfloor_frees_its_cache_and_retries_when_the_device_is_full(cfloor: tuple[Any, Any]):
+    c, f = cfloor
+    f.fake_set(1, 3 << 20)  # a 3 MiB device
+    ptrs = [c.cfloor_malloc(1 << 20, 0, 0x10) for _ in range(3)]
+    for p in ptrs:
+        c.cfloor_free(p, 1 << 20, 0, 0x10)  # 3 MiB cached
+    big = c.cfloor_malloc(2 << 20, 0, 0x10)
+    assert big
+    counts = fake_counts(f)
+    assert counts["frees"] == 3 and counts["used"] == 2 << 20
+    st = stats(c)
+    assert st["reserved_current"] == 2 << 20 and st["reserved_peak"] == 3 << 20
+    c.cfloor_free(big, 2 << 20, 0, 0x10)
+    c.cfloor_empty_cache()
+    assert fake_counts(f)["used"] == 0 and stats(c)["reserved_current"] == 0
+
+
+def test_cfloor_aborts_with_a_message_when_memory_runs_out(tmp_path: Path):
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    script = textwrap.dedent(f"""
+        import ctypes, subprocess, sys
+        tmp = {str(tmp_path)!r}
+        open(tmp + '/fake.c', 'w').write({FAKE_CUDA!r})
+        subprocess.run(['gcc', '-shared', '-fPIC', '-o', tmp + '/libfake.so', tmp + '/fake.c'], check=True)
+        subprocess.run(['gcc', '-O2', '-shared', '-fPIC', '-o', tmp + '/libcf.so', {str(BENCH / 'cfloor.c')!r},
+                        '-ldl', '-lpthread'], check=True)
+        import os
+        os.environ['CFLOOR_LIBCUDA'] = tmp + '/libfake.so'
+        f = ctypes.CDLL(tmp + '/libfake.so'); f.fake_set.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        c = ctypes.CDLL(tmp + '/libcf.so'); c.cfloor_malloc.restype = ctypes.c_void_p
+        c.cfloor_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        f.fake_set(1, 1 << 20)
+        c.cfloor_malloc(2 << 20, 0, None)
+        print('not reached')
+    """)
+    p = run_py("-c", script)
+    assert p.returncode != 0 and "not reached" not in p.stdout
+    assert "cfloor: out of memory on device 0: 2097152 bytes requested" in p.stderr
