@@ -178,8 +178,11 @@ class Allocator:
         """
         if self.goalloc is None:
             return None
-        v = int(self.goalloc.fragmentation(0).pool_reserved_bytes)
-        self.pool_reserved_max = max(self.pool_reserved_max, v)
+        f = self.goalloc.fragmentation(0)
+        v = int(f.pool_reserved_bytes)
+        # The pool's own high-water mark, when the library reports it, is
+        # exact where the readings between steps could miss a peak.
+        self.pool_reserved_max = max(self.pool_reserved_max, v, int(getattr(f, "pool_reserved_high_bytes", 0)))
         return v
 
     def device_allocs(self) -> Optional[int]:
@@ -229,6 +232,7 @@ class Allocator:
             out["pool_reserved_current"] = int(f.pool_reserved_bytes)
             out["pool_used_current"] = int(f.pool_used_bytes)
             out["pool_reserved_max_read"] = self.pool_reserved_max
+            out["pool_reserved_high"] = int(getattr(f, "pool_reserved_high_bytes", 0))
             if self.config == "goalloc-mempool":
                 # goalloc's own view of the segments it handed torch's pool.
                 g = self.goalloc.memory_stats(0)
