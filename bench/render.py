@@ -4,6 +4,7 @@
     python3 bench/render.py OUTDIR/bench.json                 # markdown on stdout
     python3 bench/render.py OUTDIR/bench.json --write         # replace ./BENCHMARKS.md
     python3 bench/render.py OUTDIR/bench.json --output F.md   # write F.md
+    python3 bench/render.py OUTDIR/bench.json --into BENCHMARKS.md   # replace its suite section
     python3 bench/render.py OUTDIR/bench.json --unpack bench/results   # one JSON file per run
 
 This is the only thing that writes numbers into BENCHMARKS.md: every figure
@@ -542,12 +543,34 @@ def unpack(doc: dict[str, Any], folder: Path) -> list[Path]:
     return paths
 
 
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def splice(document: str, rendered: str) -> str:
+    """document with the text between its markers replaced by rendered, its
+    headings one level down (the suite becomes a section of the document)."""
+    a, b = document.find(BEGIN), document.find(END)
+    if a < 0 or b < a:
+        raise ValueError(f"no {BEGIN} ... {END} section to replace")
+    lines, fence = [], False
+    for line in rendered.strip().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and line.startswith("#"):
+            line = "#" + line
+        lines.append(line)
+    return document[:a + len(BEGIN)] + "\n" + "\n".join(lines) + "\n" + document[b:]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bench_json", help="the suite's bench.json")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("--write", action="store_true", help="replace BENCHMARKS.md at the repository root")
     out.add_argument("--output", help="write the markdown to this file instead of stdout")
+    out.add_argument("--into", metavar="FILE",
+                     help="replace the text between the bench:begin and bench:end markers of FILE "
+                          "(BENCHMARKS.md keeps other measurements around the suite's)")
     ap.add_argument("--notes", help="a hand-written closing note (markdown) to append")
     ap.add_argument("--unpack", metavar="DIR", help="also write each run as DIR/NAME.json")
     args = ap.parse_args(argv)
@@ -561,8 +584,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.unpack:
         n = len(unpack(doc, Path(args.unpack)))
         print(f"render: wrote {n} run files under {args.unpack}", file=sys.stderr)
-    if args.write or args.output:
-        path = Path(args.output) if args.output else Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    if args.into:
+        path = Path(args.into)
+        try:
+            text = splice(path.read_text(), text)
+        except (OSError, ValueError) as e:
+            print(f"render: {path}: {e}", file=sys.stderr)
+            return 1
+    if args.write or args.output or args.into:
+        path = Path(args.into or args.output or Path(__file__).resolve().parent.parent / "BENCHMARKS.md")
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.write_text(text)
         os.replace(tmp, path)

@@ -605,3 +605,26 @@ def test_cfloor_aborts_with_a_message_when_memory_runs_out(tmp_path: Path):
     p = run_py("-c", script)
     assert p.returncode != 0 and "not reached" not in p.stdout
     assert "cfloor: out of memory on device 0: 2097152 bytes requested" in p.stderr
+
+
+def test_render_into_replaces_only_the_suite_section(tmp_path):
+    import importlib.util
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    spec = importlib.util.spec_from_file_location("bench_render", _Path(__file__).parent.parent / "bench" / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    _sys.modules["bench_render"] = render
+    spec.loader.exec_module(render)
+    doc = "# Benchmarks\n\nkept\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\n\n## Other\nkept too\n"
+    out = render.splice(doc, "# goalloc benchmarks\n\n## 1. Pairs\n\n```\n# not a heading\n```\n")
+    assert "old" not in out
+    assert "## goalloc benchmarks" in out and "### 1. Pairs" in out
+    assert "# not a heading" in out and "## # not a heading" not in out
+    assert out.startswith("# Benchmarks\n\nkept") and out.endswith("## Other\nkept too\n")
+    try:
+        render.splice("no markers", "x")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("splice without markers must fail")
