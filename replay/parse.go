@@ -145,19 +145,7 @@ func hasAt(b []byte, i int, s string) bool {
 // with no leading zero and no fraction or exponent after it; ok is false
 // for anything else.
 func plainDigits(b []byte, i int) (n uint64, j int, ok bool) {
-	j = i
-	for len(b)-j >= 8 {
-		v := binary.LittleEndian.Uint64(b[j:])
-		if !eightDigits(v) {
-			break
-		}
-		n = n*1e8 + parseEight(v)
-		j += 8
-	}
-	for j < len(b) && '0' <= b[j] && b[j] <= '9' {
-		n = n*10 + uint64(b[j]-'0')
-		j++
-	}
+	n, j = scanDigits(b, i)
 	if j == i || j-i > 19 || (b[i] == '0' && j > i+1) {
 		return 0, 0, false
 	}
@@ -334,13 +322,12 @@ func parseInt(b []byte, i int, field string) (int64, int, error) {
 	return int64(u), j, err
 }
 
-// parseDigits parses the digits at b[start:] of the value at b[i] of field,
-// which must be want: a JSON number with no fraction and no exponent.
-func parseDigits(b []byte, i, start int, field, want string) (uint64, int, error) {
-	j := start
-	var n uint64
-	// Trace numbers are long (addresses and microsecond times have 15 and
-	// 16 digits): take eight digits at a time while there are eight.
+// scanDigits reads the decimal digits at b[i:] into n, without an
+// overflow check (callers check the length), and returns where they end.
+// Trace numbers are long (addresses and microsecond times have 15 and 16
+// digits): it takes eight digits at a time while there are eight.
+func scanDigits(b []byte, i int) (n uint64, j int) {
+	j = i
 	for len(b)-j >= 8 {
 		v := binary.LittleEndian.Uint64(b[j:])
 		if !eightDigits(v) {
@@ -353,6 +340,13 @@ func parseDigits(b []byte, i, start int, field, want string) (uint64, int, error
 		n = n*10 + uint64(b[j]-'0')
 		j++
 	}
+	return n, j
+}
+
+// parseDigits parses the digits at b[start:] of the value at b[i] of field,
+// which must be want: a JSON number with no fraction and no exponent.
+func parseDigits(b []byte, i, start int, field, want string) (uint64, int, error) {
+	n, j := scanDigits(b, start)
 	// 19 digits always fit in 64 bits; only a longer number can overflow,
 	// and then the digits are parsed again with a check.
 	if j-start > 19 {

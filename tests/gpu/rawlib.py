@@ -61,3 +61,28 @@ class RawGoalloc:
 
     def snapshot(self, device=0):
         return self._json(self.lib.goalloc_snapshot_json, device)
+
+
+def run_check(script, name, *argv, timeout=600):
+    """Run one of the check scripts beside this file in a fresh process (the
+    allocator must be installed before CUDA starts, once per process), and
+    return the JSON object it prints last, with its stderr under "stderr".
+    The result is also saved as GOALLOC_GPU_OUT/NAME.json when that is set."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = dict(os.environ)
+    env.setdefault("GOALLOC_LIBRARY", os.path.join(root, "build", "libgoalloc.so"))
+    proc = subprocess.run([sys.executable, os.path.join(here, script), *argv], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    sys.stderr.write(proc.stderr[-5000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = os.environ.get("GOALLOC_GPU_OUT")
+    if out:
+        with open(os.path.join(out, name + ".json"), "w") as f:
+            json.dump(res, f, indent=1)
+    res["stderr"] = proc.stderr
+    return res

@@ -1,35 +1,17 @@
 """GPU test of the core allocator inside PyTorch (issue: core allocator).
 Skipped where torch or CUDA is missing. Runs core_torch_check.py in a fresh
 process, because the allocator must be installed before CUDA initialises."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from rawlib import run_check
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ)
-    env.setdefault("GOALLOC_LIBRARY", os.path.join(ROOT, "build", "libgoalloc.so"))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "core_torch_check.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    sys.stderr.write(proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["stderr"] = proc.stderr
-    out = os.environ.get("GOALLOC_GPU_OUT")
-    if out:
-        with open(os.path.join(out, "core_torch.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+    return run_check("core_torch_check.py", "core_torch", timeout=300)
 
 
 def test_training_runs_and_hits_the_cache(result):

@@ -1,30 +1,14 @@
 """CUDA graphs with goalloc (issue: CUDA graphs); skipped without CUDA."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from rawlib import run_check
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ)
-    env.setdefault("GOALLOC_LIBRARY", os.path.join(ROOT, "build", "libgoalloc.so"))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "graphs_check.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
-    sys.stderr.write(proc.stderr[-5000:])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    if os.environ.get("GOALLOC_GPU_OUT"):
-        with open(os.path.join(os.environ["GOALLOC_GPU_OUT"], "graphs.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+    return run_check("graphs_check.py", "graphs", timeout=400)
 
 
 def test_replays_match_eager(result):

@@ -1,32 +1,17 @@
 """GPU data-integrity torture (issue: reliability); skipped without CUDA.
 Each scenario runs torture_check.py in a fresh process. GOALLOC_TORTURE_OPS
 sets the size of the main run (default 10^6)."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from rawlib import run_check
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def torture(name, *argv, timeout=600):
-    env = dict(os.environ)
-    env.setdefault("GOALLOC_LIBRARY", os.path.join(ROOT, "build", "libgoalloc.so"))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "torture_check.py"), *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    out = os.environ.get("GOALLOC_GPU_OUT")
-    if out:
-        with open(os.path.join(out, f"torture_{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    res["stderr"] = proc.stderr
-    return res
+    return run_check("torture_check.py", "torture_" + name, *argv, timeout=timeout)
 
 
 def check_clean(r):
