@@ -775,6 +775,19 @@ func (a *Allocator) completeFree(ptr uintptr) {
 	panic(fmt.Sprintf("goalloc: deferred free of %#x completed, but no pending block has that address", ptr))
 }
 
+// Holds says whether ptr is the start of a block or slot goalloc holds on
+// this device, live or not. It counts nothing: the library asks it to find
+// the device of a pointer torch names without one (record_stream).
+func (a *Allocator) Holds(ptr uintptr) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if _, ok := a.largeByAddr[ptr]; ok {
+		return true
+	}
+	seg := a.findSegment(ptr)
+	return seg != nil && seg.slotOf(ptr) >= 0
+}
+
 // RecordStream notes that stream s uses the live block at ptr, so that its
 // free waits for s (PyTorch's Tensor.record_stream).
 func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
@@ -874,8 +887,7 @@ func (a *Allocator) ResetAccumulatedStats() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	st := &a.stats
-	for _, arr := range []*statArray{&st.Allocation, &st.AllocatedBytes, &st.RequestedBytes,
-		&st.Active, &st.ActiveBytes, &st.Segment, &st.ReservedBytes, &st.InactiveSplit, &st.InactiveSplitBytes} {
+	for _, arr := range st.arrays() {
 		for t := range arr {
 			arr[t].Allocated, arr[t].Freed = arr[t].Current, 0
 		}

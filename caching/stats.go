@@ -154,9 +154,14 @@ func (s *Stats) JSON() []byte {
 	return append(b, '}')
 }
 
+// arrays lists every statArray of s.
+func (s *Stats) arrays() []*statArray {
+	return []*statArray{&s.Allocation, &s.AllocatedBytes, &s.RequestedBytes,
+		&s.Active, &s.ActiveBytes, &s.Segment, &s.ReservedBytes, &s.InactiveSplit, &s.InactiveSplitBytes}
+}
+
 func (s *Stats) resetPeaks() {
-	for _, a := range []*statArray{&s.Allocation, &s.AllocatedBytes, &s.RequestedBytes,
-		&s.Active, &s.ActiveBytes, &s.Segment, &s.ReservedBytes, &s.InactiveSplit, &s.InactiveSplitBytes} {
+	for _, a := range s.arrays() {
 		a.resetPeak()
 	}
 }

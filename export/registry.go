@@ -253,23 +253,14 @@ func (l *library) recordStream(p uintptr, s uintptr) error {
 	if p == 0 {
 		return l.bad("null_pointer", "goalloc: record_stream of a NULL pointer")
 	}
-	var last error
+	// Find the device first: asking every device would count a pointer of
+	// device 1 as bad input on device 0.
 	for _, a := range l.existing() {
-		err := a.RecordStream(p, arena.Stream(s))
-		var ie *caching.InputError
-		if err == nil || !errors.As(err, &ie) || ie.Kind != "unknown_pointer" {
-			if err != nil {
-				l.report(err)
-			}
-			return err
+		if a.Holds(p) {
+			return l.reportErr(a.RecordStream(p, arena.Stream(s)))
 		}
-		last = err
 	}
-	if last == nil {
-		return l.bad("unknown_pointer", fmt.Sprintf("goalloc: record_stream of %#x, which goalloc did not allocate", p))
-	}
-	l.report(last)
-	return last
+	return l.bad("unknown_pointer", fmt.Sprintf("goalloc: record_stream of %#x, which goalloc did not allocate", p))
 }
 
 // emptyCache is goalloc_empty_cache: every device made so far.

@@ -136,3 +136,19 @@ func TestGraphHooksNeedAKnownPool(t *testing.T) {
 	require.NoError(t, l.releasePool(0, [2]uint64{1, 1}))
 	require.Error(t, l.releasePool(0, [2]uint64{1, 1}), "released twice")
 }
+
+// record_stream names no device: the pointer's own device takes it, and no
+// other device counts it as bad input.
+func TestRecordStreamFindsTheDevice(t *testing.T) {
+	l := simLibrary(t, "2")
+	require.NotZero(t, l.malloc(1<<20, 0, 0)) // device 0 exists and holds other memory
+	p := l.malloc(1<<20, 1, 0x10)
+	require.NotZero(t, p)
+	require.NoError(t, l.recordStream(p, 0x20))
+	assert.Zero(t, stats(t, l, 0)["goalloc.bad_input.unknown_pointer"])
+	assert.Zero(t, stats(t, l, 1)["goalloc.bad_input.unknown_pointer"])
+	l.free(p, 1<<20, 1, 0x10)
+	assert.EqualValues(t, 1, stats(t, l, 1)["goalloc.deferred_frees"], "the free waited for stream 0x20")
+	require.Error(t, l.recordStream(0xdead000, 0x20))
+	assert.EqualValues(t, 1, stats(t, l, 0)["goalloc.bad_input.unknown_pointer"], "counted once, at the library")
+}

@@ -99,18 +99,11 @@ func parseRecorded(b []byte, ev *rawEvent) bool {
 	if k < 0 {
 		return false
 	}
-	switch string(b[i : i+k]) {
-	case "alloc":
-		ev.act = actAlloc
-	case "free_completed":
-		ev.act = actFreeCompleted
-	case "free_requested":
-		ev.act = actFreeRequested
-	case "segment_alloc":
-		ev.act = actSegmentAlloc
-	default:
+	act := actionNamed(b[i : i+k])
+	if act == actNone {
 		return false
 	}
+	ev.act = act
 	i += k
 	var ok bool
 	if !hasAt(b, i, addr) {
@@ -284,20 +277,26 @@ func parseAction(b []byte, i int, ev *rawEvent) (int, error) {
 	return end, nil
 }
 
+// actionNamed is the action a trace names, or actNone.
+func actionNamed(name []byte) action {
+	switch string(name) {
+	case "alloc":
+		return actAlloc
+	case "free_completed":
+		return actFreeCompleted
+	case "free_requested":
+		return actFreeRequested
+	case "segment_alloc":
+		return actSegmentAlloc
+	}
+	return actNone
+}
+
 func setAction(ev *rawEvent, name []byte) {
 	ev.has |= hasA
 	ev.badAction = ""
-	switch string(name) {
-	case "alloc":
-		ev.act = actAlloc
-	case "free_completed":
-		ev.act = actFreeCompleted
-	case "free_requested":
-		ev.act = actFreeRequested
-	case "segment_alloc":
-		ev.act = actSegmentAlloc
-	default:
-		ev.act, ev.badAction = actNone, string(name)
+	if ev.act = actionNamed(name); ev.act == actNone {
+		ev.badAction = string(name)
 	}
 }
 
