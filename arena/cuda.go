@@ -96,7 +96,20 @@ enum {
 	GX_DEVICE_GET = 4,
 	GX_PRIMARY_RETAIN = 5,
 	GX_POOL_SET_ATTR = 6,
+	GX_CAN_ACCESS_PEER = 7,
+	GX_POOL_SET_ACCESS = 8,
+	GX_STREAM_GET_CTX = 9,
 };
+
+// CU_MEM_ACCESS_FLAGS_PROT_READWRITE, for CUmemAccessDesc.flags.
+enum { GX_MEM_ACCESS_READWRITE = 3 };
+
+typedef struct {
+	CUmemLocation location;
+	int flags;
+} CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc must be 12 bytes, as in cuda.h");
 
 static CUresult (*p_cuInit)(unsigned int);
 static CUresult (*p_cuDeviceGet)(CUdevice *, int);
@@ -129,6 +142,12 @@ static CUresult (*p_cuStreamGetCaptureInfo_v2)(CUstream, int *, cuuint64_t *, CU
 	const CUgraphNode **, size_t *);
 static CUresult (*p_cuThreadExchangeStreamCaptureMode)(int *);
 static CUresult (*p_cuGetErrorName)(CUresult, const char **);
+// Optional: without them no pool is opened to peer devices, and an event is
+// always recorded in its own device's context.
+static CUresult (*p_cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice);
+static CUresult (*p_cuMemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
+static CUresult (*p_cuMemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
+static CUresult (*p_cuStreamGetCtx)(CUstream, CUcontext *);
 // Optional, for tests only: a second context on one device.
 static CUresult (*p_cuCtxCreate)(CUcontext *, unsigned int, CUdevice);
 static CUresult (*p_cuCtxDestroy)(CUcontext);
@@ -168,6 +187,10 @@ static int gx_load(void) {
 		{ (void **)&p_cuStreamGetCaptureInfo_v2, "cuStreamGetCaptureInfo_v2", 0 },
 		{ (void **)&p_cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", 0 },
 		{ (void **)&p_cuGetErrorName, "cuGetErrorName", 0 },
+		{ (void **)&p_cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", 0 },
+		{ (void **)&p_cuMemPoolSetAccess, "cuMemPoolSetAccess", 0 },
+		{ (void **)&p_cuMemPoolGetAccess, "cuMemPoolGetAccess", 0 },
+		{ (void **)&p_cuStreamGetCtx, "cuStreamGetCtx", 0 },
 		{ (void **)&p_cuCtxCreate, "cuCtxCreate_v2", 0 },
 		{ (void **)&p_cuCtxDestroy, "cuCtxDestroy_v2", 0 },
 	};
@@ -354,6 +377,62 @@ static inline gx_ret gx_pool_destroy(uintptr_t ctx, uintptr_t pool) {
 	GX_END()
 }
 
+// gx_pool_open_to_peers gives every other device that can access this
+// device's memory read-write access to the pool (cuMemPoolSetAccess). Memory
+// of a private pool is reachable from its own device only until then, even
+// where peer access between the contexts is enabled: a peer copy from it, or
+// a kernel on a peer reading it, fails with "invalid argument". Access is per
+// device, not per context, so it can be granted before the peer has a
+// context or a pool of its own. v[0] = bit i set when device i was granted.
+// res = -1 when the driver lacks the entry points (nothing granted).
+static inline gx_ret gx_pool_open_to_peers(uintptr_t ctx, uintptr_t pool, int ordinal, int count) {
+	if (p_cuDeviceCanAccessPeer == NULL || p_cuMemPoolSetAccess == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, -1, GX_MAIN };
+		return none;
+	}
+	GX_BEGIN(ctx)
+	for (int peer = 0; peer < count && peer < 64 && out.res == 0; peer++) {
+		int can = 0;
+		CUdevice self = 0, other = 0;
+		if (peer == ordinal) {
+			continue;
+		}
+		if ((out.res = p_cuDeviceGet(&self, ordinal)) != 0 || (out.res = p_cuDeviceGet(&other, peer)) != 0) {
+			out.stage = GX_DEVICE_GET;
+			break;
+		}
+		if ((out.res = p_cuDeviceCanAccessPeer(&can, other, self)) != 0) {
+			out.stage = GX_CAN_ACCESS_PEER;
+			break;
+		}
+		if (!can) {
+			continue;
+		}
+		CUmemAccessDesc desc = { { GX_MEM_LOCATION_TYPE_DEVICE, peer }, GX_MEM_ACCESS_READWRITE };
+		if ((out.res = p_cuMemPoolSetAccess((CUmemoryPool)pool, &desc, 1)) != 0) {
+			out.stage = GX_POOL_SET_ACCESS;
+			break;
+		}
+		out.v[0] |= 1ull << peer;
+	}
+	GX_END()
+}
+
+// gx_pool_access: v[0] = the CUmemAccess_flags device peer has on the pool
+// (0 none, 3 read-write). res = -1 when the driver lacks cuMemPoolGetAccess.
+static inline gx_ret gx_pool_access(uintptr_t ctx, uintptr_t pool, int peer) {
+	if (p_cuMemPoolGetAccess == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, -1, GX_MAIN };
+		return none;
+	}
+	GX_BEGIN(ctx)
+	int flags = 0;
+	CUmemLocation loc = { GX_MEM_LOCATION_TYPE_DEVICE, peer };
+	out.res = p_cuMemPoolGetAccess(&flags, (CUmemoryPool)pool, &loc);
+	out.v[0] = (unsigned long long)flags;
+	GX_END()
+}
+
 static inline gx_ret gx_alloc(uintptr_t ctx, uintptr_t pool, size_t size, uintptr_t stream) {
 	GX_BEGIN(ctx)
 	CUdeviceptr p = 0;
@@ -479,7 +558,26 @@ static inline gx_ret gx_event_create(uintptr_t ctx, unsigned int flags) {
 	return out;
 }
 
+// gx_event_record records ev, an event made in ctx, on stream. An event can
+// be recorded only on a stream of its own context, and Tensor.record_stream
+// may name a stream of another device; so the stream's context is looked up
+// first, and when it is not ctx nothing is recorded: v[0] = 1 and v[1] = the
+// stream's context, for the caller to record an event made there. The null
+// and per-thread stream handles (0, 1, 2) carry no device: they are taken as
+// ctx's own, as every other wrapper takes them.
 static inline gx_ret gx_event_record(uintptr_t ctx, uintptr_t ev, uintptr_t stream) {
+	if (stream > 2 && p_cuStreamGetCtx != NULL) {
+		CUcontext sctx = NULL;
+		CUresult r = p_cuStreamGetCtx((CUstream)stream, &sctx);
+		if (r != 0) {
+			gx_ret bad = { { 0, 0, 0, 0 }, r, GX_STREAM_GET_CTX };
+			return bad;
+		}
+		if (sctx != (CUcontext)ctx) {
+			gx_ret other = { { 1, (unsigned long long)(uintptr_t)sctx, 0, 0 }, 0, GX_MAIN };
+			return other;
+		}
+	}
 	GX_BEGIN(ctx)
 	out.res = p_cuEventRecord((CUevent)ev, (CUstream)stream);
 	GX_END()
@@ -588,6 +686,7 @@ import (
 const (
 	cuEventDisableTiming = 0x2
 	cuPoolAttrRelease    = 4
+	cuMemAccessReadWrite = 3
 )
 
 var (
@@ -629,13 +728,16 @@ func driverError(op string, res C.CUresult) error {
 // stageOps names the calls a wrapper makes besides its own driver call
 // (the GX_* stage codes in the preamble).
 var stageOps = [...]string{
-	C.GX_CTX_GET:        "cuCtxGetCurrent",
-	C.GX_CTX_SET:        "cuCtxSetCurrent",
-	C.GX_CTX_RESTORE:    "cuCtxSetCurrent",
-	C.GX_DEVICE_GET:     "cuDeviceGet",
-	C.GX_PRIMARY_RETAIN: "cuDevicePrimaryCtxRetain",
-	C.GX_POOL_SET_ATTR:  "cuMemPoolSetAttribute",
-	C.GX_MAIN:           "",
+	C.GX_CTX_GET:         "cuCtxGetCurrent",
+	C.GX_CTX_SET:         "cuCtxSetCurrent",
+	C.GX_CTX_RESTORE:     "cuCtxSetCurrent",
+	C.GX_DEVICE_GET:      "cuDeviceGet",
+	C.GX_PRIMARY_RETAIN:  "cuDevicePrimaryCtxRetain",
+	C.GX_POOL_SET_ATTR:   "cuMemPoolSetAttribute",
+	C.GX_CAN_ACCESS_PEER: "cuDeviceCanAccessPeer",
+	C.GX_POOL_SET_ACCESS: "cuMemPoolSetAccess",
+	C.GX_STREAM_GET_CTX:  "cuStreamGetCtx",
+	C.GX_MAIN:            "",
 }
 
 // check turns a wrapper's result into nil or a *DriverError; op names the
@@ -664,6 +766,28 @@ type CUDA struct {
 	// which AllocUncaptured allocates.
 	side   C.uintptr_t
 	closed atomic.Bool
+
+	// peers has bit i set for each device i that was given read-write
+	// access to the pool when it was created (every device that can access
+	// this one's memory); peerErr is why granting stopped early, if it did.
+	peers   uint64
+	peerErr error
+
+	// standIns maps an event of this device that was last recorded on a
+	// stream of another context (Tensor.record_stream with another device's
+	// stream) to the event made in that context and recorded in its place.
+	// EventDone and DestroyEvent follow the map; a later record on this
+	// device's own streams drops the stand-in. nStandIns lets the usual
+	// case, no stand-ins at all, skip the lock.
+	standInMu sync.Mutex
+	standIns  map[Event]standIn
+	nStandIns atomic.Int32
+}
+
+// standIn is an event made in another device's context, ctx.
+type standIn struct {
+	ev  C.uintptr_t
+	ctx C.uintptr_t
 }
 
 var _ Device = (*CUDA)(nil)
@@ -713,7 +837,43 @@ func NewCUDA(ordinal int, releaseThreshold uint64) (*CUDA, error) {
 		return nil, err
 	}
 	d.side = C.uintptr_t(r.v[0])
+	r = C.gx_pool_open_to_peers(d.ctx, d.pool, C.int(ordinal), C.int(n))
+	d.peers = uint64(r.v[0])
+	if r.res != -1 {
+		if err := check("cuMemPoolSetAccess", r); err != nil {
+			d.peerErr = fmt.Errorf("arena: device %d: peer devices cannot use its memory: %w", ordinal, err)
+		}
+	}
 	return d, nil
+}
+
+// PeersGranted lists the devices that were given access to this device's
+// pool when it was created, and the error that stopped the granting early,
+// if any: a copy from this device's memory to one not listed fails.
+func (d *CUDA) PeersGranted() ([]int, error) {
+	var out []int
+	for i := 0; i < 64; i++ {
+		if d.peers&(1<<i) != 0 {
+			out = append(out, i)
+		}
+	}
+	return out, d.peerErr
+}
+
+// PeerAccess asks the driver whether device peer can read and write this
+// device's pool (cuMemPoolGetAccess).
+func (d *CUDA) PeerAccess(peer int) (bool, error) {
+	if d.closed.Load() {
+		return false, errCUDAClosed
+	}
+	r := C.gx_pool_access(d.ctx, d.pool, C.int(peer))
+	if r.res == -1 {
+		return false, errors.New("arena: libcuda.so.1 has no cuMemPoolGetAccess")
+	}
+	if err := check("cuMemPoolGetAccess", r); err != nil {
+		return false, err
+	}
+	return r.v[0] == cuMemAccessReadWrite, nil
 }
 
 // AllocUncaptured allocates size bytes for a stream that is being captured
@@ -820,21 +980,96 @@ func (d *CUDA) NewEvent() (Event, error) {
 	return Event(r.v[0]), nil
 }
 
-// RecordEvent is cuEventRecord.
+// RecordEvent is cuEventRecord. When s belongs to another device's context,
+// e is stood in for by an event made in that context (see standIns).
 func (d *CUDA) RecordEvent(e Event, s Stream) error {
 	if d.closed.Load() {
 		return errCUDAClosed
 	}
-	return check("cuEventRecord", C.gx_event_record(d.ctx, C.uintptr_t(e), C.uintptr_t(s)))
+	r := C.gx_event_record(d.ctx, C.uintptr_t(e), C.uintptr_t(s))
+	if err := check("cuEventRecord", r); err != nil {
+		return err
+	}
+	if r.v[0] == 0 {
+		if d.nStandIns.Load() != 0 {
+			return d.dropStandIn(e)
+		}
+		return nil
+	}
+	return d.recordStandIn(e, C.uintptr_t(r.v[1]), s)
 }
 
-// EventDone is cuEventQuery: true when e has completed, false while
-// CUDA_ERROR_NOT_READY.
+// recordStandIn records, for e, an event made in ctx (the context of s),
+// reusing e's stand-in when it was made there too.
+func (d *CUDA) recordStandIn(e Event, ctx C.uintptr_t, s Stream) error {
+	d.standInMu.Lock()
+	defer d.standInMu.Unlock()
+	si, ok := d.standIns[e]
+	if ok && si.ctx != ctx {
+		if err := d.destroyStandInLocked(e, si); err != nil {
+			return err
+		}
+		ok = false
+	}
+	if !ok {
+		r := C.gx_event_create(ctx, cuEventDisableTiming)
+		if err := check("cuEventCreate", r); err != nil {
+			return err
+		}
+		si = standIn{ev: C.uintptr_t(r.v[0]), ctx: ctx}
+		if d.standIns == nil {
+			d.standIns = map[Event]standIn{}
+		}
+		d.standIns[e] = si
+		d.nStandIns.Add(1)
+	}
+	r := C.gx_event_record(si.ctx, si.ev, C.uintptr_t(s))
+	if err := check("cuEventRecord", r); err != nil {
+		return err
+	}
+	if r.v[0] != 0 {
+		return fmt.Errorf("arena: stream %#x changed context while an event was recorded on it", uintptr(s))
+	}
+	return nil
+}
+
+// dropStandIn destroys e's stand-in, if it has one.
+func (d *CUDA) dropStandIn(e Event) error {
+	d.standInMu.Lock()
+	defer d.standInMu.Unlock()
+	if si, ok := d.standIns[e]; ok {
+		return d.destroyStandInLocked(e, si)
+	}
+	return nil
+}
+
+func (d *CUDA) destroyStandInLocked(e Event, si standIn) error {
+	delete(d.standIns, e)
+	d.nStandIns.Add(-1)
+	return check("cuEventDestroy_v2", C.gx_event_destroy(si.ctx, si.ev))
+}
+
+// lookupStandIn returns the event to query for e and its context.
+func (d *CUDA) lookupStandIn(e Event) (C.uintptr_t, C.uintptr_t) {
+	if d.nStandIns.Load() != 0 {
+		d.standInMu.Lock()
+		si, ok := d.standIns[e]
+		d.standInMu.Unlock()
+		if ok {
+			return si.ev, si.ctx
+		}
+	}
+	return C.uintptr_t(e), d.ctx
+}
+
+// EventDone is cuEventQuery: true when e (or its stand-in) has completed,
+// false while CUDA_ERROR_NOT_READY.
 func (d *CUDA) EventDone(e Event) (bool, error) {
 	if d.closed.Load() {
 		return false, errCUDAClosed
 	}
-	r := C.gx_event_query(d.ctx, C.uintptr_t(e))
+	ev, ctx := d.lookupStandIn(e)
+	r := C.gx_event_query(ctx, ev)
 	if r.res == cudaErrorNotReady && r.stage == C.GX_MAIN {
 		return false, nil
 	}
@@ -844,12 +1079,16 @@ func (d *CUDA) EventDone(e Event) (bool, error) {
 	return true, nil
 }
 
-// DestroyEvent is cuEventDestroy_v2.
+// DestroyEvent is cuEventDestroy_v2, of e and of its stand-in.
 func (d *CUDA) DestroyEvent(e Event) error {
 	if d.closed.Load() {
 		return errCUDAClosed
 	}
-	return check("cuEventDestroy_v2", C.gx_event_destroy(d.ctx, C.uintptr_t(e)))
+	var err error
+	if d.nStandIns.Load() != 0 {
+		err = d.dropStandIn(e)
+	}
+	return errors.Join(err, check("cuEventDestroy_v2", C.gx_event_destroy(d.ctx, C.uintptr_t(e))))
 }
 
 // Synchronize is cuCtxSynchronize on the device's primary context.
@@ -920,7 +1159,13 @@ func (d *CUDA) Close() error {
 	if !d.closed.CompareAndSwap(false, true) {
 		return nil
 	}
-	err := check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, d.side))
+	d.standInMu.Lock()
+	var err error
+	for e, si := range d.standIns {
+		err = errors.Join(err, d.destroyStandInLocked(e, si))
+	}
+	d.standInMu.Unlock()
+	err = errors.Join(err, check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, d.side)))
 	err = errors.Join(err, check("cuMemPoolDestroy", C.gx_pool_destroy(d.ctx, d.pool)))
 	if r := C.gx_primary_release(d.dev); r != 0 {
 		err = errors.Join(err, driverError("cuDevicePrimaryCtxRelease_v2", r))

@@ -38,6 +38,12 @@ func (d *CUDA) Synchronize() error                            { return errNoCUDA
 func (d *CUDA) CaptureStatus(s Stream) (CaptureStatus, error) { return CaptureNone, errNoCUDA }
 func (d *CUDA) Close() error                                  { return nil }
 
+// PeersGranted lists no device in this build.
+func (d *CUDA) PeersGranted() ([]int, error) { return nil, errNoCUDA }
+
+// PeerAccess always fails in this build.
+func (d *CUDA) PeerAccess(peer int) (bool, error) { return false, errNoCUDA }
+
 // CaptureID always fails in this build.
 func (d *CUDA) CaptureID(s Stream) (status CaptureStatus, id uint64, err error) {
 	return CaptureNone, 0, errNoCUDA

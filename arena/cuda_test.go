@@ -342,3 +342,78 @@ func TestCUDAConcurrent(t *testing.T) {
 		t.Fatalf("after concurrent alloc/free: %+v", u)
 	}
 }
+
+// TestCUDAPeerAccess: each device's pool is opened to every device that can
+// access it, whichever device was opened first, and the driver agrees.
+func TestCUDAPeerAccess(t *testing.T) {
+	needCUDA(t, 2)
+	d1 := openCUDA(t, 1) // the higher ordinal first: the grant must not depend on order
+	d0 := openCUDA(t, 0)
+	for _, c := range []struct {
+		d    *CUDA
+		peer int
+	}{{d0, 1}, {d1, 0}} {
+		granted, err := c.d.PeersGranted()
+		if err != nil {
+			t.Fatalf("device %d: %v", c.d.Ordinal(), err)
+		}
+		has, err := c.d.PeerAccess(c.peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		listed := len(granted) == 1 && granted[0] == c.peer
+		t.Logf("device %d: granted %v, driver says device %d has access: %v", c.d.Ordinal(), granted, c.peer, has)
+		if has != listed {
+			t.Errorf("device %d: PeersGranted %v but cuMemPoolGetAccess(%d) = %v", c.d.Ordinal(), granted, c.peer, has)
+		}
+		if !has {
+			t.Logf("devices %d and %d are not peers here: nothing to grant", c.d.Ordinal(), c.peer)
+		}
+	}
+}
+
+// TestCUDAEventOnAnotherDevicesStream: an event of device 0 recorded on a
+// stream of device 1 (record_stream with another device's stream) is stood
+// in for by an event of device 1, polled through it, and dropped when the
+// event is next recorded on device 0's own stream.
+func TestCUDAEventOnAnotherDevicesStream(t *testing.T) {
+	needCUDA(t, 2)
+	d0, d1 := openCUDA(t, 0), openCUDA(t, 1)
+	e, err := d0.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d0.DestroyEvent(e)
+	if err := d0.RecordEvent(e, Stream(d1.side)); err != nil {
+		t.Fatalf("record on device 1's stream: %v", err)
+	}
+	if n := d0.nStandIns.Load(); n != 1 {
+		t.Fatalf("stand-ins after a foreign record: %d, want 1", n)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		done, err := d0.EventDone(e)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if done {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("event on an idle stream of device 1 never completed")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := d0.RecordEvent(e, Stream(d0.side)); err != nil {
+		t.Fatalf("record on device 0's own stream: %v", err)
+	}
+	if n := d0.nStandIns.Load(); n != 0 {
+		t.Fatalf("stand-ins after recording on the own stream: %d, want 0", n)
+	}
+	if err := d0.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := d0.EventDone(e); err != nil || !done {
+		t.Fatalf("own event after synchronize: done %v, err %v", done, err)
+	}
+}

@@ -17,9 +17,10 @@ import os
 import time
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--allocator", choices=["goalloc", "native"], default="goalloc")
+ap.add_argument("--allocator", choices=["goalloc", "native", "expandable"], default="goalloc")
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--fsdp", action="store_true", help="FullyShardedDataParallel instead of DDP")
+ap.add_argument("--warmup", type=int, default=5, help="first steps not timed")
 ap.add_argument("--json", help="append one JSON line per rank to this file")
 args = ap.parse_args()
 
@@ -31,12 +32,25 @@ if args.allocator == "goalloc":
     import goalloc
 
     goalloc.install()  # each rank, before CUDA starts
+elif args.allocator == "expandable":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 torch.cuda.set_device(local_rank)
 dist.init_process_group("nccl")
+# This rank's device memory before the model (CUDA context, NCCL's buffers,
+# libraries): what no allocator controls. Peaks below are measured above it.
+# NCCL sets its communicator up at the first collective, so run one first and
+# give the allocator's memory back.
+warm = torch.ones(1, device="cuda")
+dist.all_reduce(warm)
+del warm
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+free, total = torch.cuda.mem_get_info()
+idle_used, peak_used = total - free, 0
 torch.manual_seed(1234)  # same weights in every rank and in both runs
 vocab, width = 8000, 512
 model = torch.nn.Sequential(
@@ -65,8 +79,14 @@ for step in range(args.steps):
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
-    tokens += batch * seq
     losses.append(loss.item())
+    if step + 1 == args.warmup:  # the clock starts after the warm-up steps
+        torch.cuda.synchronize()
+        start, tokens = time.time(), 0
+    elif step >= args.warmup:
+        tokens += batch * seq
+    free, total = torch.cuda.mem_get_info()
+    peak_used = max(peak_used, total - free - idle_used)
 torch.cuda.synchronize()
 elapsed = time.time() - start
 free, total = torch.cuda.mem_get_info()
@@ -74,7 +94,7 @@ result = {
     "rank": rank, "world": world, "allocator": args.allocator, "mode": "fsdp" if args.fsdp else "ddp",
     "steps": args.steps, "tokens_per_s": tokens / elapsed, "final_loss": losses[-1], "loss_first": losses[0],
     "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
-    "device_used": total - free,
+    "device_used": total - free, "peak_device_used": peak_used, "idle_used": idle_used,
 }
 if args.allocator == "goalloc":
     s = goalloc.memory_stats()

@@ -173,6 +173,10 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 		if err != nil {
 			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}
+		if _, err := cu.PeersGranted(); err != nil {
+			// The device works; only copies to and from peers will fail.
+			fmt.Fprintf(os.Stderr, "goalloc: warning: %v\n", err)
+		}
 		dev = cu
 	}
 	a, err := caching.New(dev, l.cfg)
