@@ -43,11 +43,3 @@ func (d *CUDA) PeersGranted() ([]int, error) { return nil, errNoCUDA }
 
 // PeerAccess always fails in this build.
 func (d *CUDA) PeerAccess(peer int) (bool, error) { return false, errNoCUDA }
-
-// CaptureID always fails in this build.
-func (d *CUDA) CaptureID(s Stream) (status CaptureStatus, id uint64, err error) {
-	return CaptureNone, 0, errNoCUDA
-}
-
-// ExchangeCaptureMode always fails in this build.
-func (d *CUDA) ExchangeCaptureMode(mode int) (int, error) { return 0, errNoCUDA }

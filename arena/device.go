@@ -1,15 +1,20 @@
 // Package arena is where device memory comes from: one thin layer over every
-// driver primitive goalloc uses, behind the Device interface.
+// driver primitive goalloc uses, behind two narrow interfaces: a
+// MemorySource (allocate, allocate outside a capture, free, trim, the pool's
+// usage and high-water marks) and a Runtime (events, capture status,
+// synchronisation, memory info). A Device is both, for one GPU.
 //
 // Two implementations live here and nowhere else:
 //
-//   - CUDA (cuda.go, cgo): libcuda.so.1 opened with dlopen at run time, so the
+//   - CUDA (cuda.go; the C wrappers in cuda_driver.h/.c; test hooks in
+//     cuda_testhooks.go behind the goalloc_cudatest build tag): libcuda.so.1 opened with dlopen at run time, so the
 //     library builds on a machine with no CUDA toolkit. Memory comes from a
 //     private stream-ordered memory pool per device (cuMemPoolCreate, release
 //     threshold at its maximum) through cuMemAllocFromPoolAsync and
 //     cuMemFreeAsync. Every call first makes the device's primary context
 //     current when the calling thread has none: PyTorch's autograd thread
-//     arrives with no context (../shared/PLATFORM.md).
+//     arrives with no context (a stream-ordered call there returns
+//     CUDA_ERROR_INVALID_CONTEXT).
 //   - Sim (sim.go, simpool.go): a simulated device for tests and the replay
 //     tool. Addresses are fake, non-overlapping and 512-byte aligned; streams
 //     and events complete when a test says so (or at once in auto mode); the
@@ -52,16 +57,14 @@ const (
 	CaptureInvalidated CaptureStatus = 2 // CU_STREAM_CAPTURE_STATUS_INVALIDATED
 )
 
-// Device is one GPU's memory source. Implementations are safe for concurrent
-// use; the caching layer still calls them under its own lock, so they need
-// not be fast under contention, only correct.
+// MemorySource is where a device's memory comes from. Implementations are
+// safe for concurrent use; the caching layer still calls them under its own
+// lock, so they need not be fast under contention, only correct.
 //
 // Stream-ordered semantics, as the CUDA pool defines them: memory freed on
 // stream s may be handed out again at once to work on s, and to other streams
 // only once the free has completed on s (or the pool makes them wait for it).
-type Device interface {
-	// Ordinal is the device index, as PyTorch numbers devices.
-	Ordinal() int
+type MemorySource interface {
 	// Alloc takes size bytes from the device's pool, ordered on stream s.
 	// It returns an error wrapping ErrOutOfMemory when the pool cannot grow.
 	Alloc(size uint64, s Stream) (uintptr, error)
@@ -82,9 +85,12 @@ type Device interface {
 	PoolUsage() (PoolUsage, error)
 	// ResetPoolHigh resets the pool's two high-water marks to the current values.
 	ResetPoolHigh() error
-	// MemInfo is cuMemGetInfo: free and total bytes on the device.
-	MemInfo() (free, total uint64, err error)
+}
 
+// Runtime is what the caching layer needs of the device besides memory:
+// events to know when streams are done with a block, capture status, and
+// device-wide synchronisation and memory figures.
+type Runtime interface {
 	// NewEvent creates an event with timing disabled.
 	NewEvent() (Event, error)
 	// RecordEvent records e on stream s.
@@ -99,7 +105,16 @@ type Device interface {
 	Synchronize() error
 	// CaptureStatus says whether s is being captured into a CUDA graph.
 	CaptureStatus(s Stream) (CaptureStatus, error)
+	// MemInfo is cuMemGetInfo: free and total bytes on the device.
+	MemInfo() (free, total uint64, err error)
+}
 
+// Device is one GPU: its memory source and its runtime.
+type Device interface {
+	MemorySource
+	Runtime
+	// Ordinal is the device index, as PyTorch numbers devices.
+	Ordinal() int
 	// Close destroys the pool. Memory still allocated from it is lost.
 	Close() error
 }
