@@ -4,7 +4,7 @@ PYTHON  ?= python3
 BUILD   := build
 GOFILES := $(shell find . -name '*.go' -not -path './build/*' -not -path './.venv/*') go.mod go.sum
 
-.PHONY: all lib tool test gotest ctest pytest demo bench clean
+.PHONY: all lib tool gpubuild test gotest ctest pytest demo bench clean
 
 all: lib tool
 
@@ -18,11 +18,17 @@ tool: $(BUILD)/goalloc
 $(BUILD)/goalloc: $(GOFILES)
 	$(GO) build -o $@ ./cmd/goalloc
 
+## gpubuild: what tests/gpu/run_gpu.sh needs on a GPU machine that has no Go:
+## the library, the replay tool and the CUDA tests of arena/ (carry build/)
+gpubuild: lib tool
+	$(GO) test -c -tags goalloc_cudatest -o $(BUILD)/arena.test ./arena
+
 ## test: everything CI runs, on the simulated device, no GPU needed
 test: gotest ctest pytest
 
 gotest:
 	$(GO) vet ./...
+	$(GO) vet -tags goalloc_cudatest ./arena
 	$(GO) test -race ./...
 
 ctest: lib

@@ -69,14 +69,14 @@ if want ddp; then
 fi
 if want multigpu; then
   step multigpu
-  # Two GPUs: the arena's CUDA tests (build/arena.test, made here with
-  # `go test -c -o build/arena.test ./arena`: the two-device ones skip on one
-  # GPU), then peer access, per-device behaviour and model parallelism.
+  # Two GPUs: the arena's CUDA tests (build/arena.test, made by `make
+  # gpubuild`: the two-device ones skip on one GPU), then peer access,
+  # per-device behaviour and model parallelism.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   if [[ -x build/arena.test ]]; then
     (cd arena && timeout 300 ../build/arena.test -test.v -test.run 'CUDA' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+cuda_test)' | tail -40) || status=1
   else
-    echo "build/arena.test missing: build it with go test -c -o build/arena.test ./arena"; status=1
+    echo "build/arena.test missing: make gpubuild"; status=1
   fi
   timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_multigpu.py 2>&1 | tail -15 || status=1
 fi
