@@ -35,6 +35,10 @@ type cachePool struct {
 	// as it is freed.
 	users    int
 	released bool
+	// deferredReleases counts ReleasePool calls that arrived while a
+	// capture window of this pool was open; they take effect when the
+	// pool's last window ends (EndAllocateToPool).
+	deferredReleases int
 	// reserved is the bytes of segments and blocks the pool holds.
 	reserved uint64
 }
@@ -90,7 +94,13 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 		if a.windows[i] == id {
 			a.windows = append(a.windows[:i], a.windows[i+1:]...)
 			a.stats.GraphEnds++
-			return nil
+			p := a.private[id]
+			var errs []error
+			for p.deferredReleases > 0 && !a.windowOpen(id) {
+				p.deferredReleases--
+				errs = append(errs, a.release(p))
+			}
+			return errors.Join(errs...)
 		}
 	}
 	return a.badInput("invalid_pool", fmt.Sprintf("end_allocate_to_pool on device %d for pool (%d, %d), which has no capture in progress", a.dev.Ordinal(), id[0], id[1]))
@@ -99,21 +109,49 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 // ReleasePool says a graph using pool id is gone. When none is left, the
 // pool's free memory goes back to the driver pool, and its live memory
 // follows as it is freed.
+//
+// torch releases a pool when a graph object is destroyed, which may happen
+// while a capture into the same pool is still open (the hooks of one
+// device arrive in any order from any thread). Releasing then would pull
+// the pool from under the open window, so the release is deferred: it is
+// counted now and takes effect when the pool's last window ends. A release
+// with no graph left to release (more releases than begins) is bad input.
 func (a *Allocator) ReleasePool(id PoolID) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	p := a.private[id]
-	if p == nil || p.users == 0 {
+	if p == nil || p.users-p.deferredReleases == 0 {
 		return a.badInput("invalid_pool", fmt.Sprintf("release_pool on device %d for pool (%d, %d), which goalloc does not hold", a.dev.Ordinal(), id[0], id[1]))
 	}
-	p.users--
 	a.stats.GraphReleases++
+	if a.windowOpen(id) {
+		p.deferredReleases++
+		return nil
+	}
+	return a.release(p)
+}
+
+// windowOpen says whether a capture window of pool id is open.
+func (a *Allocator) windowOpen(id PoolID) bool {
+	for _, w := range a.windows {
+		if w == id {
+			return true
+		}
+	}
+	return false
+}
+
+// release drops one user of the private pool p; with none left, p's free
+// memory goes back to the driver pool. The caller holds a.mu and no window
+// of p is open.
+func (a *Allocator) release(p *cachePool) error {
+	p.users--
 	if p.users > 0 {
 		return nil
 	}
 	p.released = true
 	var errs []error
-	for _, l := range p.lists {
+	for _, l := range append([]*StreamFreeList(nil), p.lists...) {
 		for i := range l.buckets {
 			for l.buckets[i].count > 0 {
 				if err := a.releaseBlock(l.buckets[i].list.head); err != nil {
@@ -156,6 +194,8 @@ func (a *Allocator) captureTarget(s arena.Stream) (*cachePool, error) {
 		return a.general, nil
 	}
 	// The innermost window: PyTorch captures one graph per thread at a time.
+	// Its pool exists: a pool with an open window is never released
+	// (ReleasePool defers).
 	return a.private[a.windows[len(a.windows)-1]], nil
 }
 
