@@ -3,7 +3,6 @@ package caching
 import (
 	"errors"
 	"fmt"
-	"math"
 	"sort"
 	"sync"
 
@@ -85,7 +84,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
 	if cfg.Fraction > 0 {
-		a.limit = uint64(cfg.Fraction * float64(total))
+		a.limit = fractionLimit(cfg.Fraction, total)
 	}
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
@@ -103,7 +102,12 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 func (a *Allocator) prewarm(n uint64) error {
 	n = roundUp(n, 2<<20)
 	if a.limit > 0 && n > a.limit {
-		return fmt.Errorf("goalloc: reserve of %d bytes is above the cap of %d bytes on device %d", n, a.limit, a.dev.Ordinal())
+		// ParseConfig keeps the reserve at or under the fraction; only the
+		// rounding up can pass the cap. Round down instead.
+		n = a.limit / (2 << 20) * (2 << 20)
+	}
+	if n == 0 {
+		return nil
 	}
 	p, err := a.dev.Alloc(n, 0)
 	if err != nil {
@@ -834,12 +838,12 @@ func (a *Allocator) EmptyCache() error {
 // SetFraction caps reserved memory at fraction x the device's memory, as
 // torch.cuda.set_per_process_memory_fraction does.
 func (a *Allocator) SetFraction(fraction float64) error {
-	if math.IsNaN(fraction) || fraction <= 0 || fraction > 1 {
+	if err := CheckFraction(fraction); err != nil {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.badInput("invalid_fraction", fmt.Sprintf("memory fraction %v for device %d is outside (0, 1]", fraction, a.dev.Ordinal()))
+		return a.badInput("invalid_fraction", fmt.Sprintf("device %d: %v", a.dev.Ordinal(), err))
 	}
-	return a.SetLimit(uint64(fraction * float64(a.total)))
+	return a.SetLimit(fractionLimit(fraction, a.total))
 }
 
 // SetLimit caps reserved memory at limit bytes (0: no cap). Lowering the cap

@@ -3,7 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
-	"math"
+	"io"
 	"os"
 	"strconv"
 	"sync"
@@ -42,8 +42,10 @@ type library struct {
 	kind        string // "cuda" or "sim"
 	count       int    // devices there are
 	simMemory   uint64
-	// limits holds caps set for devices not made yet: fraction per device.
-	limits map[int]float64
+	// fractions holds the memory fraction set for each device by
+	// set_memory_fraction, applied when the device is made if it was not
+	// made yet, and shown by config.
+	fractions map[int]float64
 	// historyEntries is the history size for devices made from now on.
 	historyEntries int
 
@@ -52,10 +54,13 @@ type library struct {
 	// badInput counts bad calls caught here, before any device is involved.
 	badInput map[string]int64
 	lastErr  string
+
+	// stderr is where goalloc's messages go: os.Stderr, or a test's buffer.
+	stderr io.Writer
 }
 
 func newLibrary() *library {
-	return &library{limits: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}}
+	return &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}, stderr: os.Stderr}
 }
 
 // configure sets the configuration before initialisation, replacing
@@ -96,7 +101,7 @@ func (l *library) initLocked(torchCount int) error {
 	l.initErr = l.setup(torchCount)
 	if l.initErr != nil {
 		l.lastErr = l.initErr.Error()
-		fmt.Fprintf(os.Stderr, "%v\n", l.initErr)
+		fmt.Fprintf(l.stderr, "%v\n", l.initErr)
 	}
 	return l.initErr
 }
@@ -171,16 +176,16 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	} else {
 		cu, err := arena.NewCUDA(d, l.cfg.ReleaseThreshold)
 		if err != nil {
-			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
+			return nil, l.setupFailedLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}
 		dev = cu
 	}
 	a, err := caching.New(dev, l.cfg)
 	if err != nil {
 		_ = dev.Close()
-		return nil, l.failLocked(err)
+		return nil, l.setupFailedLocked(err)
 	}
-	if f, ok := l.limits[d]; ok {
+	if f, ok := l.fractions[d]; ok {
 		_ = a.SetFraction(f)
 	}
 	if l.historyEntries > 0 {
@@ -188,6 +193,14 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	}
 	l.devices[d].Store(a)
 	return a, nil
+}
+
+// setupFailedLocked reports a device that could not be made. It is printed
+// every time, like an out-of-memory: the allocation that needed the device
+// fails, and torch says nothing useful about a NULL.
+func (l *library) setupFailedLocked(err error) error {
+	fmt.Fprintf(l.stderr, "%v (device not set up; the allocation fails)\n", err)
+	return l.failLocked(err)
 }
 
 // existing returns the allocators made so far, by device.
@@ -274,21 +287,24 @@ func (l *library) emptyCache() error {
 
 // setFraction is goalloc_set_memory_fraction.
 func (l *library) setFraction(f float64, d int) error {
-	if math.IsNaN(f) || f <= 0 || f > 1 {
-		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: memory fraction %v for device %d is outside (0, 1]", f, d))
-	}
-	if a := l.existingDevice(d); a != nil {
-		return l.fail(a.SetFraction(f))
+	if err := caching.CheckFraction(f); err != nil {
+		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: device %d: %v", d, err))
 	}
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	if err := l.initLocked(0); err != nil {
+		l.mu.Unlock()
 		return err
 	}
 	if d < 0 || d >= l.count {
+		defer l.mu.Unlock()
 		return l.badLocked("bad_device", fmt.Sprintf("goalloc: set_memory_fraction for device %d, which does not exist (%d %s devices)", d, l.count, l.kind))
 	}
-	l.limits[d] = f
+	l.fractions[d] = f
+	a := l.devices[d].Load()
+	l.mu.Unlock()
+	if a != nil {
+		return l.reportErr(a.SetFraction(f))
+	}
 	return nil
 }
 
@@ -313,7 +329,7 @@ func (l *library) recordHistory(entries int) error {
 func (l *library) report(err error) {
 	var oom *caching.OOMError
 	if errors.As(err, &oom) {
-		fmt.Fprintln(os.Stderr, err)
+		fmt.Fprintln(l.stderr, err)
 		l.mu.Lock()
 		l.lastErr = err.Error()
 		l.mu.Unlock()
@@ -327,7 +343,7 @@ func (l *library) report(err error) {
 		return
 	}
 	_ = l.fail(err)
-	fmt.Fprintln(os.Stderr, err)
+	fmt.Fprintln(l.stderr, err)
 }
 
 // bad counts and reports bad input caught before any device is involved.
@@ -355,7 +371,7 @@ func (l *library) warnLocked(kind, msg string) {
 		return
 	}
 	l.warned[kind] = true
-	fmt.Fprintf(os.Stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
+	fmt.Fprintf(l.stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
 }
 
 func (l *library) fail(err error) error {

@@ -98,3 +98,17 @@ def test_history_arguments_of_the_wrong_type():
         goalloc.record_history("yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="max_entries must be an int"):
         goalloc.record_history(True, max_entries=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fraction", [10**400, -10**400], ids=["10**400", "-10**400"])
+def test_fraction_beyond_a_double_is_a_value_error(fraction):
+    """Not Python's OverflowError: the library's own message, as for 1.5."""
+    with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
+        goalloc.set_memory_fraction(fraction, 1)
+
+
+def test_tiny_fraction_is_a_cap_and_shows_before_the_device_exists(raw, device):
+    goalloc.set_memory_fraction(1e-12, device)   # 8 GiB x 1e-12 rounds to 0 bytes
+    assert goalloc.config()["fractions"][str(device)] == 1e-12
+    assert raw.malloc(1 << 30, device) == 0, "a cap is a cap, however small"
+    assert goalloc.memory_allocated(device) == 0

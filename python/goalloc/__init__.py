@@ -109,13 +109,15 @@ def _parse_device(device: Any) -> tuple[str, Optional[int]]:
     return str(device.type), device.index
 
 
-def _check_fraction(fraction: Any) -> float:
+def _fraction_argument(fraction: Any) -> float:
+    """fraction as a C double. Its range, (0, 1], is the library's rule,
+    checked there (caching.CheckFraction) with the message a user reads."""
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise TypeError(f"goalloc: memory fraction must be a number in (0, 1], not {fraction!r}")
-    f = float(fraction)
-    if math.isnan(f) or not 0 < f <= 1:
-        raise ValueError(f"goalloc: memory fraction {fraction!r} is outside (0, 1]: it is a share of the device's memory")
-    return f
+    try:
+        return float(fraction)
+    except OverflowError:  # an int beyond any double: out of range, as infinity is
+        return math.inf if fraction > 0 else -math.inf
 
 
 # --- torch integration ----------------------------------------------------------
@@ -247,7 +249,7 @@ def set_memory_fraction(fraction: float, device: Device = 0) -> None:
     cached memory back, and goalloc prints why on stderr. Lowering the cap
     releases cached memory at once.
     """
-    f = _check_fraction(fraction)
+    f = _fraction_argument(fraction)
     _lib.set_fraction(_device_index(device), f)
 
 

@@ -235,8 +235,14 @@ def reset_accumulated(device: int) -> None:
     _check(lib().goalloc_reset_accumulated_stats(device), "reset_accumulated_memory_stats")
 
 
+def _fraction_error(msg: str) -> Exception:
+    """A fraction the library refused (outside (0, 1]) is a ValueError."""
+    return ValueError(msg) if "memory fraction" in msg else GoallocError(msg)
+
+
 def set_fraction(device: int, fraction: float) -> None:
-    _check(lib().goalloc_set_fraction(device, fraction), "set_memory_fraction")
+    if lib().goalloc_set_fraction(device, fraction) != 0:
+        raise _error("set_memory_fraction", _fraction_error)
 
 
 def empty_cache_device(device: int) -> None:
