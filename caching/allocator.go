@@ -480,15 +480,18 @@ func (a *Allocator) countFree(t StatType, held int64, requested uint64) {
 	st.RequestedBytes.sub(t, int64(requested))
 }
 
-// checkFree reports a free whose size or stream differ from the allocation's.
+// checkFree reports a free whose size or stream differ from the
+// allocation's, each mistake under its own kind. The block is freed all the
+// same: these are warnings (InputError.Handled).
 func (a *Allocator) checkFree(ptr uintptr, size, requested uint64, s, owner arena.Stream) error {
+	var errs []error
 	if size != requested && !(size == 0 && requested == 0) {
-		return a.badInput("size_mismatch", fmt.Sprintf("free of %#x with size %d, allocated with size %d, on device %d; freed by pointer", ptr, size, requested, a.dev.Ordinal()))
+		errs = append(errs, a.warnInput("size_mismatch", fmt.Sprintf("free of %#x with size %d, allocated with size %d, on device %d; freed by pointer", ptr, size, requested, a.dev.Ordinal())))
 	}
 	if s != owner {
-		return a.badInput("stream_mismatch", fmt.Sprintf("free of %#x on stream %#x, allocated on stream %#x, on device %d; freed in the allocation stream's order", ptr, s, owner, a.dev.Ordinal()))
+		errs = append(errs, a.warnInput("stream_mismatch", fmt.Sprintf("free of %#x on stream %#x, allocated on stream %#x, on device %d; freed in the allocation stream's order", ptr, s, owner, a.dev.Ordinal())))
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // deferIfRecorded starts a deferred free when other streams used ptr. In a
@@ -953,14 +956,43 @@ func (a *Allocator) Close() error {
 type InputError struct {
 	Kind string
 	Msg  string
+	// Handled says the call did its work all the same (a free with a wrong
+	// size is freed by pointer): the error is a warning, not a refusal.
+	Handled bool
 }
 
 func (e *InputError) Error() string { return "goalloc: " + e.Msg }
 
-// badInput counts a bad call and returns its error. The caller holds a.mu.
+// InputErrors lists the InputErrors in err, which may join several (a free
+// with a wrong size and a wrong stream).
+func InputErrors(err error) []*InputError {
+	var out []*InputError
+	var walk func(error)
+	walk = func(err error) {
+		if ie, ok := err.(*InputError); ok {
+			out = append(out, ie)
+		} else if j, ok := err.(interface{ Unwrap() []error }); ok {
+			for _, e := range j.Unwrap() {
+				walk(e)
+			}
+		} else if e := errors.Unwrap(err); e != nil {
+			walk(e)
+		}
+	}
+	walk(err)
+	return out
+}
+
+// badInput counts a refused call and returns its error. The caller holds a.mu.
 func (a *Allocator) badInput(kind, msg string) error {
 	a.stats.BadInput[kind]++
 	return &InputError{Kind: kind, Msg: msg}
+}
+
+// warnInput counts a call that was wrong but done all the same.
+func (a *Allocator) warnInput(kind, msg string) error {
+	a.stats.BadInput[kind]++
+	return &InputError{Kind: kind, Msg: msg, Handled: true}
 }
 
 // FormatBytes writes n in the largest binary unit it reaches, with two

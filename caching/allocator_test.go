@@ -457,3 +457,27 @@ func TestReserveAboveFractionIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.Free(p, 1<<20, 0))
 }
+
+// A free with a wrong size and a wrong stream is two mistakes: each kind is
+// counted, and the block is freed by pointer all the same (a warning, not
+// a refusal).
+func TestFreeWithWrongSizeAndStreamCountsBoth(t *testing.T) {
+	a, _ := newTestAllocator(t, DefaultConfig())
+	for _, size := range []uint64{1000, 1 << 20} {
+		p, err := a.Malloc(size, 0x10)
+		require.NoError(t, err)
+		err = a.Free(p, size+1, 0x20)
+		require.Error(t, err)
+		var kinds []string
+		for _, ie := range InputErrors(err) {
+			kinds = append(kinds, ie.Kind)
+			assert.True(t, ie.Handled, "freed by pointer: a warning")
+		}
+		assert.Equal(t, []string{"size_mismatch", "stream_mismatch"}, kinds)
+	}
+	st := a.Stats()
+	assert.EqualValues(t, 2, st.BadInput["size_mismatch"])
+	assert.EqualValues(t, 2, st.BadInput["stream_mismatch"])
+	assert.Zero(t, st.Allocation[StatAll].Current)
+	require.NoError(t, a.CheckInvariants())
+}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -53,14 +54,22 @@ type library struct {
 	warned map[string]bool
 	// badInput counts bad calls caught here, before any device is involved.
 	badInput map[string]int64
-	lastErr  string
+
+	// setLastError records the message of a failed call for the calling
+	// thread's goalloc_last_error. The library of the C ABI (main.go) keeps
+	// it per OS thread in C; a library made by a Go test keeps it in
+	// lastErr, one for the process.
+	setLastError func(msg string)
+	lastErr      string
 
 	// stderr is where goalloc's messages go: os.Stderr, or a test's buffer.
 	stderr io.Writer
 }
 
 func newLibrary() *library {
-	return &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}, stderr: os.Stderr}
+	l := &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}, stderr: os.Stderr}
+	l.setLastError = func(msg string) { l.lastErr = msg } // callers hold l.mu or are alone
+	return l
 }
 
 // configure sets the configuration before initialisation, replacing
@@ -94,14 +103,19 @@ func (l *library) init(torchCount int) error {
 }
 
 func (l *library) initLocked(torchCount int) error {
-	if l.initialized {
-		return l.initErr
+	if !l.initialized {
+		if torchCount < 0 {
+			return l.badLocked("invalid_argument", fmt.Sprintf("goalloc: init with a device count of %d; give torch's count, or 0 to use every device", torchCount))
+		}
+		l.initialized = true
+		l.initErr = l.setup(torchCount)
+		if l.initErr != nil {
+			fmt.Fprintf(l.stderr, "%v\n", l.initErr)
+		}
 	}
-	l.initialized = true
-	l.initErr = l.setup(torchCount)
 	if l.initErr != nil {
-		l.lastErr = l.initErr.Error()
-		fmt.Fprintf(l.stderr, "%v\n", l.initErr)
+		// Every call that fails for it says why, on whatever thread.
+		l.setLastError(l.initErr.Error())
 	}
 	return l.initErr
 }
@@ -158,9 +172,6 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if !l.initialized {
-		l.noteLocked("call_before_init", "goalloc: allocation before goalloc_init; initialising from the environment now")
-	}
 	if err := l.initLocked(0); err != nil {
 		return nil, err
 	}
@@ -235,7 +246,7 @@ func (l *library) malloc(size int64, d int, s uintptr) uintptr {
 // free is my_free.
 func (l *library) free(p uintptr, size int64, d int, s uintptr) {
 	if size < 0 {
-		l.bad("negative_size", fmt.Sprintf("goalloc: free of %#x with a negative size (%d) on device %d; freed by pointer", p, size, d))
+		l.warn("negative_size", fmt.Sprintf("goalloc: free of %#x with a negative size (%d) on device %d; freed by pointer", p, size, d))
 		size = 0
 	}
 	if p == 0 {
@@ -325,28 +336,37 @@ func (l *library) recordHistory(entries int) error {
 
 // report prints err: every out-of-memory (one line each, the allocator's
 // only chance to explain a NULL to the user) and the first of each kind of
-// bad input.
+// bad input. The calling thread's last error becomes err's message, unless
+// err is only warnings (the call was done all the same): a warning never
+// replaces the error of a failed call.
 func (l *library) report(err error) {
 	var oom *caching.OOMError
 	if errors.As(err, &oom) {
 		fmt.Fprintln(l.stderr, err)
-		l.mu.Lock()
-		l.lastErr = err.Error()
-		l.mu.Unlock()
+		_ = l.fail(err)
 		return
 	}
-	var ie *caching.InputError
-	if errors.As(err, &ie) {
+	if ies := caching.InputErrors(err); len(ies) > 0 {
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		l.warnLocked(ie.Kind, err.Error())
+		refused := ""
+		for _, ie := range ies {
+			l.warnLocked(ie.Kind, ie.Error())
+			if !ie.Handled && refused == "" {
+				refused = ie.Error()
+			}
+		}
+		if refused != "" {
+			l.setLastError(refused)
+		}
 		return
 	}
 	_ = l.fail(err)
 	fmt.Fprintln(l.stderr, err)
 }
 
-// bad counts and reports bad input caught before any device is involved.
+// bad counts and reports bad input caught before any device is involved:
+// the call is refused.
 func (l *library) bad(kind, msg string) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -356,17 +376,21 @@ func (l *library) bad(kind, msg string) error {
 func (l *library) badLocked(kind, msg string) error {
 	l.badInput[kind]++
 	l.warnLocked(kind, msg)
-	return &caching.InputError{Kind: kind, Msg: msg}
+	l.setLastError(msg)
+	return &caching.InputError{Kind: kind, Msg: strings.TrimPrefix(msg, "goalloc: ")}
 }
 
-// noteLocked counts and reports an unusual but harmless call.
-func (l *library) noteLocked(kind, msg string) {
+// warn counts and reports bad input the call handled all the same; the
+// last error stays what it was.
+func (l *library) warn(kind, msg string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	l.badInput[kind]++
 	l.warnLocked(kind, msg)
 }
 
+// warnLocked prints the first message of each kind of bad input.
 func (l *library) warnLocked(kind, msg string) {
-	l.lastErr = msg
 	if l.warned[kind] || (l.cfg.Quiet && l.initialized) {
 		return
 	}
@@ -384,10 +408,12 @@ func (l *library) fail(err error) error {
 }
 
 func (l *library) failLocked(err error) error {
-	l.lastErr = err.Error()
+	l.setLastError(err.Error())
 	return err
 }
 
+// lastError is the last error of a library made by a Go test (the C ABI's
+// goalloc_last_error reads the calling thread's, in C).
 func (l *library) lastError() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

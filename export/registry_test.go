@@ -201,3 +201,27 @@ func TestImpossibleConfigurationIsRefused(t *testing.T) {
 	assert.Zero(t, l.malloc(1, 0, 0))
 	assert.Contains(t, out.String(), "pre-warming")
 }
+
+// The last error is that of the last call that failed: a call done all the
+// same with a warning (a free with the wrong size) does not replace it.
+func TestWarningDoesNotReplaceTheLastError(t *testing.T) {
+	l := simLibrary(t, "1")
+	p := l.malloc(1000, 0, 0x10)
+	require.NotZero(t, p)
+	assert.Zero(t, l.malloc(-1, 0, 0x10))
+	l.free(p, 999, 0, 0x20) // wrong size and wrong stream: freed by pointer
+	assert.Contains(t, l.lastError(), "malloc of a negative size")
+	st := stats(t, l, 0)
+	assert.EqualValues(t, 1, st["goalloc.bad_input.size_mismatch"])
+	assert.EqualValues(t, 1, st["goalloc.bad_input.stream_mismatch"])
+	assert.Zero(t, st["allocation.all.current"])
+}
+
+// goalloc_init with a negative device count is bad input, not a success.
+func TestInitWithANegativeCountIsRefused(t *testing.T) {
+	t.Setenv("GOALLOC_DEVICE", "sim")
+	l := newLibrary()
+	require.Error(t, l.init(-5))
+	assert.Contains(t, l.lastError(), "device count of -5")
+	require.NoError(t, l.init(0), "the refused call initialised nothing")
+}
