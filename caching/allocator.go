@@ -52,6 +52,9 @@ type Allocator struct {
 	// segments holds every small segment, sorted by address, so a pointer
 	// finds its segment by binary search.
 	segments []*Segment
+	// emptySegs lists the empty segments the general cache keeps against
+	// churn, oldest first.
+	emptySegs emptySegments
 
 	events   *streams.EventPool
 	deferred *streams.DeferredFrees
@@ -175,6 +178,9 @@ func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintp
 	if seg.used == 0 {
 		// The segment was empty: it becomes split, its other slots inactive.
 		l.small[seg.class].empty--
+		if seg.inEmpty {
+			a.emptySegs.remove(seg)
+		}
 		a.stats.InactiveSplit.add(StatSmall, int64(seg.nslots-1))
 		a.stats.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
 	} else {
@@ -239,6 +245,7 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 		return 0, err
 	}
 	seg := newSegment(p, c, l)
+	l.refs++
 	a.insertSegment(seg)
 	l.small[c].pushBack(seg)
 	l.small[c].empty++
@@ -271,6 +278,7 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	*b = Block{addr: p, size: n, requested: size, stream: l.stream, list: l, state: blockLive,
 		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
 	a.largeByAddr[p] = id
+	l.refs++
 	a.stats.Segment.add(StatLarge, 1)
 	a.stats.ReservedBytes.add(StatLarge, int64(n))
 	l.pool.reserved += n
@@ -343,7 +351,7 @@ func (a *Allocator) reclaim(sync bool) {
 	}
 	a.pollDeferred()
 	a.releaseCached(0)
-	a.releaseEmptySegments(0)
+	a.releaseEmptySegments()
 	_ = a.dev.Trim(a.reserveBytes)
 }
 
@@ -362,7 +370,7 @@ func (a *Allocator) releaseAll() error {
 		a.deferred.AllComplete(a.completeFree)
 	}
 	a.releaseCached(0)
-	a.releaseEmptySegments(0)
+	a.releaseEmptySegments()
 	if len(errs) == 0 {
 		if err := a.dev.Synchronize(); err != nil {
 			errs = append(errs, err)
@@ -539,12 +547,37 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	cl := &l.small[seg.class]
 	cl.empty++
 	// Keep one empty segment per stream and class as a buffer against
-	// churn; give the others back to the pool, where any size can use them.
-	// A private pool keeps everything until it is released.
-	if p := l.pool; (!p.private() && cl.empty > 1) || p.released {
+	// churn, within emptySegmentBudget over all streams (the oldest go
+	// first: their streams may be gone); give the others back to the pool,
+	// where any size can use them. A private pool keeps everything until it
+	// is released.
+	p := l.pool
+	if p.private() {
+		if p.released {
+			_ = a.releaseSegment(seg)
+		}
+		return
+	}
+	a.emptySegs.pushBack(seg)
+	if cl.empty > 1 {
 		_ = a.releaseSegment(seg)
 	}
+	for a.emptySegs.bytes > emptySegmentBudget {
+		if a.releaseSegment(a.emptySegs.head) != nil {
+			break
+		}
+	}
 }
+
+// emptySegmentBudget bounds the bytes of empty small segments the general
+// cache keeps. They are a buffer against churn, one per stream and class
+// (24 classes of 256-448 KiB: at most 6.6 MiB for a stream using all of
+// them), so a few active streams fit; memory kept for streams that are
+// gone goes back to the pool, oldest first, instead of growing with the
+// number of streams ever seen. The budget is its own, apart from
+// Config.LargeCache, so that large_cache keeps meaning what every figure
+// measured with it meant.
+const emptySegmentBudget = 32 << 20
 
 // cacheBlock puts the free large block id into its stream's cache, then
 // keeps the cache within its budget.
@@ -612,10 +645,13 @@ func (a *Allocator) releaseBlock(id blockID) error {
 		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
 	}
 	delete(a.largeByAddr, b.addr)
-	p := b.list.pool
+	l := b.list
+	p := l.pool
 	p.reserved -= b.size
 	*b = Block{state: blockUnused}
 	a.unusedIDs = append(a.unusedIDs, id)
+	l.refs--
+	p.dropIfUnused(l)
 	a.dropIfEmpty(p)
 	return nil
 }
@@ -677,22 +713,13 @@ func (a *Allocator) releaseCached(keep uint64) {
 	}
 }
 
-// releaseEmptySegments gives empty small segments back to the pool, keeping
-// at most keep per stream and class.
-func (a *Allocator) releaseEmptySegments(keep int) {
-	for _, l := range a.general.lists {
-		for c := range l.small {
-			cl := &l.small[c]
-			for seg := cl.head; seg != nil && cl.empty > keep; {
-				next := seg.next
-				if seg.used == 0 {
-					if a.releaseSegment(seg) != nil {
-						break
-					}
-				}
-				seg = next
-			}
-		}
+// releaseEmptySegments gives every empty small segment of the general
+// cache back to the pool.
+func (a *Allocator) releaseEmptySegments() {
+	for seg := a.emptySegs.head; seg != nil; {
+		next := seg.emptyNext
+		_ = a.releaseSegment(seg) // a capturing stream keeps its segment
+		seg = next
 	}
 }
 
@@ -708,6 +735,9 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	cl := &l.small[seg.class]
 	cl.remove(seg)
 	cl.empty--
+	if seg.inEmpty {
+		a.emptySegs.remove(seg)
+	}
 	a.removeSegment(seg)
 	a.stats.Segment.sub(StatSmall, 1)
 	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
@@ -715,6 +745,8 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
 	}
 	l.pool.reserved -= seg.size
+	l.refs--
+	l.pool.dropIfUnused(l)
 	a.dropIfEmpty(l.pool)
 	return nil
 }
@@ -832,6 +864,12 @@ func (a *Allocator) EmptyCache() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	err := a.releaseAll()
+	// Forget the streams that hold nothing now: a stream's record costs
+	// host memory, and operations that look at every stream time.
+	a.general.dropAllUnused()
+	for _, p := range a.private {
+		p.dropAllUnused()
+	}
 	if a.history != nil {
 		a.history.add(actionEmptyCache, 0, 0, 0)
 	}

@@ -24,10 +24,14 @@ type PoolID [2]uint64
 // private pool of CUDA graph captures.
 type cachePool struct {
 	id PoolID // the zero PoolID for the general cache
-	// lists has one StreamFreeList per stream seen; last is the one used
-	// most recently, checked first because one stream does most work.
-	lists []*StreamFreeList
-	last  *StreamFreeList
+	// lists has one StreamFreeList per stream that holds memory here
+	// (byStream finds it); last is the one used most recently, checked
+	// first because one stream does most work. A list that holds nothing
+	// is dropped (see dropIfUnused): the records do not grow with the
+	// streams ever seen.
+	lists    []*StreamFreeList
+	byStream map[arena.Stream]*StreamFreeList
+	last     *StreamFreeList
 
 	// Private pools only. users counts the captures that began with this
 	// pool and were not released; once it drops to 0 the pool is released:
@@ -45,18 +49,55 @@ type cachePool struct {
 
 func (p *cachePool) private() bool { return p.id != PoolID{} }
 
-// list finds or makes the StreamFreeList of s and makes it last.
+// list finds or makes the StreamFreeList of s and makes it last. The list
+// that was last is dropped if it holds nothing.
 func (p *cachePool) list(s arena.Stream) *StreamFreeList {
-	for _, l := range p.lists {
-		if l.stream == s {
-			p.last = l
-			return l
-		}
+	if old := p.last; old != nil && old.refs == 0 {
+		p.drop(old)
 	}
-	l := &StreamFreeList{stream: s, pool: p}
-	p.lists = append(p.lists, l)
+	l := p.byStream[s]
+	if l == nil {
+		if p.byStream == nil {
+			p.byStream = map[arena.Stream]*StreamFreeList{}
+		}
+		l = &StreamFreeList{stream: s, pool: p, index: len(p.lists)}
+		p.lists = append(p.lists, l)
+		p.byStream[s] = l
+	}
 	p.last = l
 	return l
+}
+
+// drop forgets the StreamFreeList l, which holds nothing.
+func (p *cachePool) drop(l *StreamFreeList) {
+	n := len(p.lists) - 1
+	moved := p.lists[n]
+	p.lists[l.index], moved.index = moved, l.index
+	p.lists[n] = nil
+	p.lists = p.lists[:n]
+	delete(p.byStream, l.stream)
+	if p.last == l {
+		p.last = nil
+	}
+}
+
+// dropIfUnused drops l once it holds nothing, unless it is the list in use
+// (last), which a Malloc in progress may be holding; list drops that one
+// when another stream takes its place, and EmptyCache drops it for good.
+func (p *cachePool) dropIfUnused(l *StreamFreeList) {
+	if l.refs == 0 && l != p.last {
+		p.drop(l)
+	}
+}
+
+// dropAllUnused drops every list that holds nothing, last included. Only
+// for EmptyCache: no Malloc is in progress.
+func (p *cachePool) dropAllUnused() {
+	for i := len(p.lists) - 1; i >= 0; i-- {
+		if l := p.lists[i]; l.refs == 0 {
+			p.drop(l)
+		}
+	}
 }
 
 // empty says whether the pool holds no memory at all.
