@@ -149,8 +149,11 @@ func (l *library) setup(torchCount int) error {
 		l.simMemory = arena.DefaultSimMemory
 		if v := getenv("GOALLOC_SIM_MEMORY"); v != "" {
 			n, err := caching.ParseBytes(v)
-			if err != nil || n < 1<<20 {
-				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q is not a size of at least 1M", v)
+			if err == nil {
+				err = arena.CheckSimMemory(n)
+			}
+			if err != nil {
+				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q: %v", v, err)
 			}
 			l.simMemory = n
 		}

@@ -118,6 +118,8 @@ func TestBadConfigIsAnErrorAtInit(t *testing.T) {
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	t.Setenv("GOALLOC_SIM_MEMORY", "lots")
 	require.ErrorContains(t, newLibrary().init(0), "GOALLOC_SIM_MEMORY")
+	t.Setenv("GOALLOC_SIM_MEMORY", "2048T") // 64 devices of it would not fit apart in 64 bits
+	require.ErrorContains(t, newLibrary().init(0), "outside [1 MiB, 1 PiB]")
 }
 
 func TestConfigureBeforeAndAfterUse(t *testing.T) {

@@ -210,10 +210,10 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	}
 	if *simMemory != "" {
 		n, err := caching.ParseBytes(*simMemory)
-		if err != nil || n == 0 {
-			if err == nil {
-				err = errors.New("must be more than 0")
-			}
+		if err == nil {
+			err = arena.CheckSimMemory(n)
+		}
+		if err != nil {
 			return nil, usagef("%s: %v", source, err)
 		}
 		f.simMemory = n
