@@ -112,3 +112,28 @@ def test_tiny_fraction_is_a_cap_and_shows_before_the_device_exists(raw, device):
     assert goalloc.config()["fractions"][str(device)] == 1e-12
     assert raw.malloc(1 << 30, device) == 0, "a cap is a cap, however small"
     assert goalloc.memory_allocated(device) == 0
+
+
+def test_device_with_a_non_ascii_digit_is_a_value_error():
+    """'²'.isdigit() is True, but int('²') fails: the message must be goalloc's."""
+    with pytest.raises(ValueError, match="is not a device"):
+        goalloc.memory_stats("cuda:²")
+
+
+def test_conf_with_a_nul_is_refused():
+    """C would read 'fraction:0.5' and drop the rest unseen."""
+    with pytest.raises(ValueError, match="NUL"):
+        goalloc.configure("fraction:0.5\0garbage")
+
+
+@pytest.mark.parametrize("path", [2, True, None, 1.5])
+def test_dump_snapshot_takes_paths_only(path):
+    """An int would be a file descriptor: 2 would write the pickle into stderr."""
+    with pytest.raises(TypeError, match="takes a path"):
+        goalloc.dump_snapshot(path)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("abbreviated", ["yes", 1, None])
+def test_memory_summary_abbreviated_must_be_a_bool(abbreviated):
+    with pytest.raises(TypeError, match="abbreviated must be True or False"):
+        goalloc.memory_summary(0, abbreviated=abbreviated)  # type: ignore[arg-type]

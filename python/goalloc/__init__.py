@@ -103,7 +103,7 @@ def _parse_device(device: Any) -> tuple[str, Optional[int]]:
         kind, _, idx = device.partition(":")
         if not idx:
             return kind, None
-        if not idx.isdigit():
+        if not (idx.isascii() and idx.isdigit()):  # not "²", which isdigit() takes
             raise ValueError(f"goalloc: {device!r} is not a device; use 'cuda' or 'cuda:N'")
         return kind, int(idx)
     return str(device.type), device.index
@@ -167,6 +167,8 @@ def configure(conf: str) -> None:
     """
     if not isinstance(conf, str):
         raise TypeError(f"goalloc: conf must be a string like 'fraction:0.8', not {type(conf).__name__}")
+    if "\0" in conf:  # C would read only up to it and drop the rest unseen
+        raise ValueError(f"goalloc: conf {conf!r} contains a NUL character")
     _lib.configure(conf)
 
 
@@ -226,6 +228,8 @@ def reset_accumulated_memory_stats(device: Device = 0) -> None:
 def memory_summary(device: Device = 0, abbreviated: bool = False) -> str:
     """The statistics of a device as a table, in the layout of
     torch.cuda.memory_summary(), followed by goalloc's own figures."""
+    if not isinstance(abbreviated, bool):
+        raise TypeError(f"goalloc: abbreviated must be True or False, not {abbreviated!r}")
     d = _device_index(device)
     return _summary.format_summary(_lib.stats(d), _lib.fragmentation(d), d, abbreviated)
 
@@ -317,6 +321,9 @@ def snapshot() -> dict[str, Any]:
 def dump_snapshot(path: Union[str, os.PathLike[str]]) -> None:
     """Write snapshot() as a pickle that PyTorch's memory visualiser reads:
     python -m torch.cuda._memory_viz trace_plot PATH -o out.html"""
+    if not isinstance(path, (str, os.PathLike)):
+        # open() would take an int as a file descriptor (2 is stderr).
+        raise TypeError(f"goalloc: dump_snapshot takes a path, not {path!r}")
     data = snapshot()
     with open(path, "wb") as f:
         # Protocol 4: the highest that the visualiser's JavaScript unpickler reads.
