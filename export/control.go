@@ -111,6 +111,7 @@ func (l *library) configJSON() ([]byte, error) {
 		"limits":       limits,
 		"fractions":    fractions,
 		"history":      l.historyEntries,
+		"max_history":  caching.MaxHistoryEntries,
 		"keys":         caching.ConfigKeys(),
 	})
 }

@@ -325,8 +325,8 @@ func (l *library) setFraction(f float64, d int) error {
 // recordHistory turns history recording on (entries > 0) or off on every
 // device, present and future.
 func (l *library) recordHistory(entries int) error {
-	if entries < 0 || entries > 1<<26 {
-		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries; give 0 (off) to %d", entries, 1<<26))
+	if entries < 0 || entries > caching.MaxHistoryEntries {
+		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries; give 0 (off) to %d", entries, caching.MaxHistoryEntries))
 	}
 	l.mu.Lock()
 	l.historyEntries = entries

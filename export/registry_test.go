@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/goalloc/goalloc/caching"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -226,4 +227,13 @@ func TestInitWithANegativeCountIsRefused(t *testing.T) {
 	require.Error(t, l.init(-5))
 	assert.Contains(t, l.lastError(), "device count of -5")
 	require.NoError(t, l.init(0), "the refused call initialised nothing")
+}
+
+// The history ring is bounded so that a snapshot of it fits in memory.
+func TestHistoryIsBounded(t *testing.T) {
+	l := simLibrary(t, "1")
+	require.Error(t, l.recordHistory(caching.MaxHistoryEntries+1))
+	require.Error(t, l.recordHistory(1<<26))
+	require.NoError(t, l.recordHistory(caching.MaxHistoryEntries))
+	require.NoError(t, l.recordHistory(0))
 }

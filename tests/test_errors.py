@@ -87,7 +87,7 @@ def test_conf_must_be_a_string():
         goalloc.configure(0.5)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("entries", [0, -1, 1 << 27])
+@pytest.mark.parametrize("entries", [0, -1, (1 << 20) + 1, 1 << 27])
 def test_history_size_out_of_range(entries):
     with pytest.raises(ValueError, match="max_entries"):
         goalloc.record_history(True, max_entries=entries)
@@ -137,3 +137,11 @@ def test_dump_snapshot_takes_paths_only(path):
 def test_memory_summary_abbreviated_must_be_a_bool(abbreviated):
     with pytest.raises(TypeError, match="abbreviated must be True or False"):
         goalloc.memory_summary(0, abbreviated=abbreviated)  # type: ignore[arg-type]
+
+
+def test_history_bound_is_the_librarys():
+    """The bound keeps a snapshot near 1.4 GiB a device (2^26 entries needed
+    about 90 GB); Python's copy of it must be the library's."""
+    from goalloc import _lib
+
+    assert _lib.MAX_HISTORY_ENTRIES == goalloc.config()["max_history"] == 1 << 20

@@ -59,7 +59,8 @@ __all__ = [
 Device = Union[int, str, Any, None]
 
 #: History size record_history() keeps by default: about 40 bytes an entry
-#: per device in the library, a few hundred bytes each in a snapshot.
+#: per device in the library, about 1.4 KB each while snapshot() builds its
+#: dicts (100,000 entries grew a process by 139 MiB). At most 2^20.
 DEFAULT_HISTORY_ENTRIES = 100_000
 
 

@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 LIBRARY_ENV = "GOALLOC_LIBRARY"
 LIBRARY_NAME = "libgoalloc.so"
 
-# The largest history ring the library accepts (export/registry.go).
-MAX_HISTORY_ENTRIES = 1 << 26
+# The largest history ring the library accepts: caching.MaxHistoryEntries,
+# which config()["max_history"] reports (a test keeps the two equal).
+MAX_HISTORY_ENTRIES = 1 << 20
 
 
 class GoallocError(RuntimeError):
