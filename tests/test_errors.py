@@ -68,6 +68,7 @@ def test_bad_device_does_not_reach_the_library():
     ("bogus:1", '"bogus"'),
     ("fraction", '"fraction" is not key:value'),
     ("fraction:0.5,fraction:0.6", "given twice"),
+    ("reserve:0.5,fraction:0.25", "reserve:0.5 is above fraction:0.25"),  # could never be pre-warmed
 ])
 def test_bad_conf_is_a_value_error_naming_the_key(conf, named):
     with pytest.raises(ValueError, match="GOALLOC_CONF") as e:
