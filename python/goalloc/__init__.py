@@ -175,7 +175,9 @@ def configure(conf: str) -> None:
 
 def config() -> dict[str, Any]:
     """The configuration in force, the device kind (cuda or sim) and count,
-    per-device caps in bytes, the history size, and every GOALLOC_CONF key
+    per-device caps in bytes ("limits", devices made so far) and the
+    fractions set_memory_fraction() set ("fractions", made or not), the
+    history size and its bound ("max_history"), and every GOALLOC_CONF key
     with what it means."""
     return _lib.config()
 
