@@ -882,7 +882,7 @@ func (a *Allocator) SetFraction(fraction float64) error {
 	if err := CheckFraction(fraction); err != nil {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.badInput("invalid_fraction", fmt.Sprintf("device %d: %v", a.dev.Ordinal(), err))
+		return a.badInput("invalid_fraction", fmt.Sprintf("device %d: memory fraction %v", a.dev.Ordinal(), err))
 	}
 	return a.SetLimit(fractionLimit(fraction, a.total))
 }

@@ -126,7 +126,7 @@ func ParseConfig(s string) (Config, error) {
 // a share of the device's memory in (0, 1].
 func CheckFraction(f float64) error {
 	if math.IsNaN(f) || f <= 0 || f > 1 {
-		return fmt.Errorf("memory fraction %v is outside (0, 1]: it is a share of the device's memory", f)
+		return fmt.Errorf("%v is outside (0, 1]", f)
 	}
 	return nil
 }

@@ -302,7 +302,7 @@ func (l *library) emptyCache() error {
 // setFraction is goalloc_set_memory_fraction.
 func (l *library) setFraction(f float64, d int) error {
 	if err := caching.CheckFraction(f); err != nil {
-		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: device %d: %v", d, err))
+		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: device %d: memory fraction %v", d, err))
 	}
 	l.mu.Lock()
 	if err := l.initLocked(0); err != nil {
