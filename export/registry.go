@@ -210,10 +210,11 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 }
 
 // setupFailedLocked reports a device that could not be made. It is printed
-// every time, like an out-of-memory: the allocation that needed the device
-// fails, and torch says nothing useful about a NULL.
+// every time, like an out-of-memory: the call that needed the device fails
+// (an allocation, for torch a NULL it says nothing useful about), and the
+// next one tries again.
 func (l *library) setupFailedLocked(err error) error {
-	fmt.Fprintf(l.stderr, "%v (device not set up; the allocation fails)\n", err)
+	fmt.Fprintf(l.stderr, "%v (the device is not set up; the call fails)\n", err)
 	return l.failLocked(err)
 }
 

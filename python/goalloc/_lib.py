@@ -5,7 +5,9 @@ leaves the reason in goalloc_last_error(); the wrappers here turn that into a
 Python exception carrying the library's own message, so that what a user
 reads is what the allocator knows. Argument checks that Python can do
 (types, ranges, device numbers) are done by the callers in __init__.py before
-any call, so bad input never reaches the library's once-per-kind warnings.
+any call, so bad input never reaches the library's once-per-kind warnings;
+the one exception is a memory fraction's range, whose rule lives in the
+library alone (caching.CheckFraction).
 
 The library holds process-global state (one allocator per device). A process
 can load it only once: a second copy of a Go runtime in one process would
