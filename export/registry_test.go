@@ -237,3 +237,23 @@ func TestHistoryIsBounded(t *testing.T) {
 	require.NoError(t, l.recordHistory(caching.MaxHistoryEntries))
 	require.NoError(t, l.recordHistory(0))
 }
+
+// No entry point counts a call before goalloc_init (it initialises from the
+// environment): the allocation path used to count it and the others not.
+func TestNoEntryPointCountsACallBeforeInit(t *testing.T) {
+	t.Setenv("GOALLOC_DEVICE", "sim")
+	t.Setenv("GOALLOC_SIM_DEVICES", "1")
+	t.Setenv("GOALLOC_CONF", "")
+	var out strings.Builder
+	l := newLibrary()
+	l.stderr = &out
+	p := l.malloc(1000, 0, 0)
+	require.NotZero(t, p)
+	l.free(p, 1000, 0, 0)
+	for k, v := range stats(t, l, 0) {
+		if strings.HasPrefix(k, "goalloc.bad_input.") {
+			assert.Zero(t, v, k)
+		}
+	}
+	assert.Empty(t, out.String())
+}
