@@ -94,3 +94,40 @@ func TestSimEventsAndStall(t *testing.T) {
 	require.NoError(t, d.DestroyEvent(e))
 	assert.Zero(t, d.Events())
 }
+
+// Devices of more than 1 TiB each get address ranges that do not overlap
+// (device d used to start only d TiB above device 0).
+func TestSimDevicesNeverShareAnAddress(t *testing.T) {
+	const capacity = 4 << 40
+	var ranges [][2]uintptr
+	for d := 0; d < 3; d++ {
+		dev := NewSim(d, capacity)
+		p, err := dev.Alloc(3<<40, 0)
+		require.NoError(t, err)
+		ranges = append(ranges, [2]uintptr{p, p + 3<<40})
+	}
+	for i := range ranges {
+		for j := i + 1; j < len(ranges); j++ {
+			assert.False(t, ranges[i][0] < ranges[j][1] && ranges[j][0] < ranges[i][1],
+				"device %d %#x and device %d %#x overlap", i, ranges[i], j, ranges[j])
+		}
+	}
+	require.Error(t, CheckSimMemory(MaxSimMemory+1))
+	require.Error(t, CheckSimMemory(1<<19))
+	require.NoError(t, CheckSimMemory(capacity))
+	assert.Panics(t, func() { NewSim(0, MaxSimMemory+1) })
+}
+
+// A pool whose range would grow into the next device's refuses instead.
+func TestSimPoolStaysInItsRange(t *testing.T) {
+	d := NewSim(0, 1<<30)
+	d.pool.span = 256 << 20 // a small range, to reach its end
+	a, err := d.Alloc(200<<20, 0)
+	require.NoError(t, err)
+	b, err := d.Alloc(1<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, d.Free(a, 200<<20, 0))
+	_, err = d.Alloc(201<<20, 0) // does not fit in a's place: would go past b
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	require.NoError(t, d.Free(b, 1<<20, 0))
+}

@@ -37,6 +37,7 @@ import (
 // not known; TestSimPoolTracksTheGPU holds it to that.
 type simPool struct {
 	base       uint64 // the first address of the virtual range (chunk aligned)
+	span       uint64 // the virtual range's length: [base, base+span) is the device's
 	capacity   uint64 // device memory; reserved never exceeds it
 	chunkSize  uint64 // physical mapping granularity
 	allocAlign uint64
@@ -76,15 +77,46 @@ type simRange struct {
 // simChunkSize is the real pool's physical granularity (probe_pool.py).
 const simChunkSize = 32 << 20
 
-// simBase is where device 0's addresses start; device d's start d TiB
-// further, so that no two simulated devices share an address, as no two
-// GPUs do under CUDA's unified addressing.
+// simBase is where device 0's addresses start; device d's start d spans
+// further (simSpan), so that no two simulated devices share an address, as
+// no two GPUs do under CUDA's unified addressing.
 const simBase = 0x100000000000
 
+// MaxSimMemory is the largest simulated device, 1 PiB: the address ranges
+// of maxSimDevices devices of that size, four times the capacity each,
+// still fit in 64 bits above simBase.
+const MaxSimMemory = 1 << 50
+
+// maxSimDevices is the most simulated devices a process may have apart.
+const maxSimDevices = 64
+
+// CheckSimMemory is the rule for a simulated device's size
+// (GOALLOC_SIM_MEMORY, the replay tool's --sim-memory).
+func CheckSimMemory(n uint64) error {
+	if n < 1<<20 || n > MaxSimMemory {
+		return fmt.Errorf("%d bytes is outside [1 MiB, 1 PiB]", n)
+	}
+	return nil
+}
+
+// simSpan is the length of each device's virtual range for devices of
+// capacity bytes: 1 TiB, or four times the capacity rounded up to TiBs,
+// room for a fragmented range to grow past the capacity. The pool refuses
+// an allocation that would leave its range rather than reach into the next
+// device's.
+func simSpan(capacity uint64) uint64 {
+	return max(1<<40, roundUp(4*capacity, 1<<40))
+}
+
 func newSimPool(ordinal int, capacity uint64) *simPool {
-	base := uint64(simBase) + uint64(ordinal)<<40
+	if capacity > MaxSimMemory || ordinal < 0 || ordinal >= maxSimDevices {
+		panic(fmt.Sprintf("sim: device %d of %d bytes: outside %d devices of at most %d bytes (CheckSimMemory)", ordinal, capacity, maxSimDevices, uint64(MaxSimMemory)))
+	}
+	span := simSpan(capacity)
+	base := uint64(simBase) + uint64(ordinal)*span
 	return &simPool{
 		base:       base,
+		span:       span,
 		capacity:   capacity,
 		chunkSize:  simChunkSize,
 		allocAlign: 512,
@@ -142,6 +174,9 @@ func (p *simPool) alloc(size uint64, s Stream, completed func(Stream) uint64) (u
 		start := p.top
 		if tail, ok := p.byEnd[p.top]; ok {
 			start = tail.start
+		}
+		if start+n > p.base+p.span {
+			return 0, fmt.Errorf("sim: the device's address range of %d bytes is used up: %w", p.span, ErrOutOfMemory)
 		}
 		if need := p.mapCost(start, n); p.reserved+need > p.capacity {
 			return 0, fmt.Errorf("sim: pool of %d bytes cannot map %d more (capacity %d): %w",

@@ -3,7 +3,6 @@ package caching
 import (
 	"errors"
 	"fmt"
-	"math"
 	"sort"
 	"sync"
 
@@ -53,6 +52,9 @@ type Allocator struct {
 	// segments holds every small segment, sorted by address, so a pointer
 	// finds its segment by binary search.
 	segments []*Segment
+	// emptySegs lists the empty segments the general cache keeps against
+	// churn, oldest first.
+	emptySegs emptySegments
 
 	events   *streams.EventPool
 	deferred *streams.DeferredFrees
@@ -85,7 +87,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
 	if cfg.Fraction > 0 {
-		a.limit = uint64(cfg.Fraction * float64(total))
+		a.limit = fractionLimit(cfg.Fraction, total)
 	}
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
@@ -103,7 +105,12 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 func (a *Allocator) prewarm(n uint64) error {
 	n = roundUp(n, 2<<20)
 	if a.limit > 0 && n > a.limit {
-		return fmt.Errorf("goalloc: reserve of %d bytes is above the cap of %d bytes on device %d", n, a.limit, a.dev.Ordinal())
+		// ParseConfig keeps the reserve at or under the fraction; only the
+		// rounding up can pass the cap. Round down instead.
+		n = a.limit / (2 << 20) * (2 << 20)
+	}
+	if n == 0 {
+		return nil
 	}
 	p, err := a.dev.Alloc(n, 0)
 	if err != nil {
@@ -171,6 +178,9 @@ func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintp
 	if seg.used == 0 {
 		// The segment was empty: it becomes split, its other slots inactive.
 		l.small[seg.class].empty--
+		if seg.inEmpty {
+			a.emptySegs.remove(seg)
+		}
 		a.stats.InactiveSplit.add(StatSmall, int64(seg.nslots-1))
 		a.stats.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
 	} else {
@@ -235,6 +245,7 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 		return 0, err
 	}
 	seg := newSegment(p, c, l)
+	l.refs++
 	a.insertSegment(seg)
 	l.small[c].pushBack(seg)
 	l.small[c].empty++
@@ -267,6 +278,7 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	*b = Block{addr: p, size: n, requested: size, stream: l.stream, list: l, state: blockLive,
 		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
 	a.largeByAddr[p] = id
+	l.refs++
 	a.stats.Segment.add(StatLarge, 1)
 	a.stats.ReservedBytes.add(StatLarge, int64(n))
 	l.pool.reserved += n
@@ -339,7 +351,7 @@ func (a *Allocator) reclaim(sync bool) {
 	}
 	a.pollDeferred()
 	a.releaseCached(0)
-	a.releaseEmptySegments(0)
+	a.releaseEmptySegments()
 	_ = a.dev.Trim(a.reserveBytes)
 }
 
@@ -358,7 +370,7 @@ func (a *Allocator) releaseAll() error {
 		a.deferred.AllComplete(a.completeFree)
 	}
 	a.releaseCached(0)
-	a.releaseEmptySegments(0)
+	a.releaseEmptySegments()
 	if len(errs) == 0 {
 		if err := a.dev.Synchronize(); err != nil {
 			errs = append(errs, err)
@@ -476,15 +488,18 @@ func (a *Allocator) countFree(t StatType, held int64, requested uint64) {
 	st.RequestedBytes.sub(t, int64(requested))
 }
 
-// checkFree reports a free whose size or stream differ from the allocation's.
+// checkFree reports a free whose size or stream differ from the
+// allocation's, each mistake under its own kind. The block is freed all the
+// same: these are warnings (InputError.Handled).
 func (a *Allocator) checkFree(ptr uintptr, size, requested uint64, s, owner arena.Stream) error {
+	var errs []error
 	if size != requested && !(size == 0 && requested == 0) {
-		return a.badInput("size_mismatch", fmt.Sprintf("free of %#x with size %d, allocated with size %d, on device %d; freed by pointer", ptr, size, requested, a.dev.Ordinal()))
+		errs = append(errs, a.warnInput("size_mismatch", fmt.Sprintf("free of %#x with size %d, allocated with size %d, on device %d; freed by pointer", ptr, size, requested, a.dev.Ordinal())))
 	}
 	if s != owner {
-		return a.badInput("stream_mismatch", fmt.Sprintf("free of %#x on stream %#x, allocated on stream %#x, on device %d; freed in the allocation stream's order", ptr, s, owner, a.dev.Ordinal()))
+		errs = append(errs, a.warnInput("stream_mismatch", fmt.Sprintf("free of %#x on stream %#x, allocated on stream %#x, on device %d; freed in the allocation stream's order", ptr, s, owner, a.dev.Ordinal())))
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // deferIfRecorded starts a deferred free when other streams used ptr. In a
@@ -532,12 +547,37 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	cl := &l.small[seg.class]
 	cl.empty++
 	// Keep one empty segment per stream and class as a buffer against
-	// churn; give the others back to the pool, where any size can use them.
-	// A private pool keeps everything until it is released.
-	if p := l.pool; (!p.private() && cl.empty > 1) || p.released {
+	// churn, within emptySegmentBudget over all streams (the oldest go
+	// first: their streams may be gone); give the others back to the pool,
+	// where any size can use them. A private pool keeps everything until it
+	// is released.
+	p := l.pool
+	if p.private() {
+		if p.released {
+			_ = a.releaseSegment(seg)
+		}
+		return
+	}
+	a.emptySegs.pushBack(seg)
+	if cl.empty > 1 {
 		_ = a.releaseSegment(seg)
 	}
+	for a.emptySegs.bytes > emptySegmentBudget {
+		if a.releaseSegment(a.emptySegs.head) != nil {
+			break
+		}
+	}
 }
+
+// emptySegmentBudget bounds the bytes of empty small segments the general
+// cache keeps. They are a buffer against churn, one per stream and class
+// (24 classes of 256-448 KiB: at most 6.6 MiB for a stream using all of
+// them), so a few active streams fit; memory kept for streams that are
+// gone goes back to the pool, oldest first, instead of growing with the
+// number of streams ever seen. The budget is its own, apart from
+// Config.LargeCache, so that large_cache keeps meaning what every figure
+// measured with it meant.
+const emptySegmentBudget = 32 << 20
 
 // cacheBlock puts the free large block id into its stream's cache, then
 // keeps the cache within its budget.
@@ -605,10 +645,13 @@ func (a *Allocator) releaseBlock(id blockID) error {
 		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
 	}
 	delete(a.largeByAddr, b.addr)
-	p := b.list.pool
+	l := b.list
+	p := l.pool
 	p.reserved -= b.size
 	*b = Block{state: blockUnused}
 	a.unusedIDs = append(a.unusedIDs, id)
+	l.refs--
+	p.dropIfUnused(l)
 	a.dropIfEmpty(p)
 	return nil
 }
@@ -670,22 +713,13 @@ func (a *Allocator) releaseCached(keep uint64) {
 	}
 }
 
-// releaseEmptySegments gives empty small segments back to the pool, keeping
-// at most keep per stream and class.
-func (a *Allocator) releaseEmptySegments(keep int) {
-	for _, l := range a.general.lists {
-		for c := range l.small {
-			cl := &l.small[c]
-			for seg := cl.head; seg != nil && cl.empty > keep; {
-				next := seg.next
-				if seg.used == 0 {
-					if a.releaseSegment(seg) != nil {
-						break
-					}
-				}
-				seg = next
-			}
-		}
+// releaseEmptySegments gives every empty small segment of the general
+// cache back to the pool.
+func (a *Allocator) releaseEmptySegments() {
+	for seg := a.emptySegs.head; seg != nil; {
+		next := seg.emptyNext
+		_ = a.releaseSegment(seg) // a capturing stream keeps its segment
+		seg = next
 	}
 }
 
@@ -701,6 +735,9 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	cl := &l.small[seg.class]
 	cl.remove(seg)
 	cl.empty--
+	if seg.inEmpty {
+		a.emptySegs.remove(seg)
+	}
 	a.removeSegment(seg)
 	a.stats.Segment.sub(StatSmall, 1)
 	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
@@ -708,6 +745,8 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
 	}
 	l.pool.reserved -= seg.size
+	l.refs--
+	l.pool.dropIfUnused(l)
 	a.dropIfEmpty(l.pool)
 	return nil
 }
@@ -825,6 +864,12 @@ func (a *Allocator) EmptyCache() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	err := a.releaseAll()
+	// Forget the streams that hold nothing now: a stream's record costs
+	// host memory, and operations that look at every stream time.
+	a.general.dropAllUnused()
+	for _, p := range a.private {
+		p.dropAllUnused()
+	}
 	if a.history != nil {
 		a.history.add(actionEmptyCache, 0, 0, 0)
 	}
@@ -834,12 +879,12 @@ func (a *Allocator) EmptyCache() error {
 // SetFraction caps reserved memory at fraction x the device's memory, as
 // torch.cuda.set_per_process_memory_fraction does.
 func (a *Allocator) SetFraction(fraction float64) error {
-	if math.IsNaN(fraction) || fraction <= 0 || fraction > 1 {
+	if err := CheckFraction(fraction); err != nil {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.badInput("invalid_fraction", fmt.Sprintf("memory fraction %v for device %d is outside (0, 1]", fraction, a.dev.Ordinal()))
+		return a.badInput("invalid_fraction", fmt.Sprintf("device %d: memory fraction %v", a.dev.Ordinal(), err))
 	}
-	return a.SetLimit(uint64(fraction * float64(a.total)))
+	return a.SetLimit(fractionLimit(fraction, a.total))
 }
 
 // SetLimit caps reserved memory at limit bytes (0: no cap). Lowering the cap
@@ -949,14 +994,43 @@ func (a *Allocator) Close() error {
 type InputError struct {
 	Kind string
 	Msg  string
+	// Handled says the call did its work all the same (a free with a wrong
+	// size is freed by pointer): the error is a warning, not a refusal.
+	Handled bool
 }
 
 func (e *InputError) Error() string { return "goalloc: " + e.Msg }
 
-// badInput counts a bad call and returns its error. The caller holds a.mu.
+// InputErrors lists the InputErrors in err, which may join several (a free
+// with a wrong size and a wrong stream).
+func InputErrors(err error) []*InputError {
+	var out []*InputError
+	var walk func(error)
+	walk = func(err error) {
+		if ie, ok := err.(*InputError); ok {
+			out = append(out, ie)
+		} else if j, ok := err.(interface{ Unwrap() []error }); ok {
+			for _, e := range j.Unwrap() {
+				walk(e)
+			}
+		} else if e := errors.Unwrap(err); e != nil {
+			walk(e)
+		}
+	}
+	walk(err)
+	return out
+}
+
+// badInput counts a refused call and returns its error. The caller holds a.mu.
 func (a *Allocator) badInput(kind, msg string) error {
 	a.stats.BadInput[kind]++
 	return &InputError{Kind: kind, Msg: msg}
+}
+
+// warnInput counts a call that was wrong but done all the same.
+func (a *Allocator) warnInput(kind, msg string) error {
+	a.stats.BadInput[kind]++
+	return &InputError{Kind: kind, Msg: msg, Handled: true}
 }
 
 // FormatBytes writes n in the largest binary unit it reaches, with two

@@ -422,3 +422,62 @@ func TestSnapshotMatchesStats(t *testing.T) {
 	assert.Equal(t, []string{"segment_alloc", "alloc", "segment_alloc", "alloc", "segment_alloc", "alloc", "free_requested", "free_completed"}, actions)
 	_, _ = p, q
 }
+
+// A cap is a cap: a positive fraction so small that fraction x device
+// rounds to 0 bytes must not turn into 0, which means "no cap".
+func TestTinyFractionIsStillACap(t *testing.T) {
+	for _, f := range []float64{1e-12, 1e-11, 5e-324} {
+		a, _ := newTestAllocator(t, DefaultConfig())
+		require.NoError(t, a.SetFraction(f))
+		_, err := a.Malloc(1<<30, 0)
+		var oom *OOMError
+		require.ErrorAs(t, err, &oom, "fraction %v set by SetFraction", f)
+		_, err = a.Malloc(1, 0)
+		require.ErrorAs(t, err, &oom, "the smallest cap refuses everything above it")
+
+		cfg := DefaultConfig()
+		cfg.Fraction = f
+		b, _ := newTestAllocator(t, cfg)
+		_, err = b.Malloc(1<<30, 0)
+		require.ErrorAs(t, err, &oom, "fraction %v from the configuration", f)
+	}
+}
+
+// A reserve above the cap can never be pre-warmed: the configuration is
+// refused, naming both keys, instead of every allocation failing silently.
+func TestReserveAboveFractionIsRefused(t *testing.T) {
+	_, err := ParseConfig("reserve:0.5,fraction:0.25")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "reserve")
+	assert.Contains(t, err.Error(), "fraction")
+	c, err := ParseConfig("fraction:0.25,reserve:0.25")
+	require.NoError(t, err, "a reserve equal to the cap is fine")
+	a, _ := newTestAllocator(t, c)
+	p, err := a.Malloc(1<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 1<<20, 0))
+}
+
+// A free with a wrong size and a wrong stream is two mistakes: each kind is
+// counted, and the block is freed by pointer all the same (a warning, not
+// a refusal).
+func TestFreeWithWrongSizeAndStreamCountsBoth(t *testing.T) {
+	a, _ := newTestAllocator(t, DefaultConfig())
+	for _, size := range []uint64{1000, 1 << 20} {
+		p, err := a.Malloc(size, 0x10)
+		require.NoError(t, err)
+		err = a.Free(p, size+1, 0x20)
+		require.Error(t, err)
+		var kinds []string
+		for _, ie := range InputErrors(err) {
+			kinds = append(kinds, ie.Kind)
+			assert.True(t, ie.Handled, "freed by pointer: a warning")
+		}
+		assert.Equal(t, []string{"size_mismatch", "stream_mismatch"}, kinds)
+	}
+	st := a.Stats()
+	assert.EqualValues(t, 2, st.BadInput["size_mismatch"])
+	assert.EqualValues(t, 2, st.BadInput["stream_mismatch"])
+	assert.Zero(t, st.Allocation[StatAll].Current)
+	require.NoError(t, a.CheckInvariants())
+}

@@ -58,7 +58,12 @@ type sizeBucket struct {
 type StreamFreeList struct {
 	stream arena.Stream
 	pool   *cachePool
-	small  [numSmallClasses]segmentList
+	// refs counts the segments and blocks (live, pending or cached) that
+	// belong to this list; at 0 the list holds nothing and is dropped.
+	refs int
+	// index is the list's position in pool.lists.
+	index int
+	small [numSmallClasses]segmentList
 	// buckets is sorted by size. Buckets may be empty; empty ones are pruned
 	// on the slow path when they outnumber the full ones.
 	buckets     []sizeBucket

@@ -197,6 +197,9 @@ func (a *Allocator) CheckInvariants() error {
 			return fmt.Errorf("released pool %v is empty but still kept", id)
 		}
 	}
+	if err := a.checkStreamRecords(); err != nil {
+		return err
+	}
 	sort.Slice(spans, func(i, j int) bool { return spans[i].addr < spans[j].addr })
 	for i := 1; i < len(spans); i++ {
 		if p := spans[i-1]; p.addr+p.size > spans[i].addr {
@@ -207,6 +210,67 @@ func (a *Allocator) CheckInvariants() error {
 		if !a.isLive(ptr) {
 			return fmt.Errorf("record_stream entry for %#x, which is not live", ptr)
 		}
+	}
+	return nil
+}
+
+// checkStreamRecords checks the per-stream records and the kept empty
+// segments: each list is found by its stream, counts exactly the blocks and
+// segments that belong to it, and holds at least one unless it is the list
+// in use; the empty segments of the general cache are exactly those on
+// emptySegs, within its budget.
+func (a *Allocator) checkStreamRecords() error {
+	refs := map[*StreamFreeList]int{}
+	for i := range a.blocks {
+		if b := &a.blocks[i]; b.state != blockUnused {
+			refs[b.list]++
+		}
+	}
+	var emptyBytes uint64
+	emptyN := 0
+	for _, seg := range a.segments {
+		refs[seg.list]++
+		general := !seg.list.pool.private()
+		if general && seg.inEmpty != (seg.used == 0) || !general && seg.inEmpty {
+			return fmt.Errorf("segment %#x: %d used, on the empty list %v", seg.addr, seg.used, seg.inEmpty)
+		}
+		if seg.inEmpty {
+			emptyBytes += seg.size
+			emptyN++
+		}
+	}
+	n := 0
+	for seg := a.emptySegs.head; seg != nil; seg = seg.emptyNext {
+		if !seg.inEmpty || (seg.emptyNext == nil) != (seg == a.emptySegs.tail) {
+			return fmt.Errorf("empty segment list is broken at %#x", seg.addr)
+		}
+		n++
+	}
+	if n != emptyN || emptyBytes != a.emptySegs.bytes {
+		return fmt.Errorf("%d empty segments (%d bytes), list holds %d (%d bytes)", emptyN, emptyBytes, n, a.emptySegs.bytes)
+	}
+	for _, p := range append([]*cachePool{a.general}, a.privatePools()...) {
+		if len(p.byStream) != len(p.lists) {
+			return fmt.Errorf("pool %v: %d lists, %d indexed by stream", p.id, len(p.lists), len(p.byStream))
+		}
+		for i, l := range p.lists {
+			if l.index != i || p.byStream[l.stream] != l || l.pool != p {
+				return fmt.Errorf("pool %v: list of stream %#x is misfiled", p.id, l.stream)
+			}
+			if l.refs != refs[l] {
+				return fmt.Errorf("stream %#x holds %d blocks and segments, counted %d", l.stream, refs[l], l.refs)
+			}
+			if l.refs == 0 && l != p.last {
+				return fmt.Errorf("stream %#x holds nothing but is kept", l.stream)
+			}
+			delete(refs, l)
+		}
+		if p.last != nil && p.byStream[p.last.stream] != p.last {
+			return fmt.Errorf("pool %v: the list in use is not filed", p.id)
+		}
+	}
+	if len(refs) > 0 {
+		return fmt.Errorf("%d blocks or segments belong to a dropped stream record", len(refs))
 	}
 	return nil
 }

@@ -89,7 +89,9 @@ func ParseConfig(s string) (Config, error) {
 		var err error
 		switch k {
 		case "fraction":
-			c.Fraction, err = parseShare(v, false, true)
+			if c.Fraction, err = parseNumber(v); err == nil {
+				err = CheckFraction(c.Fraction)
+			}
 		case "reserve":
 			c.Reserve, err = parseShare(v, true, false)
 		case "release_threshold":
@@ -111,7 +113,29 @@ func ParseConfig(s string) (Config, error) {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
 		}
 	}
+	if c.Fraction > 0 && c.Reserve > c.Fraction {
+		// The pre-warm would have to pass the cap: the device could never
+		// be set up, and every allocation would fail.
+		return c, fmt.Errorf("GOALLOC_CONF: reserve:%g is above fraction:%g; the reserve is pre-warmed under the cap, so it must not exceed it", c.Reserve, c.Fraction)
+	}
 	return c, nil
+}
+
+// CheckFraction is the one rule for a memory fraction, wherever it comes
+// from (GOALLOC_CONF's fraction, set_per_process_memory_fraction, Python):
+// a share of the device's memory in (0, 1].
+func CheckFraction(f float64) error {
+	if math.IsNaN(f) || f <= 0 || f > 1 {
+		return fmt.Errorf("%v is outside (0, 1]", f)
+	}
+	return nil
+}
+
+// fractionLimit is the cap in bytes for fraction f of total bytes. It is at
+// least one byte: a limit of 0 means no cap, and a fraction so small that
+// f x total rounds to 0 is still a cap, one that refuses everything.
+func fractionLimit(f float64, total uint64) uint64 {
+	return max(1, uint64(f*float64(total)))
 }
 
 func knownKeys() string {
@@ -125,9 +149,9 @@ func knownKeys() string {
 
 // parseShare parses a float in (0,1) with the ends allowed as asked.
 func parseShare(v string, zeroOK, oneOK bool) (float64, error) {
-	f, err := strconv.ParseFloat(v, 64)
-	if err != nil || math.IsNaN(f) {
-		return 0, fmt.Errorf("%q is not a number", v)
+	f, err := parseNumber(v)
+	if err != nil {
+		return 0, err
 	}
 	if f < 0 || f > 1 || (f == 0 && !zeroOK) || (f == 1 && !oneOK) {
 		lo, hi := "(", ")"
@@ -138,6 +162,14 @@ func parseShare(v string, zeroOK, oneOK bool) (float64, error) {
 			hi = "]"
 		}
 		return 0, fmt.Errorf("%v is outside %s0, 1%s", f, lo, hi)
+	}
+	return f, nil
+}
+
+func parseNumber(v string) (float64, error) {
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || math.IsNaN(f) {
+		return 0, fmt.Errorf("%q is not a number", v)
 	}
 	return f, nil
 }

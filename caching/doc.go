@@ -42,7 +42,8 @@
 //   - Small requests (most requests, little memory: the traces hold at most
 //     60 MiB of them live) take slots in 256-448 KiB segments, one driver call per
 //     segment. A segment that empties goes back to the pool, except one per
-//     stream and class kept against churn.
+//     stream and class kept against churn, 32 MiB of them at most over all
+//     streams (oldest first go back: their streams may be gone).
 //   - Large requests (little in number, nearly all the memory) are whole pool
 //     allocations. When freed they are cached by exact size, and served to a
 //     request of the same size, or up to LargeSlack smaller. The cache is
@@ -61,6 +62,13 @@
 // on the owner, and the pool hands it to another stream only once that free
 // has completed (or makes the other stream wait for it). So goalloc needs no
 // event for ordinary frees.
+//
+// A stream's cache (StreamFreeList) is a record made on its first use and
+// dropped once it holds nothing: when its last segment or block goes back
+// to the pool, or, for the stream in use, at the next switch of streams or
+// empty_cache. What is cached for a stream is bounded by the cache budgets
+// above, so neither memory nor the cost of an operation grows with the
+// streams ever seen (short-lived streams, one per request, are common).
 //
 // The exception is record_stream: a block allocated on A and used on B may be
 // freed by the host while B still reads it. Then the free records an event on
@@ -92,11 +100,15 @@
 // # Cache policy
 //
 // The mechanism (buckets, LRU list, release) is separate from the policy,
-// which is a few numbers in Config and a constant: LargeCache (256 MiB),
+// which is a few numbers in Config and two constants: LargeCache (256 MiB),
 // MissRelease (on), LargeSlack (1/16), one empty segment kept per stream
 // and class, and the segment sizes from mksizeclasses.go. They were chosen
 // by replaying the shipped traces, on the simulated pool and on an H200
-// (BENCHMARKS.md has the figures and commands). What the numbers taught:
+// (BENCHMARKS.md has the figures and commands). The other constant,
+// emptySegmentBudget (32 MiB of empty segments over all streams), bounds
+// what idle streams keep; the shipped traces use one stream and never reach
+// it (their replays gave the same figures with and without it). What the
+// numbers taught:
 //
 //   - A cache that keeps what it is given trades memory for hits at a bad
 //     rate: a 1 GiB bound without MissRelease held 1.12x (GPT-2) and 1.22x

@@ -24,10 +24,14 @@ type PoolID [2]uint64
 // private pool of CUDA graph captures.
 type cachePool struct {
 	id PoolID // the zero PoolID for the general cache
-	// lists has one StreamFreeList per stream seen; last is the one used
-	// most recently, checked first because one stream does most work.
-	lists []*StreamFreeList
-	last  *StreamFreeList
+	// lists has one StreamFreeList per stream that holds memory here
+	// (byStream finds it); last is the one used most recently, checked
+	// first because one stream does most work. A list that holds nothing
+	// is dropped (see dropIfUnused): the records do not grow with the
+	// streams ever seen.
+	lists    []*StreamFreeList
+	byStream map[arena.Stream]*StreamFreeList
+	last     *StreamFreeList
 
 	// Private pools only. users counts the captures that began with this
 	// pool and were not released; once it drops to 0 the pool is released:
@@ -35,24 +39,65 @@ type cachePool struct {
 	// as it is freed.
 	users    int
 	released bool
+	// deferredReleases counts ReleasePool calls that arrived while a
+	// capture window of this pool was open; they take effect when the
+	// pool's last window ends (EndAllocateToPool).
+	deferredReleases int
 	// reserved is the bytes of segments and blocks the pool holds.
 	reserved uint64
 }
 
 func (p *cachePool) private() bool { return p.id != PoolID{} }
 
-// list finds or makes the StreamFreeList of s and makes it last.
+// list finds or makes the StreamFreeList of s and makes it last. The list
+// that was last is dropped if it holds nothing.
 func (p *cachePool) list(s arena.Stream) *StreamFreeList {
-	for _, l := range p.lists {
-		if l.stream == s {
-			p.last = l
-			return l
-		}
+	if old := p.last; old != nil && old.refs == 0 {
+		p.drop(old)
 	}
-	l := &StreamFreeList{stream: s, pool: p}
-	p.lists = append(p.lists, l)
+	l := p.byStream[s]
+	if l == nil {
+		if p.byStream == nil {
+			p.byStream = map[arena.Stream]*StreamFreeList{}
+		}
+		l = &StreamFreeList{stream: s, pool: p, index: len(p.lists)}
+		p.lists = append(p.lists, l)
+		p.byStream[s] = l
+	}
 	p.last = l
 	return l
+}
+
+// drop forgets the StreamFreeList l, which holds nothing.
+func (p *cachePool) drop(l *StreamFreeList) {
+	n := len(p.lists) - 1
+	moved := p.lists[n]
+	p.lists[l.index], moved.index = moved, l.index
+	p.lists[n] = nil
+	p.lists = p.lists[:n]
+	delete(p.byStream, l.stream)
+	if p.last == l {
+		p.last = nil
+	}
+}
+
+// dropIfUnused drops l once it holds nothing, unless it is the list in use
+// (last), which a Malloc in progress may be holding; list drops that one
+// when another stream takes its place, and EmptyCache drops it for good.
+func (p *cachePool) dropIfUnused(l *StreamFreeList) {
+	if l.refs == 0 && l != p.last {
+		p.drop(l)
+	}
+}
+
+// dropAllUnused drops every list that holds nothing, last included. Only
+// for EmptyCache: no Malloc is in progress.
+func (p *cachePool) dropAllUnused() {
+	for i := len(p.lists) - 1; i >= 0; i-- {
+		if l := p.lists[i]; l.refs == 0 {
+			p.drop(l)
+		}
+	}
 }
 
 // empty says whether the pool holds no memory at all.
@@ -90,7 +135,13 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 		if a.windows[i] == id {
 			a.windows = append(a.windows[:i], a.windows[i+1:]...)
 			a.stats.GraphEnds++
-			return nil
+			p := a.private[id]
+			var errs []error
+			for p.deferredReleases > 0 && !a.windowOpen(id) {
+				p.deferredReleases--
+				errs = append(errs, a.release(p))
+			}
+			return errors.Join(errs...)
 		}
 	}
 	return a.badInput("invalid_pool", fmt.Sprintf("end_allocate_to_pool on device %d for pool (%d, %d), which has no capture in progress", a.dev.Ordinal(), id[0], id[1]))
@@ -99,21 +150,49 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 // ReleasePool says a graph using pool id is gone. When none is left, the
 // pool's free memory goes back to the driver pool, and its live memory
 // follows as it is freed.
+//
+// torch releases a pool when a graph object is destroyed, which may happen
+// while a capture into the same pool is still open (the hooks of one
+// device arrive in any order from any thread). Releasing then would pull
+// the pool from under the open window, so the release is deferred: it is
+// counted now and takes effect when the pool's last window ends. A release
+// with no graph left to release (more releases than begins) is bad input.
 func (a *Allocator) ReleasePool(id PoolID) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	p := a.private[id]
-	if p == nil || p.users == 0 {
+	if p == nil || p.users-p.deferredReleases == 0 {
 		return a.badInput("invalid_pool", fmt.Sprintf("release_pool on device %d for pool (%d, %d), which goalloc does not hold", a.dev.Ordinal(), id[0], id[1]))
 	}
-	p.users--
 	a.stats.GraphReleases++
+	if a.windowOpen(id) {
+		p.deferredReleases++
+		return nil
+	}
+	return a.release(p)
+}
+
+// windowOpen says whether a capture window of pool id is open.
+func (a *Allocator) windowOpen(id PoolID) bool {
+	for _, w := range a.windows {
+		if w == id {
+			return true
+		}
+	}
+	return false
+}
+
+// release drops one user of the private pool p; with none left, p's free
+// memory goes back to the driver pool. The caller holds a.mu and no window
+// of p is open.
+func (a *Allocator) release(p *cachePool) error {
+	p.users--
 	if p.users > 0 {
 		return nil
 	}
 	p.released = true
 	var errs []error
-	for _, l := range p.lists {
+	for _, l := range append([]*StreamFreeList(nil), p.lists...) {
 		for i := range l.buckets {
 			for l.buckets[i].count > 0 {
 				if err := a.releaseBlock(l.buckets[i].list.head); err != nil {
@@ -156,6 +235,8 @@ func (a *Allocator) captureTarget(s arena.Stream) (*cachePool, error) {
 		return a.general, nil
 	}
 	// The innermost window: PyTorch captures one graph per thread at a time.
+	// Its pool exists: a pool with an open window is never released
+	// (ReleasePool defers).
 	return a.private[a.windows[len(a.windows)-1]], nil
 }
 

@@ -114,3 +114,53 @@ func TestGraphCaptureNeverFreesOnTheCapturingStream(t *testing.T) {
 	require.NoError(t, a.ReleasePool(PoolID{2, 2}))
 	assert.Zero(t, a.reserved())
 }
+
+// torch releases a pool when its graph is destroyed, which can happen while
+// a capture into the same pool is still open (a graph object dropped inside
+// another capture's window). The release waits for the window to close:
+// until then the window's allocations still land in the pool.
+func TestReleaseDuringOpenWindowIsDeferred(t *testing.T) {
+	for _, order := range []string{"release-end", "release-end-release"} {
+		t.Run(order, func(t *testing.T) {
+			a, sim := newTestAllocator(t, DefaultConfig())
+			const C = arena.Stream(0xc0)
+			id := PoolID{3, 0}
+			sim.SetCapture(C, arena.CaptureActive)
+			require.NoError(t, a.BeginAllocateToPool(id))
+			require.NoError(t, a.ReleasePool(id), "a release during the window is deferred, not refused")
+			p, err := a.Malloc(1<<20, C)
+			require.NoError(t, err, "the window still allocates from its pool")
+			q, err := a.Malloc(100, C)
+			require.NoError(t, err)
+			require.NoError(t, a.CheckInvariants())
+			assert.EqualValues(t, 1, a.Stats().GraphPools)
+			require.NoError(t, a.EndAllocateToPool(id))
+			sim.SetCapture(C, arena.CaptureNone)
+			// Released now: the pool's live memory goes back as it is freed.
+			require.NoError(t, a.Free(p, 1<<20, C))
+			require.NoError(t, a.Free(q, 100, C))
+			assert.Zero(t, a.Stats().GraphPools, "the released pool is gone once empty")
+			assert.Zero(t, a.Stats().ReservedBytes[StatAll].Current)
+			if order == "release-end-release" {
+				require.Error(t, a.ReleasePool(id), "a second release of a pool with no graph left is bad input")
+			}
+			require.NoError(t, a.CheckInvariants())
+		})
+	}
+}
+
+// Two releases for one begin during the window: the first is deferred, the
+// second is bad input (no graph left to release), and nothing panics.
+func TestReleaseTwiceDuringWindow(t *testing.T) {
+	a, sim := newTestAllocator(t, DefaultConfig())
+	const C = arena.Stream(0xc0)
+	id := PoolID{4, 0}
+	sim.SetCapture(C, arena.CaptureActive)
+	require.NoError(t, a.BeginAllocateToPool(id))
+	require.NoError(t, a.ReleasePool(id))
+	require.Error(t, a.ReleasePool(id))
+	_, err := a.Malloc(1<<20, C)
+	require.NoError(t, err)
+	require.NoError(t, a.EndAllocateToPool(id))
+	require.NoError(t, a.CheckInvariants())
+}

@@ -29,6 +29,12 @@ type Segment struct {
 	prev, next *Segment
 	inAvail    bool
 
+	// Links in the allocator's list of kept empty segments (emptySegs),
+	// oldest first. Invariant: inEmpty == (used == 0) for a segment of the
+	// general cache; private pools' segments are never on it.
+	emptyPrev, emptyNext *Segment
+	inEmpty              bool
+
 	// requested[i] is the size the user asked for in live slot i.
 	requested []uint32
 }
@@ -98,4 +104,39 @@ func (l *segmentList) remove(seg *Segment) {
 		l.tail = seg.prev
 	}
 	seg.prev, seg.next, seg.inAvail = nil, nil, false
+}
+
+// emptySegments lists the empty small segments the general cache keeps
+// (one per stream and class at most), least recently emptied first, with
+// their bytes: memory cached for streams that may be gone, bounded by
+// emptySegmentBudget.
+type emptySegments struct {
+	head, tail *Segment
+	bytes      uint64
+}
+
+func (l *emptySegments) pushBack(seg *Segment) {
+	seg.emptyPrev, seg.emptyNext, seg.inEmpty = l.tail, nil, true
+	if l.tail != nil {
+		l.tail.emptyNext = seg
+	} else {
+		l.head = seg
+	}
+	l.tail = seg
+	l.bytes += seg.size
+}
+
+func (l *emptySegments) remove(seg *Segment) {
+	if seg.emptyPrev != nil {
+		seg.emptyPrev.emptyNext = seg.emptyNext
+	} else {
+		l.head = seg.emptyNext
+	}
+	if seg.emptyNext != nil {
+		seg.emptyNext.emptyPrev = seg.emptyPrev
+	} else {
+		l.tail = seg.emptyPrev
+	}
+	seg.emptyPrev, seg.emptyNext, seg.inEmpty = nil, nil, false
+	l.bytes -= seg.size
 }

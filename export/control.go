@@ -96,6 +96,10 @@ func (l *library) configJSON() ([]byte, error) {
 			limits[fmt.Sprint(i)] = a.Limit()
 		}
 	}
+	fractions := map[string]float64{}
+	for d, f := range l.fractions {
+		fractions[fmt.Sprint(d)] = f
+	}
 	return json.Marshal(map[string]any{
 		"conf":         l.cfg.String(),
 		"fraction":     l.cfg.Fraction,
@@ -105,7 +109,9 @@ func (l *library) configJSON() ([]byte, error) {
 		"device":       l.kind,
 		"device_count": l.count,
 		"limits":       limits,
+		"fractions":    fractions,
 		"history":      l.historyEntries,
+		"max_history":  caching.MaxHistoryEntries,
 		"keys":         caching.ConfigKeys(),
 	})
 }

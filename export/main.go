@@ -41,7 +41,10 @@ import "unsafe"
 
 func main() {}
 
-func init() { getenv = cGetenv }
+func init() {
+	getenv = cGetenv
+	lib.setLastError = setThreadError
+}
 
 // cGetenv is getenv(3): the environment as it is now, not as it was when
 // the library was loaded.
@@ -193,8 +196,11 @@ func goalloc_record_history(maxEntries C.int) C.int {
 //export goalloc_check_invariants
 func goalloc_check_invariants(device C.int) C.int { return status(lib.checkInvariants(int(device))) }
 
+// goalloc_last_error is the message of the last call that failed on the
+// calling OS thread (lasterror.go).
+//
 //export goalloc_last_error
-func goalloc_last_error() *C.char { return C.CString(lib.lastError()) }
+func goalloc_last_error() *C.char { return threadError() }
 
 //export goalloc_string_free
 func goalloc_string_free(s *C.char) { C.free(unsafe.Pointer(s)) }

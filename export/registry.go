@@ -3,9 +3,10 @@ package main
 import (
 	"errors"
 	"fmt"
-	"math"
+	"io"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -42,8 +43,10 @@ type library struct {
 	kind        string // "cuda" or "sim"
 	count       int    // devices there are
 	simMemory   uint64
-	// limits holds caps set for devices not made yet: fraction per device.
-	limits map[int]float64
+	// fractions holds the memory fraction set for each device by
+	// set_memory_fraction, applied when the device is made if it was not
+	// made yet, and shown by config.
+	fractions map[int]float64
 	// historyEntries is the history size for devices made from now on.
 	historyEntries int
 
@@ -51,11 +54,22 @@ type library struct {
 	warned map[string]bool
 	// badInput counts bad calls caught here, before any device is involved.
 	badInput map[string]int64
-	lastErr  string
+
+	// setLastError records the message of a failed call for the calling
+	// thread's goalloc_last_error. The library of the C ABI (main.go) keeps
+	// it per OS thread in C; a library made by a Go test keeps it in
+	// lastErr, one for the process.
+	setLastError func(msg string)
+	lastErr      string
+
+	// stderr is where goalloc's messages go: os.Stderr, or a test's buffer.
+	stderr io.Writer
 }
 
 func newLibrary() *library {
-	return &library{limits: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}}
+	l := &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}, stderr: os.Stderr}
+	l.setLastError = func(msg string) { l.lastErr = msg } // callers hold l.mu or are alone
+	return l
 }
 
 // configure sets the configuration before initialisation, replacing
@@ -89,14 +103,19 @@ func (l *library) init(torchCount int) error {
 }
 
 func (l *library) initLocked(torchCount int) error {
-	if l.initialized {
-		return l.initErr
+	if !l.initialized {
+		if torchCount < 0 {
+			return l.badLocked("invalid_argument", fmt.Sprintf("goalloc: init with a device count of %d; give torch's count, or 0 to use every device", torchCount))
+		}
+		l.initialized = true
+		l.initErr = l.setup(torchCount)
+		if l.initErr != nil {
+			fmt.Fprintf(l.stderr, "%v\n", l.initErr)
+		}
 	}
-	l.initialized = true
-	l.initErr = l.setup(torchCount)
 	if l.initErr != nil {
-		l.lastErr = l.initErr.Error()
-		fmt.Fprintf(os.Stderr, "%v\n", l.initErr)
+		// Every call that fails for it says why, on whatever thread.
+		l.setLastError(l.initErr.Error())
 	}
 	return l.initErr
 }
@@ -130,8 +149,11 @@ func (l *library) setup(torchCount int) error {
 		l.simMemory = arena.DefaultSimMemory
 		if v := getenv("GOALLOC_SIM_MEMORY"); v != "" {
 			n, err := caching.ParseBytes(v)
-			if err != nil || n < 1<<20 {
-				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q is not a size of at least 1M", v)
+			if err == nil {
+				err = arena.CheckSimMemory(n)
+			}
+			if err != nil {
+				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q: %v", v, err)
 			}
 			l.simMemory = n
 		}
@@ -153,9 +175,6 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if !l.initialized {
-		l.noteLocked("call_before_init", "goalloc: allocation before goalloc_init; initialising from the environment now")
-	}
 	if err := l.initLocked(0); err != nil {
 		return nil, err
 	}
@@ -171,7 +190,7 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	} else {
 		cu, err := arena.NewCUDA(d, l.cfg.ReleaseThreshold)
 		if err != nil {
-			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
+			return nil, l.setupFailedLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}
 		if _, err := cu.PeersGranted(); err != nil {
 			// The device works; only copies to and from peers will fail.
@@ -182,9 +201,9 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	a, err := caching.New(dev, l.cfg)
 	if err != nil {
 		_ = dev.Close()
-		return nil, l.failLocked(err)
+		return nil, l.setupFailedLocked(err)
 	}
-	if f, ok := l.limits[d]; ok {
+	if f, ok := l.fractions[d]; ok {
 		_ = a.SetFraction(f)
 	}
 	if l.historyEntries > 0 {
@@ -192,6 +211,15 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	}
 	l.devices[d].Store(a)
 	return a, nil
+}
+
+// setupFailedLocked reports a device that could not be made. It is printed
+// every time, like an out-of-memory: the call that needed the device fails
+// (an allocation, for torch a NULL it says nothing useful about), and the
+// next one tries again.
+func (l *library) setupFailedLocked(err error) error {
+	fmt.Fprintf(l.stderr, "%v (the device is not set up; the call fails)\n", err)
+	return l.failLocked(err)
 }
 
 // existing returns the allocators made so far, by device.
@@ -226,7 +254,7 @@ func (l *library) malloc(size int64, d int, s uintptr) uintptr {
 // free is my_free.
 func (l *library) free(p uintptr, size int64, d int, s uintptr) {
 	if size < 0 {
-		l.bad("negative_size", fmt.Sprintf("goalloc: free of %#x with a negative size (%d) on device %d; freed by pointer", p, size, d))
+		l.warn("negative_size", fmt.Sprintf("goalloc: free of %#x with a negative size (%d) on device %d; freed by pointer", p, size, d))
 		size = 0
 	}
 	if p == 0 {
@@ -278,29 +306,32 @@ func (l *library) emptyCache() error {
 
 // setFraction is goalloc_set_memory_fraction.
 func (l *library) setFraction(f float64, d int) error {
-	if math.IsNaN(f) || f <= 0 || f > 1 {
-		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: memory fraction %v for device %d is outside (0, 1]", f, d))
-	}
-	if a := l.existingDevice(d); a != nil {
-		return l.fail(a.SetFraction(f))
+	if err := caching.CheckFraction(f); err != nil {
+		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: device %d: memory fraction %v", d, err))
 	}
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	if err := l.initLocked(0); err != nil {
+		l.mu.Unlock()
 		return err
 	}
 	if d < 0 || d >= l.count {
+		defer l.mu.Unlock()
 		return l.badLocked("bad_device", fmt.Sprintf("goalloc: set_memory_fraction for device %d, which does not exist (%d %s devices)", d, l.count, l.kind))
 	}
-	l.limits[d] = f
+	l.fractions[d] = f
+	a := l.devices[d].Load()
+	l.mu.Unlock()
+	if a != nil {
+		return l.reportErr(a.SetFraction(f))
+	}
 	return nil
 }
 
 // recordHistory turns history recording on (entries > 0) or off on every
 // device, present and future.
 func (l *library) recordHistory(entries int) error {
-	if entries < 0 || entries > 1<<26 {
-		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries; give 0 (off) to %d", entries, 1<<26))
+	if entries < 0 || entries > caching.MaxHistoryEntries {
+		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries; give 0 (off) to %d", entries, caching.MaxHistoryEntries))
 	}
 	l.mu.Lock()
 	l.historyEntries = entries
@@ -313,28 +344,37 @@ func (l *library) recordHistory(entries int) error {
 
 // report prints err: every out-of-memory (one line each, the allocator's
 // only chance to explain a NULL to the user) and the first of each kind of
-// bad input.
+// bad input. The calling thread's last error becomes err's message, unless
+// err is only warnings (the call was done all the same): a warning never
+// replaces the error of a failed call.
 func (l *library) report(err error) {
 	var oom *caching.OOMError
 	if errors.As(err, &oom) {
-		fmt.Fprintln(os.Stderr, err)
-		l.mu.Lock()
-		l.lastErr = err.Error()
-		l.mu.Unlock()
+		fmt.Fprintln(l.stderr, err)
+		_ = l.fail(err)
 		return
 	}
-	var ie *caching.InputError
-	if errors.As(err, &ie) {
+	if ies := caching.InputErrors(err); len(ies) > 0 {
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		l.warnLocked(ie.Kind, err.Error())
+		refused := ""
+		for _, ie := range ies {
+			l.warnLocked(ie.Kind, ie.Error())
+			if !ie.Handled && refused == "" {
+				refused = ie.Error()
+			}
+		}
+		if refused != "" {
+			l.setLastError(refused)
+		}
 		return
 	}
 	_ = l.fail(err)
-	fmt.Fprintln(os.Stderr, err)
+	fmt.Fprintln(l.stderr, err)
 }
 
-// bad counts and reports bad input caught before any device is involved.
+// bad counts and reports bad input caught before any device is involved:
+// the call is refused.
 func (l *library) bad(kind, msg string) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -344,22 +384,26 @@ func (l *library) bad(kind, msg string) error {
 func (l *library) badLocked(kind, msg string) error {
 	l.badInput[kind]++
 	l.warnLocked(kind, msg)
-	return &caching.InputError{Kind: kind, Msg: msg}
+	l.setLastError(msg)
+	return &caching.InputError{Kind: kind, Msg: strings.TrimPrefix(msg, "goalloc: ")}
 }
 
-// noteLocked counts and reports an unusual but harmless call.
-func (l *library) noteLocked(kind, msg string) {
+// warn counts and reports bad input the call handled all the same; the
+// last error stays what it was.
+func (l *library) warn(kind, msg string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	l.badInput[kind]++
 	l.warnLocked(kind, msg)
 }
 
+// warnLocked prints the first message of each kind of bad input.
 func (l *library) warnLocked(kind, msg string) {
-	l.lastErr = msg
 	if l.warned[kind] || (l.cfg.Quiet && l.initialized) {
 		return
 	}
 	l.warned[kind] = true
-	fmt.Fprintf(os.Stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
+	fmt.Fprintf(l.stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
 }
 
 func (l *library) fail(err error) error {
@@ -372,10 +416,12 @@ func (l *library) fail(err error) error {
 }
 
 func (l *library) failLocked(err error) error {
-	l.lastErr = err.Error()
+	l.setLastError(err.Error())
 	return err
 }
 
+// lastError is the last error of a library made by a Go test (the C ABI's
+// goalloc_last_error reads the calling thread's, in C).
 func (l *library) lastError() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

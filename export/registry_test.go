@@ -2,9 +2,11 @@ package main
 
 import (
 	"encoding/json"
+	"strings"
 	"sync"
 	"testing"
 
+	"github.com/goalloc/goalloc/caching"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -117,6 +119,8 @@ func TestBadConfigIsAnErrorAtInit(t *testing.T) {
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	t.Setenv("GOALLOC_SIM_MEMORY", "lots")
 	require.ErrorContains(t, newLibrary().init(0), "GOALLOC_SIM_MEMORY")
+	t.Setenv("GOALLOC_SIM_MEMORY", "2048T") // 64 devices of it would not fit apart in 64 bits
+	require.ErrorContains(t, newLibrary().init(0), "outside [1 MiB, 1 PiB]")
 }
 
 func TestConfigureBeforeAndAfterUse(t *testing.T) {
@@ -151,4 +155,105 @@ func TestRecordStreamFindsTheDevice(t *testing.T) {
 	assert.EqualValues(t, 1, stats(t, l, 1)["goalloc.deferred_frees"], "the free waited for stream 0x20")
 	require.Error(t, l.recordStream(0xdead000, 0x20))
 	assert.EqualValues(t, 1, stats(t, l, 0)["goalloc.bad_input.unknown_pointer"], "counted once, at the library")
+}
+
+// A fraction so small that it rounds to 0 bytes is still a cap, whichever
+// way it arrives, and a fraction set before the device exists shows in
+// the configuration.
+func TestTinyFractionIsACapThroughTheLibrary(t *testing.T) {
+	l := simLibrary(t, "2")
+	require.NoError(t, l.setFraction(5e-324, 0)) // before device 0 exists
+	var cfg struct {
+		Fractions map[string]float64 `json:"fractions"`
+	}
+	b, err := l.configJSON()
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &cfg))
+	assert.Equal(t, 5e-324, cfg.Fractions["0"], "the pending fraction is shown")
+	assert.Zero(t, l.malloc(1<<30, 0, 0), "a 1 GiB allocation under a 5e-324 cap")
+	require.NotZero(t, l.malloc(1<<20, 1, 0))
+	require.NoError(t, l.setFraction(1e-12, 1)) // on a device that exists
+	assert.Zero(t, l.malloc(1<<30, 1, 0))
+
+	t.Setenv("GOALLOC_CONF", "fraction:1e-11")
+	l2 := newLibrary()
+	require.NoError(t, l2.init(0))
+	assert.Zero(t, l2.malloc(1<<30, 0, 0), "fraction:1e-11 in GOALLOC_CONF")
+}
+
+// An impossible configuration is refused when it is read, naming both
+// keys; and a device that cannot be set up says so on stderr.
+func TestImpossibleConfigurationIsRefused(t *testing.T) {
+	l := simLibrary(t, "1")
+	err := l.configure("reserve:0.5,fraction:0.25")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "reserve")
+	assert.Contains(t, err.Error(), "fraction")
+
+	t.Setenv("GOALLOC_CONF", "reserve:0.5,fraction:0.25")
+	l = newLibrary()
+	require.ErrorContains(t, l.init(0), "reserve:0.5 is above fraction:0.25")
+
+	// The pre-warm of 0.9 of a 1 MiB device rounds up to 2 MiB: the
+	// device cannot be made, and every attempt says why.
+	t.Setenv("GOALLOC_CONF", "reserve:0.9")
+	t.Setenv("GOALLOC_SIM_MEMORY", "1M")
+	var out strings.Builder
+	l = newLibrary()
+	l.stderr = &out
+	assert.Zero(t, l.malloc(1, 0, 0))
+	assert.Contains(t, out.String(), "pre-warming")
+}
+
+// The last error is that of the last call that failed: a call done all the
+// same with a warning (a free with the wrong size) does not replace it.
+func TestWarningDoesNotReplaceTheLastError(t *testing.T) {
+	l := simLibrary(t, "1")
+	p := l.malloc(1000, 0, 0x10)
+	require.NotZero(t, p)
+	assert.Zero(t, l.malloc(-1, 0, 0x10))
+	l.free(p, 999, 0, 0x20) // wrong size and wrong stream: freed by pointer
+	assert.Contains(t, l.lastError(), "malloc of a negative size")
+	st := stats(t, l, 0)
+	assert.EqualValues(t, 1, st["goalloc.bad_input.size_mismatch"])
+	assert.EqualValues(t, 1, st["goalloc.bad_input.stream_mismatch"])
+	assert.Zero(t, st["allocation.all.current"])
+}
+
+// goalloc_init with a negative device count is bad input, not a success.
+func TestInitWithANegativeCountIsRefused(t *testing.T) {
+	t.Setenv("GOALLOC_DEVICE", "sim")
+	l := newLibrary()
+	require.Error(t, l.init(-5))
+	assert.Contains(t, l.lastError(), "device count of -5")
+	require.NoError(t, l.init(0), "the refused call initialised nothing")
+}
+
+// The history ring is bounded so that a snapshot of it fits in memory.
+func TestHistoryIsBounded(t *testing.T) {
+	l := simLibrary(t, "1")
+	require.Error(t, l.recordHistory(caching.MaxHistoryEntries+1))
+	require.Error(t, l.recordHistory(1<<26))
+	require.NoError(t, l.recordHistory(caching.MaxHistoryEntries))
+	require.NoError(t, l.recordHistory(0))
+}
+
+// No entry point counts a call before goalloc_init (it initialises from the
+// environment): the allocation path used to count it and the others not.
+func TestNoEntryPointCountsACallBeforeInit(t *testing.T) {
+	t.Setenv("GOALLOC_DEVICE", "sim")
+	t.Setenv("GOALLOC_SIM_DEVICES", "1")
+	t.Setenv("GOALLOC_CONF", "")
+	var out strings.Builder
+	l := newLibrary()
+	l.stderr = &out
+	p := l.malloc(1000, 0, 0)
+	require.NotZero(t, p)
+	l.free(p, 1000, 0, 0)
+	for k, v := range stats(t, l, 0) {
+		if strings.HasPrefix(k, "goalloc.bad_input.") {
+			assert.Zero(t, v, k)
+		}
+	}
+	assert.Empty(t, out.String())
 }

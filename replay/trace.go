@@ -134,7 +134,7 @@ func Read(r io.Reader, name string) (*Trace, error) {
 	} else if strings.HasSuffix(name, ".gz") {
 		return nil, &ParseError{Path: name, Err: errors.New("unreadable gzip: the name ends in .gz but the file does not start with the gzip magic number")}
 	}
-	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}}
+	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}, gzipped: src != io.Reader(br)}
 	if err := p.run(src); err != nil {
 		return nil, err
 	}
@@ -157,7 +157,10 @@ type liveID struct {
 }
 
 type parser struct {
-	name      string
+	name string
+	// gzipped: the text comes through gzip, whose checksum can tell a
+	// damaged file from a bad trace.
+	gzipped   bool
 	t         *Trace
 	line      int
 	sawHeader bool
@@ -193,6 +196,9 @@ func (p *parser) run(src io.Reader) error {
 			return &ParseError{Path: p.name, Err: readError(c.err)}
 		}
 		if err := p.parseChunk(c.buf); err != nil {
+			if c.err == nil && p.gzipped {
+				return p.damaged(err, chunks, spare)
+			}
 			return err
 		}
 		if c.err == io.EOF {
@@ -204,6 +210,27 @@ func (p *parser) run(src io.Reader) error {
 		}
 	}
 	return nil
+}
+
+// damaged tells a damaged gzip file from a bad trace after the text failed
+// to parse (parseErr). Damage inside the compressed data often decompresses
+// to garbage without an error: gzip checks its checksum only at the end. So
+// the rest is read through; if gzip then reports damage, that is the error,
+// with where the text first went wrong, and otherwise parseErr is.
+func (p *parser) damaged(parseErr error, chunks <-chan chunk, spare chan<- []byte) error {
+	for c := range chunks {
+		if c.err == io.EOF {
+			break
+		}
+		if c.err != nil {
+			return &ParseError{Path: p.name, Err: fmt.Errorf("%w (the file is damaged; its text stopped making sense at line %d)", readError(c.err), p.line)}
+		}
+		select {
+		case spare <- c.buf[:0]:
+		default:
+		}
+	}
+	return parseErr
 }
 
 // readError says what went wrong reading the (possibly compressed) text.

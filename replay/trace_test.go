@@ -201,3 +201,19 @@ func TestBundledTraces(t *testing.T) {
 		}
 	}
 }
+
+// Damage inside a gzip trace's compressed data often decompresses into
+// garbage lines before gzip's checksum, at the end, catches it: the error
+// names the damaged file, not a bad address on some line.
+func TestDamagedGzipIsReportedAsDamage(t *testing.T) {
+	data, err := os.ReadFile("../traces/resnet50-train.jsonl.gz")
+	require.NoError(t, err)
+	for _, off := range []int{1000, 100000, 500000} {
+		c := bytes.Clone(data)
+		c[off] ^= 0x10
+		_, err := Read(bytes.NewReader(c), "damaged.jsonl.gz")
+		require.Error(t, err)
+		require.ErrorContains(t, err, "unreadable gzip", "offset %d", off)
+		require.ErrorContains(t, err, "the file is damaged", "offset %d", off)
+	}
+}

@@ -68,6 +68,7 @@ def test_bad_device_does_not_reach_the_library():
     ("bogus:1", '"bogus"'),
     ("fraction", '"fraction" is not key:value'),
     ("fraction:0.5,fraction:0.6", "given twice"),
+    ("reserve:0.5,fraction:0.25", "reserve:0.5 is above fraction:0.25"),  # could never be pre-warmed
 ])
 def test_bad_conf_is_a_value_error_naming_the_key(conf, named):
     with pytest.raises(ValueError, match="GOALLOC_CONF") as e:
@@ -87,7 +88,7 @@ def test_conf_must_be_a_string():
         goalloc.configure(0.5)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("entries", [0, -1, 1 << 27])
+@pytest.mark.parametrize("entries", [0, -1, (1 << 20) + 1, 1 << 27])
 def test_history_size_out_of_range(entries):
     with pytest.raises(ValueError, match="max_entries"):
         goalloc.record_history(True, max_entries=entries)
@@ -98,3 +99,50 @@ def test_history_arguments_of_the_wrong_type():
         goalloc.record_history("yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="max_entries must be an int"):
         goalloc.record_history(True, max_entries=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fraction", [10**400, -10**400], ids=["10**400", "-10**400"])
+def test_fraction_beyond_a_double_is_a_value_error(fraction):
+    """Not Python's OverflowError: the library's own message, as for 1.5."""
+    with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
+        goalloc.set_memory_fraction(fraction, 1)
+
+
+def test_tiny_fraction_is_a_cap_and_shows_before_the_device_exists(raw, device):
+    goalloc.set_memory_fraction(1e-12, device)   # 8 GiB x 1e-12 rounds to 0 bytes
+    assert goalloc.config()["fractions"][str(device)] == 1e-12
+    assert raw.malloc(1 << 30, device) == 0, "a cap is a cap, however small"
+    assert goalloc.memory_allocated(device) == 0
+
+
+def test_device_with_a_non_ascii_digit_is_a_value_error():
+    """'²'.isdigit() is True, but int('²') fails: the message must be goalloc's."""
+    with pytest.raises(ValueError, match="is not a device"):
+        goalloc.memory_stats("cuda:²")
+
+
+def test_conf_with_a_nul_is_refused():
+    """C would read 'fraction:0.5' and drop the rest unseen."""
+    with pytest.raises(ValueError, match="NUL"):
+        goalloc.configure("fraction:0.5\0garbage")
+
+
+@pytest.mark.parametrize("path", [2, True, None, 1.5])
+def test_dump_snapshot_takes_paths_only(path):
+    """An int would be a file descriptor: 2 would write the pickle into stderr."""
+    with pytest.raises(TypeError, match="takes a path"):
+        goalloc.dump_snapshot(path)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("abbreviated", ["yes", 1, None])
+def test_memory_summary_abbreviated_must_be_a_bool(abbreviated):
+    with pytest.raises(TypeError, match="abbreviated must be True or False"):
+        goalloc.memory_summary(0, abbreviated=abbreviated)  # type: ignore[arg-type]
+
+
+def test_history_bound_is_the_librarys():
+    """The bound keeps a snapshot near 1.4 GiB a device (2^26 entries needed
+    about 90 GB); Python's copy of it must be the library's."""
+    from goalloc import _lib
+
+    assert _lib.MAX_HISTORY_ENTRIES == goalloc.config()["max_history"] == 1 << 20

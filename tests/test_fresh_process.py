@@ -135,3 +135,40 @@ def test_record_stream_defers_the_free():
     assert allocations == 0
     # The simulated streams finish their work at once, so the free has completed.
     assert active == 0
+
+
+def test_each_thread_gets_its_own_error():
+    """goalloc_last_error is per OS thread: 16 Python threads whose calls fail
+    for different reasons each raise their own message, as the right type."""
+    proc = child("""
+    import threading
+    L.my_free(L.my_malloc(MiB, 0, STREAM), MiB, 0, STREAM)   # the device exists: configure is too late
+    wrong = []
+
+    def bad_key(i):
+        for _ in range(1000):
+            try:
+                goalloc.configure(f"bogus{i}:1")
+            except ValueError as e:
+                if f'"bogus{i}"' not in str(e):
+                    wrong.append(str(e))
+            except Exception as e:
+                wrong.append(f"{type(e).__name__}: {e}")
+
+    def too_late(i):
+        for _ in range(1000):
+            try:
+                goalloc.configure("quiet:true")
+            except goalloc.GoallocError as e:
+                if "configure after the first allocation" not in str(e):
+                    wrong.append(str(e))
+            except Exception as e:
+                wrong.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=(bad_key if i % 2 else too_late), args=(i,)) for i in range(16)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print(json.dumps({"wrong": len(wrong), "examples": wrong[:3]}))
+    """)
+    out = json.loads(proc.stdout)
+    assert out["wrong"] == 0, out["examples"]

@@ -10,7 +10,8 @@
 //
 // Exit status: 0 when all went well, 2 for a usage error (an unknown flag,
 // policy or device), 1 for anything that failed while running (a missing or
-// malformed trace, no GPU, a failing device).
+// malformed trace, no GPU, a failing device), 3 when the replay ran but
+// allocations failed for lack of memory (unless --allow-oom).
 package main
 
 import (
@@ -67,9 +68,11 @@ Flags:
                        else %s)
   --json               print the results as JSON (an array with --compare)
   --html OUT.html      also write a self-contained HTML report with plots
+  --allow-oom          exit 0 even when allocations failed for lack of memory
   -h, --help           show this help
 
-Exit status: 0 ok, 2 usage error, 1 runtime error.
+Exit status: 0 ok, 2 usage error, 1 runtime error, 3 allocations failed for
+lack of memory (the results are printed all the same; --allow-oom makes it 0).
 `
 
 func replayUsage() string {
@@ -123,6 +126,7 @@ type replayFlags struct {
 	json      bool
 	html      string
 	simMemory uint64
+	allowOOM  bool
 }
 
 func runReplay(args []string, stdout, stderr io.Writer) int {
@@ -138,6 +142,9 @@ func runReplay(args []string, stdout, stderr io.Writer) int {
 		return 0
 	}
 	fmt.Fprintf(stderr, "goalloc replay: %v\n", err)
+	if errors.Is(err, errOOM) {
+		return 3
+	}
 	var ue *usageError
 	if errors.As(err, &ue) {
 		fmt.Fprintln(stderr, `Run "goalloc help replay" for usage.`)
@@ -156,6 +163,7 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	fs.BoolVar(&f.compare, "compare", false, "")
 	fs.BoolVar(&f.json, "json", false, "")
 	fs.StringVar(&f.html, "html", "", "")
+	fs.BoolVar(&f.allowOOM, "allow-oom", false, "")
 	simMemory := fs.String("sim-memory", "", "")
 
 	// Flags may come before or after the trace: parse up to each
@@ -210,10 +218,10 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	}
 	if *simMemory != "" {
 		n, err := caching.ParseBytes(*simMemory)
-		if err != nil || n == 0 {
-			if err == nil {
-				err = errors.New("must be more than 0")
-			}
+		if err == nil {
+			err = arena.CheckSimMemory(n)
+		}
+		if err != nil {
 			return nil, usagef("%s: %v", source, err)
 		}
 		f.simMemory = n
@@ -288,8 +296,19 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 	if f.html != "" {
 		fmt.Fprintf(stderr, "goalloc replay: wrote %s\n", f.html)
 	}
+	if !f.allowOOM {
+		for _, r := range results {
+			if r.OOMs > 0 {
+				return fmt.Errorf("%w: %s: %d allocations (--allow-oom accepts that)", errOOM, r.Policy, r.OOMs)
+			}
+		}
+	}
 	return nil
 }
+
+// errOOM is a replay in which allocations failed for lack of memory: the
+// replay does not measure what the trace asked for.
+var errOOM = errors.New("allocations failed for lack of memory")
 
 func newDevice(f *replayFlags) (arena.Device, error) {
 	if f.device == "sim" {

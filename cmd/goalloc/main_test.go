@@ -218,7 +218,8 @@ func TestReplayErrors(t *testing.T) {
 		{[]string{"replay", "--conf", "colour:blue"}, 2, `--conf: GOALLOC_CONF: unknown key "colour"`},
 		{[]string{"replay", "--policy", "buddy", "--conf", "large_cache:0"}, 2, "--conf configures the goalloc policy; buddy takes none"},
 		{[]string{"replay", "--sim-memory", "lots"}, 2, `--sim-memory: "lots" is not a byte size`},
-		{[]string{"replay", "--sim-memory", "0"}, 2, "--sim-memory: must be more than 0"},
+		{[]string{"replay", "--sim-memory", "0"}, 2, "--sim-memory: 0 bytes is outside [1 MiB, 1 PiB]"},
+		{[]string{"replay", "--sim-memory", "2048T"}, 2, "is outside [1 MiB, 1 PiB]"},
 		{[]string{"replay", "--device", "cuda", "--sim-memory", "1G"}, 2, "--sim-memory sizes the simulated device; it does not apply to --device cuda"},
 		{[]string{"replay", "a.jsonl", "b.jsonl"}, 2, "one trace at a time, got 2: a.jsonl b.jsonl"},
 		{[]string{"frobnicate"}, 2, `goalloc: unknown command "frobnicate"`},
@@ -264,14 +265,19 @@ func TestSimMemory(t *testing.T) {
 	trace := synthetic(t, "s.jsonl.gz")
 	// fixed rounds the 48 MiB parameter block up to a 64 MiB class: the
 	// whole device, so every activation after it fails.
+	// The results print all the same, and the exit status says the replay
+	// did not get what the trace asked for, unless --allow-oom.
 	code, out, errOut := goalloc(t, "replay", trace, "--policy", "fixed", "--sim-memory", "64M", "--json")
-	require.Equal(t, 0, code, errOut)
+	require.Equal(t, 3, code, errOut)
+	require.Contains(t, errOut, "goalloc replay: allocations failed for lack of memory: fixed:")
 	var r map[string]any
 	require.NoError(t, json.Unmarshal([]byte(out), &r))
 	require.Positive(t, r["ooms"])
+	code, _, errOut = goalloc(t, "replay", trace, "--policy", "fixed", "--sim-memory", "64M", "--json", "--allow-oom")
+	require.Equal(t, 0, code, errOut)
 
 	t.Setenv("GOALLOC_SIM_MEMORY", "64M")
-	code, out, errOut = goalloc(t, "replay", trace, "--policy", "fixed")
+	code, out, errOut = goalloc(t, "replay", trace, "--policy", "fixed", "--allow-oom")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "device   sim, 64.00 MiB")
 	require.Contains(t, out, "allocations failed for lack of memory; the first at line")

@@ -59,7 +59,8 @@ __all__ = [
 Device = Union[int, str, Any, None]
 
 #: History size record_history() keeps by default: about 40 bytes an entry
-#: per device in the library, a few hundred bytes each in a snapshot.
+#: per device in the library, about 1.4 KB each while snapshot() builds its
+#: dicts (100,000 entries grew a process by 139 MiB). At most 2^20.
 DEFAULT_HISTORY_ENTRIES = 100_000
 
 
@@ -103,19 +104,21 @@ def _parse_device(device: Any) -> tuple[str, Optional[int]]:
         kind, _, idx = device.partition(":")
         if not idx:
             return kind, None
-        if not idx.isdigit():
+        if not (idx.isascii() and idx.isdigit()):  # not "²", which isdigit() takes
             raise ValueError(f"goalloc: {device!r} is not a device; use 'cuda' or 'cuda:N'")
         return kind, int(idx)
     return str(device.type), device.index
 
 
-def _check_fraction(fraction: Any) -> float:
+def _fraction_argument(fraction: Any) -> float:
+    """fraction as a C double. Its range, (0, 1], is the library's rule,
+    checked there (caching.CheckFraction) with the message a user reads."""
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise TypeError(f"goalloc: memory fraction must be a number in (0, 1], not {fraction!r}")
-    f = float(fraction)
-    if math.isnan(f) or not 0 < f <= 1:
-        raise ValueError(f"goalloc: memory fraction {fraction!r} is outside (0, 1]: it is a share of the device's memory")
-    return f
+    try:
+        return float(fraction)
+    except OverflowError:  # an int beyond any double: out of range, as infinity is
+        return math.inf if fraction > 0 else -math.inf
 
 
 # --- torch integration ----------------------------------------------------------
@@ -165,12 +168,16 @@ def configure(conf: str) -> None:
     """
     if not isinstance(conf, str):
         raise TypeError(f"goalloc: conf must be a string like 'fraction:0.8', not {type(conf).__name__}")
+    if "\0" in conf:  # C would read only up to it and drop the rest unseen
+        raise ValueError(f"goalloc: conf {conf!r} contains a NUL character")
     _lib.configure(conf)
 
 
 def config() -> dict[str, Any]:
     """The configuration in force, the device kind (cuda or sim) and count,
-    per-device caps in bytes, the history size, and every GOALLOC_CONF key
+    per-device caps in bytes ("limits", devices made so far) and the
+    fractions set_memory_fraction() set ("fractions", made or not), the
+    history size and its bound ("max_history"), and every GOALLOC_CONF key
     with what it means."""
     return _lib.config()
 
@@ -224,6 +231,8 @@ def reset_accumulated_memory_stats(device: Device = 0) -> None:
 def memory_summary(device: Device = 0, abbreviated: bool = False) -> str:
     """The statistics of a device as a table, in the layout of
     torch.cuda.memory_summary(), followed by goalloc's own figures."""
+    if not isinstance(abbreviated, bool):
+        raise TypeError(f"goalloc: abbreviated must be True or False, not {abbreviated!r}")
     d = _device_index(device)
     return _summary.format_summary(_lib.stats(d), _lib.fragmentation(d), d, abbreviated)
 
@@ -247,7 +256,7 @@ def set_memory_fraction(fraction: float, device: Device = 0) -> None:
     cached memory back, and goalloc prints why on stderr. Lowering the cap
     releases cached memory at once.
     """
-    f = _check_fraction(fraction)
+    f = _fraction_argument(fraction)
     _lib.set_fraction(_device_index(device), f)
 
 
@@ -315,6 +324,9 @@ def snapshot() -> dict[str, Any]:
 def dump_snapshot(path: Union[str, os.PathLike[str]]) -> None:
     """Write snapshot() as a pickle that PyTorch's memory visualiser reads:
     python -m torch.cuda._memory_viz trace_plot PATH -o out.html"""
+    if not isinstance(path, (str, os.PathLike)):
+        # open() would take an int as a file descriptor (2 is stderr).
+        raise TypeError(f"goalloc: dump_snapshot takes a path, not {path!r}")
     data = snapshot()
     with open(path, "wb") as f:
         # Protocol 4: the highest that the visualiser's JavaScript unpickler reads.

@@ -5,7 +5,9 @@ leaves the reason in goalloc_last_error(); the wrappers here turn that into a
 Python exception carrying the library's own message, so that what a user
 reads is what the allocator knows. Argument checks that Python can do
 (types, ranges, device numbers) are done by the callers in __init__.py before
-any call, so bad input never reaches the library's once-per-kind warnings.
+any call, so bad input never reaches the library's once-per-kind warnings;
+the one exception is a memory fraction's range, whose rule lives in the
+library alone (caching.CheckFraction).
 
 The library holds process-global state (one allocator per device). A process
 can load it only once: a second copy of a Go runtime in one process would
@@ -25,8 +27,9 @@ from typing import Any, Callable, Optional
 LIBRARY_ENV = "GOALLOC_LIBRARY"
 LIBRARY_NAME = "libgoalloc.so"
 
-# The largest history ring the library accepts (export/registry.go).
-MAX_HISTORY_ENTRIES = 1 << 26
+# The largest history ring the library accepts: caching.MaxHistoryEntries,
+# which config()["max_history"] reports (a test keeps the two equal).
+MAX_HISTORY_ENTRIES = 1 << 20
 
 
 class GoallocError(RuntimeError):
@@ -235,8 +238,14 @@ def reset_accumulated(device: int) -> None:
     _check(lib().goalloc_reset_accumulated_stats(device), "reset_accumulated_memory_stats")
 
 
+def _fraction_error(msg: str) -> Exception:
+    """A fraction the library refused (outside (0, 1]) is a ValueError."""
+    return ValueError(msg) if "memory fraction" in msg else GoallocError(msg)
+
+
 def set_fraction(device: int, fraction: float) -> None:
-    _check(lib().goalloc_set_fraction(device, fraction), "set_memory_fraction")
+    if lib().goalloc_set_fraction(device, fraction) != 0:
+        raise _error("set_memory_fraction", _fraction_error)
 
 
 def empty_cache_device(device: int) -> None:

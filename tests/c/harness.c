@@ -104,6 +104,58 @@ static void *worker(void *arg) {
 	return NULL;
 }
 
+/* Each thread's refusals are its own: goalloc_last_error on a thread reads
+ * the message of that thread's last failed call, never another thread's,
+ * and a warning (a free with the wrong size, done all the same) does not
+ * replace it. Four threads, each with its own kind of refusal. */
+static int (*set_fraction)(int, double);
+#define ERROR_ITERS 20000
+
+struct refusal { const char *want; int kind; };
+static const struct refusal refusals[] = {
+	{"malloc of a negative size", 0},
+	{"free of a NULL pointer", 1},
+	{"device 99 does not exist", 2},
+	{"memory fraction 2 is outside", 3},
+};
+#define NREFUSALS (int)(sizeof refusals / sizeof refusals[0])
+static int wrong_messages;
+
+static void *refuser(void *arg) {
+	const struct refusal *r = &refusals[(intptr_t)arg];
+	void *stream = (void *)(uintptr_t)(0x7000 + 0x100 * r->kind);
+	for (int i = 0; i < ERROR_ITERS; i++) {
+		switch (r->kind) {
+		case 0: if (my_malloc(-1, 0, stream)) fail("negative size gave a pointer", 0); break;
+		case 1: my_free(NULL, 0, 0, stream); break;
+		case 2: if (my_malloc(1, 99, stream)) fail("unknown device gave a pointer", 99); break;
+		case 3: if (set_fraction(0, 2.0) != -1) fail("fraction 2 accepted", 2); break;
+		}
+		if (i % 100 == 0) { /* a warning in between */
+			void *p = my_malloc(1000, 0, stream);
+			my_free(p, 999, 0, stream);
+		}
+		char *e = last_error();
+		if (!e || !strstr(e, r->want)) {
+			if (__sync_fetch_and_add(&wrong_messages, 1) < 3)
+				fprintf(stderr, "harness: thread of \"%s\" read \"%s\"\n", r->want, e ? e : "(NULL)");
+		}
+		free(e); /* goalloc_string_free is free(3) */
+	}
+	return NULL;
+}
+
+static void check_last_error_per_thread(void) {
+	pthread_t th[NREFUSALS];
+	for (int t = 0; t < NREFUSALS; t++) pthread_create(&th[t], NULL, refuser, (void *)(intptr_t)t);
+	for (int t = 0; t < NREFUSALS; t++) pthread_join(th[t], NULL);
+	if (wrong_messages) {
+		fprintf(stderr, "harness: FAIL: %d of %d refusals read another thread's last error or a warning\n",
+			wrong_messages, NREFUSALS * ERROR_ITERS);
+		failures++;
+	}
+}
+
 /* stat reads one integer key out of the stats JSON. */
 static long long stat(const char *json, const char *key) {
 	char pat[256];
@@ -125,7 +177,8 @@ int main(int argc, char **argv) {
 	json_fn stats = (json_fn)dlsym(lib, "goalloc_stats_json");
 	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
 	empty_fn empty = (empty_fn)dlsym(lib, "goalloc_empty_cache");
-	if (!my_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
+	set_fraction = (int (*)(int, double))dlsym(lib, "goalloc_set_fraction");
+	if (!set_fraction || !last_error || !check_invariants || !my_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
 		fprintf(stderr, "harness: missing symbol\n");
 		return 1;
 	}
@@ -143,6 +196,8 @@ int main(int argc, char **argv) {
 	my_free(z, 0, 0, NULL); /* double free: warned and ignored */
 	record((void *)0x1234, (void *)0x1000);
 
+	check_last_error_per_thread();
+
 	pthread_t th[THREADS];
 	for (int t = 0; t < THREADS; t++) pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t);
 	for (int t = 0; t < THREADS; t++) pthread_join(th[t], NULL);
@@ -156,7 +211,7 @@ int main(int argc, char **argv) {
 	long long hits = stat(js, "goalloc.cache_hits");
 	if (allocated != 0 || count != 0) fail("memory still allocated after every free", (uintptr_t)allocated);
 	if (dbl != 1) fail("double free not counted once", (uintptr_t)dbl);
-	if (neg != 1) fail("negative size not counted once", (uintptr_t)neg);
+	if (neg != 1 + ERROR_ITERS) fail("negative size not counted once per call", (uintptr_t)neg);
 	empty();
 	char *js2 = stats(0);
 	long long reserved = stat(js2, "reserved_bytes.all.current");

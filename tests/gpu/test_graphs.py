@@ -43,3 +43,14 @@ def test_shared_pool_and_release(result):
 def test_make_graphed_callables_trains(result):
     m = result["make_graphed_callables"]
     assert m["last"] < m["first"]
+
+
+def test_release_during_capture(result):
+    """A graph destroyed inside a capture into its pool: torch's release
+    arrives in the window; the capture goes on and replays right."""
+    r = result["release_during_capture"]
+    assert "error" not in r, r
+    assert r["max_abs_diff"] < 1e-4
+    assert r["hooks_during"] == [2, 2, 1]  # two captures; ga's release, applied when gb's window ended
+    assert r["hooks_after"] == [2, 2, 2]
+    assert r["invalid_pool"] == 0
