@@ -96,7 +96,7 @@ func (l *library) initLocked(torchCount int) error {
 	l.initErr = l.setup(torchCount)
 	if l.initErr != nil {
 		l.lastErr = l.initErr.Error()
-		fmt.Fprintf(os.Stderr, "%v\n", l.initErr)
+		warnings.print(l.lastErr)
 	}
 	return l.initErr
 }
@@ -313,7 +313,7 @@ func (l *library) recordHistory(entries int) error {
 func (l *library) report(err error) {
 	var oom *caching.OOMError
 	if errors.As(err, &oom) {
-		fmt.Fprintln(os.Stderr, err)
+		warnings.print(err.Error())
 		l.mu.Lock()
 		l.lastErr = err.Error()
 		l.mu.Unlock()
@@ -327,7 +327,7 @@ func (l *library) report(err error) {
 		return
 	}
 	_ = l.fail(err)
-	fmt.Fprintln(os.Stderr, err)
+	warnings.print(err.Error())
 }
 
 // bad counts and reports bad input caught before any device is involved.
@@ -355,7 +355,7 @@ func (l *library) warnLocked(kind, msg string) {
 		return
 	}
 	l.warned[kind] = true
-	fmt.Fprintf(os.Stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
+	warnings.warn(kind, fmt.Sprintf("%s (goalloc warns once per kind; counter goalloc.bad_input.%s)", msg, kind))
 }
 
 func (l *library) fail(err error) error {

@@ -55,6 +55,7 @@ func TestDevicesAreSeparatePools(t *testing.T) {
 }
 
 func TestPerDeviceCaps(t *testing.T) {
+	out := captureLibraryOutput(t)
 	l := simLibrary(t, "2")
 	// A cap set before the device is first used applies when it is made.
 	require.NoError(t, l.setFraction(0.25, 1)) // 2 GiB of 8
@@ -63,6 +64,8 @@ func TestPerDeviceCaps(t *testing.T) {
 	require.NotZero(t, p, "device 0 has no cap")
 	assert.EqualValues(t, 1, stats(t, l, 1)["num_ooms"])
 	assert.Zero(t, stats(t, l, 0)["num_ooms"])
+	require.Len(t, out.lines(), 1)
+	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 1: 3.00 GiB requested; cap 2.00 GiB")
 	require.Error(t, l.setFraction(0, 0))
 	require.Error(t, l.setFraction(1.5, 0))
 	require.Error(t, l.setFraction(0.5, 7), "no device 7")
@@ -104,6 +107,7 @@ func TestConcurrentDevicesAndThreads(t *testing.T) {
 }
 
 func TestBadConfigIsAnErrorAtInit(t *testing.T) {
+	out := captureLibraryOutput(t)
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	t.Setenv("GOALLOC_CONF", "fraction:2")
 	l := newLibrary()
@@ -117,14 +121,21 @@ func TestBadConfigIsAnErrorAtInit(t *testing.T) {
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	t.Setenv("GOALLOC_SIM_MEMORY", "lots")
 	require.ErrorContains(t, newLibrary().init(0), "GOALLOC_SIM_MEMORY")
+	assert.Equal(t, []string{
+		"goalloc: not initialised: GOALLOC_CONF: fraction: 2 is outside (0, 1] (cap on reserved memory as a share of the device, in (0, 1])",
+		`goalloc: not initialised: GOALLOC_DEVICE="tpu"; use cuda or sim`,
+		`goalloc: not initialised: GOALLOC_SIM_MEMORY="lots" is not a size of at least 1M`,
+	}, out.lines(), "each initialisation error is printed once")
 }
 
 func TestConfigureBeforeAndAfterUse(t *testing.T) {
+	out := captureLibraryOutput(t)
 	l := simLibrary(t, "1")
 	require.Error(t, l.configure("bogus:1"))
 	require.NoError(t, l.configure("fraction:0.5"))
 	p := l.malloc(5<<30, 0, 0)
 	assert.Zero(t, p, "over the configured cap of 4 GiB")
+	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 0: 5.00 GiB requested; cap 4.00 GiB")
 	require.ErrorContains(t, l.configure("fraction:0.9"), "before any tensor")
 }
 
