@@ -8,15 +8,17 @@
 // builds and links on machines with no CUDA toolkit and no driver, and only
 // fails, with a clear error, when a CUDA device is actually asked for. No CUDA
 // header is used: the few types and the one struct (CUmemPoolProps) are
-// declared below from ../shared/CUDA-DRIVER.md, with the exported (sometimes
-// versioned) symbol names the driver really has. Go never touches a C function
+// declared below as the CUDA 13 driver API (driver 580) defines them, with the
+// symbol names the driver really exports (some versioned: cuMemGetInfo_v2,
+// cuEventDestroy_v2, ...). Go never touches a C function
 // pointer: each driver call has its own static inline C wrapper, and handles
 // (context, pool, stream, event) cross the boundary as uintptr_t, so no
 // uintptr is ever turned into an unsafe.Pointer on the Go side.
 //
 // Why the context dance: every driver call needs a current context on the
 // calling OS thread, and PyTorch's autograd thread has none (a stream-ordered
-// call there fails with 201 CUDA_ERROR_INVALID_CONTEXT, ../shared/PLATFORM.md).
+// call there fails with 201 CUDA_ERROR_INVALID_CONTEXT, as seen with PyTorch
+// 2.11 on an H200).
 // So each C wrapper, in the same C call as the driver call (a goroutine may
 // move to another OS thread between two cgo calls, never during one), reads
 // cuCtxGetCurrent and then:

@@ -9,7 +9,8 @@
 //     threshold at its maximum) through cuMemAllocFromPoolAsync and
 //     cuMemFreeAsync. Every call first makes the device's primary context
 //     current when the calling thread has none: PyTorch's autograd thread
-//     arrives with no context (../shared/PLATFORM.md).
+//     arrives with no context (seen with PyTorch 2.11: a stream-ordered call
+//     there fails with CUDA_ERROR_INVALID_CONTEXT).
 //   - Sim (sim.go, simpool.go): a simulated device for tests and the replay
 //     tool. Addresses are fake, non-overlapping and 512-byte aligned; streams
 //     and events complete when a test says so (or at once in auto mode); the
