@@ -63,4 +63,4 @@ bench:
 	$(GO) test -tags goalloc_bench -run '^$$' -bench . -benchmem ./export ./caching
 
 clean:
-	rm -rf $(BUILD) python/goalloc/libgoalloc.so python/goalloc.egg-info
+	rm -rf $(BUILD) dist python/goalloc/libgoalloc.so python/goalloc/bin python/goalloc.egg-info
