@@ -48,7 +48,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 pytest: $(VENV)/bin/python
-	$(VENV)/bin/python -m pip install -q pytest
+	$(VENV)/bin/python -m pip install -q pytest build
 	env -u GOALLOC_LIBRARY $(VENV)/bin/python -m pip install -q --force-reinstall --no-deps .
 	$(SIM_ENV) $(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
 
@@ -69,4 +69,4 @@ bench:
 	$(GO) test -tags goalloc_bench -run '^$$' -bench . -benchmem ./export ./caching
 
 clean:
-	rm -rf $(BUILD) python/goalloc/libgoalloc.so python/goalloc.egg-info
+	rm -rf $(BUILD) dist python/goalloc/libgoalloc.so python/goalloc/bin python/goalloc.egg-info

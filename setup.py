@@ -1,13 +1,17 @@
 """Build hook for the goalloc Python package.
 
-The package is pure Python except for libgoalloc.so, the Go library that
-PyTorch loads as its CUDA allocator. `pip install .` builds that library with
-the Go toolchain (the same command as `make lib`) and ships it inside the
-package, so a user never runs `go build`. Where Go is not available (the GPU
-machine, a container), GOALLOC_LIBRARY=/path/to/libgoalloc.so ships a library
-built elsewhere instead.
+The package is Python plus two native files built with Go: libgoalloc.so,
+the library PyTorch loads as its CUDA allocator, and bin/goalloc, the
+command-line tool (`goalloc replay ...`), which the package's `goalloc`
+command and `python -m goalloc` run. `pip install .` builds both with the Go
+toolchain (the commands of `make lib` and `make tool`) and ships them inside
+the package, so a user never runs `go build`. Where Go is not available (the
+GPU machine, a container), GOALLOC_LIBRARY=/path/to/libgoalloc.so and
+GOALLOC_TOOL=/path/to/goalloc ship files built elsewhere instead.
 
-Everything else (name, version, layout) is in pyproject.toml.
+The wheel is tagged py3-none-manylinux_2_X_<arch>, X read off the native
+files it carries (wheel_tag.py). Name and layout are in pyproject.toml; the
+version is goalloc.__version__.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from setuptools import setup
@@ -25,101 +31,152 @@ from setuptools.dist import Distribution
 from setuptools.errors import SetupError
 
 ROOT = Path(__file__).resolve().parent
-LIBRARY = "libgoalloc.so"
+sys.path.insert(0, str(ROOT))
+import wheel_tag  # noqa: E402  (beside this file; the sdist carries it)
 
 
 class GoallocBuildError(SetupError):
-    """The Go library could not be built or found; the message says what to do."""
+    """A native file could not be built or found; the message says what to do."""
 
 
-def build_library(dest: Path) -> None:
-    """Put libgoalloc.so at dest: a copy of $GOALLOC_LIBRARY, or a fresh Go build."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    prebuilt = os.environ.get("GOALLOC_LIBRARY")
-    if prebuilt:
-        src = Path(prebuilt).expanduser()
-        if not src.is_file():
+@dataclass(frozen=True)
+class NativeFile:
+    """One file the package carries that is built from the Go sources.
+
+    A build step for another native file (or another language) is one more
+    entry in NATIVE_FILES with its own build method.
+    """
+
+    name: str  # path inside the goalloc package
+    env: str  # the variable naming a prebuilt copy
+    go_args: tuple[str, ...]  # go build's arguments before -o; the package last
+    make_target: str  # the Makefile target that builds it in a checkout
+    # Whether an install without Go and without the prebuilt copy may go on
+    # without it (the package then says how to get it when it is wanted).
+    optional: bool
+
+    def build(self, dest: Path) -> bool:
+        """Put the file at dest: a copy of $env, or a fresh Go build.
+        Returns False where an optional file was left out."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        prebuilt = os.environ.get(self.env)
+        if prebuilt:
+            src = Path(prebuilt).expanduser()
+            if not src.is_file():
+                raise GoallocBuildError(
+                    f"goalloc: {self.env}={prebuilt!r} is not a file; point it at a "
+                    f"{Path(self.name).name} built with `make {self.make_target}`, or unset it "
+                    f"to build with Go."
+                )
+            print(f"goalloc: shipping the prebuilt {src} ({self.env})")
+            shutil.copyfile(src, dest)
+            shutil.copymode(src, dest)
+            return True
+
+        go = shutil.which(os.environ.get("GO", "go"))
+        if go is None:
+            if self.optional and any(os.environ.get(f.env) for f in NATIVE_FILES):
+                print(f"goalloc: no Go and no {self.env}: the package goes without {self.name}")
+                return False
             raise GoallocBuildError(
-                f"goalloc: GOALLOC_LIBRARY={prebuilt!r} is not a file; point it at a "
-                f"libgoalloc.so built with `make lib`, or unset it to build with Go."
+                f"goalloc: installing this package builds {Path(self.name).name} with the Go "
+                f"toolchain, and `go` was not found on PATH. Either install Go (the "
+                f"version named in go.mod) and run the install again, or build it on "
+                f"another machine (`make {self.make_target}`) and install with "
+                f"{self.env}=/path/to/{Path(self.name).name} set, which ships that file instead."
             )
-        print(f"goalloc: shipping the prebuilt library {src} (GOALLOC_LIBRARY)")
-        shutil.copyfile(src, dest)
-        return
-
-    go = shutil.which(os.environ.get("GO", "go"))
-    if go is None:
-        raise GoallocBuildError(
-            "goalloc: installing this package builds libgoalloc.so with the Go "
-            "toolchain, and `go` was not found on PATH. Either install Go "
-            "(the version named in go.mod) and run the install again, or build the "
-            "library on another machine (`make lib`) and install with "
-            "GOALLOC_LIBRARY=/path/to/libgoalloc.so set, which ships that file instead."
-        )
-    if not (ROOT / "go.mod").is_file() or not (ROOT / "export").is_dir():
-        raise GoallocBuildError(
-            f"goalloc: the Go sources (go.mod, export/) are not next to setup.py in "
-            f"{ROOT}; install from a full checkout, or set GOALLOC_LIBRARY."
-        )
-    # Build into a scratch folder: -buildmode=c-shared also writes a C header,
-    # which does not belong in the package.
-    with tempfile.TemporaryDirectory(prefix="goalloc-build-") as tmp:
-        out = Path(tmp) / LIBRARY
-        cmd = [go, "build", "-buildmode=c-shared", "-trimpath", "-o", str(out), "./export"]
-        print("goalloc: " + " ".join(cmd))
-        env = dict(os.environ, CGO_ENABLED="1")
-        try:
-            subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-        except subprocess.CalledProcessError as e:
+        if not (ROOT / "go.mod").is_file() or not (ROOT / self.go_args[-1]).is_dir():
             raise GoallocBuildError(
-                f"goalloc: `{' '.join(cmd)}` failed (exit {e.returncode}); see the Go "
-                f"output above. cgo needs a C compiler (cc). To skip the build, set "
-                f"GOALLOC_LIBRARY=/path/to/libgoalloc.so."
-            ) from None
-        shutil.copyfile(out, dest)
+                f"goalloc: the Go sources (go.mod, {self.go_args[-1]}/) are not next to "
+                f"setup.py in {ROOT}; install from a full checkout or the sdist, or set "
+                f"{self.env}."
+            )
+        # Build into a scratch folder: -buildmode=c-shared also writes a C
+        # header, which does not belong in the package.
+        with tempfile.TemporaryDirectory(prefix="goalloc-build-") as tmp:
+            out = Path(tmp) / Path(self.name).name
+            cmd = [go, "build", *self.go_args[:-1], "-trimpath", "-o", str(out), self.go_args[-1]]
+            print("goalloc: " + " ".join(cmd))
+            env = dict(os.environ, CGO_ENABLED="1")
+            try:
+                subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+            except subprocess.CalledProcessError as e:
+                raise GoallocBuildError(
+                    f"goalloc: `{' '.join(cmd)}` failed (exit {e.returncode}); see the Go "
+                    f"output above. cgo needs a C and C++ compiler (cc, c++). To skip the "
+                    f"build, set {self.env}=/path/to/{Path(self.name).name}."
+                ) from None
+            shutil.copyfile(out, dest)
+            shutil.copymode(out, dest)
+        return True
 
 
-class BuildPyWithLibrary(build_py):
-    """build_py that also puts libgoalloc.so into the goalloc package.
+NATIVE_FILES = [
+    NativeFile("libgoalloc.so", "GOALLOC_LIBRARY", ("-buildmode=c-shared", "./export"), "lib",
+               optional=False),
+    NativeFile("bin/goalloc", "GOALLOC_TOOL", ("./cmd/goalloc",), "tool", optional=True),
+]
 
-    A regular install writes it into the build tree, from which it goes into
-    the wheel. An editable install (`pip install -e .`) imports the package
-    from python/goalloc, so the library is written there (it is gitignored).
+
+class BuildPyWithNativeFiles(build_py):
+    """build_py that also puts the native files into the goalloc package.
+
+    A regular install writes them into the build tree, from which they go
+    into the wheel. An editable install (`pip install -e .`) imports the
+    package from python/goalloc, so they are written there (gitignored).
     """
 
     def run(self) -> None:
         super().run()
+        self._built: list[str] = []
+        for native in NATIVE_FILES:
+            dest = self._package_dir() / native.name
+            if native.build(dest):
+                self._built.append(str(dest))
+
+    def _package_dir(self) -> Path:
         if self.editable_mode:
-            dest = ROOT / "python" / "goalloc" / LIBRARY
-        else:
-            dest = Path(self.build_lib) / "goalloc" / LIBRARY
-        build_library(dest)
+            return ROOT / "python" / "goalloc"
+        return Path(self.build_lib) / "goalloc"
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outputs = super().get_outputs(include_bytecode)
         if not self.editable_mode:
-            outputs.append(str(Path(self.build_lib) / "goalloc" / LIBRARY))
+            outputs += [str(self._package_dir() / n.name) for n in NATIVE_FILES
+                        if (self._package_dir() / n.name).is_file()]
         return outputs
 
 
 class BinaryDistribution(Distribution):
-    """Marks the wheel as platform-specific: it carries a native library."""
+    """Marks the wheel as platform-specific: it carries native files."""
 
     def has_ext_modules(self) -> bool:
         return True
 
 
-class BdistWheelAnyPython(bdist_wheel):
-    """Tag the wheel py3-none-<platform>: the library is loaded with ctypes and
-    uses no Python C API, so one wheel serves every Python 3 on the platform
-    (build it where Go is, install it where the GPU is)."""
+class BdistWheelManylinux(bdist_wheel):
+    """Tag the wheel py3-none-manylinux_2_X_<arch>.
+
+    py3-none: the library is loaded with ctypes and uses no Python C API, so
+    one wheel serves every Python 3 on the platform (build it where Go is,
+    install it where the GPU is). manylinux_2_X: the tag PyPI takes, X the
+    newest glibc the native files need (wheel_tag.py). A --plat-name given
+    on the command line is kept as it is.
+    """
 
     def get_tag(self) -> tuple[str, str, str]:
         _, _, platform = super().get_tag()
+        if not self.plat_name_supplied and platform.startswith("linux_"):
+            files = [p for p in Path(self.bdist_dir).rglob("*") if p.is_file() and not p.is_symlink()]
+            tag, why = wheel_tag.manylinux_tag(files, platform)
+            if why and tag != getattr(self, "_reported_tag", None):
+                print(f"goalloc: the wheel stays {tag}, which PyPI does not take: " + "; ".join(why))
+            self._reported_tag = tag
+            platform = tag
         return "py3", "none", platform
 
 
 setup(
-    cmdclass={"build_py": BuildPyWithLibrary, "bdist_wheel": BdistWheelAnyPython},
+    cmdclass={"build_py": BuildPyWithNativeFiles, "bdist_wheel": BdistWheelManylinux},
     distclass=BinaryDistribution,
 )

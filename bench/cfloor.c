@@ -168,7 +168,8 @@ static void ensure_loaded(void) {
 }
 
 // ensure_context makes sure the calling thread has a current context: on
-// PyTorch's autograd thread none is current at first (shared/PLATFORM.md).
+// PyTorch's autograd thread none is current at first (stream-ordered calls
+// there fail with CUDA_ERROR_INVALID_CONTEXT).
 // Called with mu held.
 static void ensure_context(int device) {
 	if (thread_ctx != NULL) return;

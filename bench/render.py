@@ -33,7 +33,7 @@ CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-mempool", "c-flo
 PAIR_CASES = (("4KiB", "4 KiB"), ("1MiB", "1 MiB"), ("64MiB", "64 MiB"), ("burst64", "burst of 64 mixed"))
 TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("resnet50", "ResNet-50", "images/s"))
 
-# The issue's goals.
+# The project's goals (README.md, BENCHMARKS.md).
 GOAL_MEMORY_OVER_LIVE = 1.05
 GOAL_THROUGHPUT_VS_NATIVE = 0.99
 GOAL_PAIR_VS_FLOOR = 1.10
@@ -121,7 +121,7 @@ def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]
 
 
 def memory_of_record(config: str, result: dict[str, Any]) -> Any:
-    """The issue's 'peak device memory' of a training run, by configuration.
+    """The 'peak device memory' of a training run, by configuration.
 
     goalloc: its driver pool's reserved high-water mark (the maximum of the
     readings taken after every step and at the end; the pool keeps what it
@@ -342,7 +342,7 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
         lines += ["`torchvision.models.resnet50(weights=None)`, channels_last, bf16 autocast, SGD with momentum;",
                   "batch and resolution drawn per step (the same draws for every configuration of a repeat)."]
     lines += ["Throughput over the timed steps (wall time between device synchronisations). Peak device",
-              "memory as the issue defines it: goalloc, its driver pool's reserved high-water mark; torch's",
+              "memory, as compared here: goalloc, its driver pool's reserved high-water mark; torch's",
               "allocators, their max reserved (see 'basis'); 'device peak over idle' is the driver's count",
               "(`mem_get_info`, sampled) over the idle baseline for every configuration, which also holds",
               "the CUDA context's growth (lazily loaded kernels, library handles); peak live is the",

@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"strconv"
 	"strings"
@@ -62,12 +61,10 @@ type library struct {
 	setLastError func(msg string)
 	lastErr      string
 
-	// stderr is where goalloc's messages go: os.Stderr, or a test's buffer.
-	stderr io.Writer
 }
 
 func newLibrary() *library {
-	l := &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}, stderr: os.Stderr}
+	l := &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}}
 	l.setLastError = func(msg string) { l.lastErr = msg } // callers hold l.mu or are alone
 	return l
 }
@@ -110,7 +107,7 @@ func (l *library) initLocked(torchCount int) error {
 		l.initialized = true
 		l.initErr = l.setup(torchCount)
 		if l.initErr != nil {
-			fmt.Fprintf(l.stderr, "%v\n", l.initErr)
+			warnings.print(l.initErr.Error())
 		}
 	}
 	if l.initErr != nil {
@@ -218,7 +215,7 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 // (an allocation, for torch a NULL it says nothing useful about), and the
 // next one tries again.
 func (l *library) setupFailedLocked(err error) error {
-	fmt.Fprintf(l.stderr, "%v (the device is not set up; the call fails)\n", err)
+	warnings.print(fmt.Sprintf("%v (the device is not set up; the call fails)", err))
 	return l.failLocked(err)
 }
 
@@ -350,7 +347,7 @@ func (l *library) recordHistory(entries int) error {
 func (l *library) report(err error) {
 	var oom *caching.OOMError
 	if errors.As(err, &oom) {
-		fmt.Fprintln(l.stderr, err)
+		warnings.print(err.Error())
 		_ = l.fail(err)
 		return
 	}
@@ -370,7 +367,7 @@ func (l *library) report(err error) {
 		return
 	}
 	_ = l.fail(err)
-	fmt.Fprintln(l.stderr, err)
+	warnings.print(err.Error())
 }
 
 // bad counts and reports bad input caught before any device is involved:
@@ -403,7 +400,7 @@ func (l *library) warnLocked(kind, msg string) {
 		return
 	}
 	l.warned[kind] = true
-	fmt.Fprintf(l.stderr, "%s (goalloc warns once per kind; counter goalloc.bad_input.%s)\n", msg, kind)
+	warnings.warn(kind, fmt.Sprintf("%s (goalloc warns once per kind; counter goalloc.bad_input.%s)", msg, kind))
 }
 
 func (l *library) fail(err error) error {

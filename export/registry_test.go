@@ -57,6 +57,7 @@ func TestDevicesAreSeparatePools(t *testing.T) {
 }
 
 func TestPerDeviceCaps(t *testing.T) {
+	out := captureLibraryOutput(t)
 	l := simLibrary(t, "2")
 	// A cap set before the device is first used applies when it is made.
 	require.NoError(t, l.setFraction(0.25, 1)) // 2 GiB of 8
@@ -65,6 +66,8 @@ func TestPerDeviceCaps(t *testing.T) {
 	require.NotZero(t, p, "device 0 has no cap")
 	assert.EqualValues(t, 1, stats(t, l, 1)["num_ooms"])
 	assert.Zero(t, stats(t, l, 0)["num_ooms"])
+	require.Len(t, out.lines(), 1)
+	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 1: 3.00 GiB requested; cap 2.00 GiB")
 	require.Error(t, l.setFraction(0, 0))
 	require.Error(t, l.setFraction(1.5, 0))
 	require.Error(t, l.setFraction(0.5, 7), "no device 7")
@@ -106,6 +109,7 @@ func TestConcurrentDevicesAndThreads(t *testing.T) {
 }
 
 func TestBadConfigIsAnErrorAtInit(t *testing.T) {
+	out := captureLibraryOutput(t)
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	t.Setenv("GOALLOC_CONF", "fraction:2")
 	l := newLibrary()
@@ -121,14 +125,22 @@ func TestBadConfigIsAnErrorAtInit(t *testing.T) {
 	require.ErrorContains(t, newLibrary().init(0), "GOALLOC_SIM_MEMORY")
 	t.Setenv("GOALLOC_SIM_MEMORY", "2048T") // 64 devices of it would not fit apart in 64 bits
 	require.ErrorContains(t, newLibrary().init(0), "outside [1 MiB, 1 PiB]")
+	assert.Equal(t, []string{
+		"goalloc: not initialised: GOALLOC_CONF: fraction: 2 is outside (0, 1] (cap on reserved memory as a share of the device, in (0, 1])",
+		`goalloc: not initialised: GOALLOC_DEVICE="tpu"; use cuda or sim`,
+		`goalloc: not initialised: GOALLOC_SIM_MEMORY="lots": "lots" is not a byte size`,
+		`goalloc: not initialised: GOALLOC_SIM_MEMORY="2048T": 2251799813685248 bytes is outside [1 MiB, 1 PiB]`,
+	}, out.lines(), "each initialisation error is printed once")
 }
 
 func TestConfigureBeforeAndAfterUse(t *testing.T) {
+	out := captureLibraryOutput(t)
 	l := simLibrary(t, "1")
 	require.Error(t, l.configure("bogus:1"))
 	require.NoError(t, l.configure("fraction:0.5"))
 	p := l.malloc(5<<30, 0, 0)
 	assert.Zero(t, p, "over the configured cap of 4 GiB")
+	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 0: 5.00 GiB requested; cap 4.00 GiB")
 	require.ErrorContains(t, l.configure("fraction:0.9"), "before any tensor")
 }
 
@@ -161,6 +173,7 @@ func TestRecordStreamFindsTheDevice(t *testing.T) {
 // way it arrives, and a fraction set before the device exists shows in
 // the configuration.
 func TestTinyFractionIsACapThroughTheLibrary(t *testing.T) {
+	captureLibraryOutput(t) // the lines it provokes are expected
 	l := simLibrary(t, "2")
 	require.NoError(t, l.setFraction(5e-324, 0)) // before device 0 exists
 	var cfg struct {
@@ -184,6 +197,7 @@ func TestTinyFractionIsACapThroughTheLibrary(t *testing.T) {
 // An impossible configuration is refused when it is read, naming both
 // keys; and a device that cannot be set up says so on stderr.
 func TestImpossibleConfigurationIsRefused(t *testing.T) {
+	captureLibraryOutput(t) // the lines it provokes are expected
 	l := simLibrary(t, "1")
 	err := l.configure("reserve:0.5,fraction:0.25")
 	require.Error(t, err)
@@ -198,16 +212,16 @@ func TestImpossibleConfigurationIsRefused(t *testing.T) {
 	// device cannot be made, and every attempt says why.
 	t.Setenv("GOALLOC_CONF", "reserve:0.9")
 	t.Setenv("GOALLOC_SIM_MEMORY", "1M")
-	var out strings.Builder
+	out := captureLibraryOutput(t)
 	l = newLibrary()
-	l.stderr = &out
 	assert.Zero(t, l.malloc(1, 0, 0))
-	assert.Contains(t, out.String(), "pre-warming")
+	assert.Contains(t, out.b.String(), "pre-warming")
 }
 
 // The last error is that of the last call that failed: a call done all the
 // same with a warning (a free with the wrong size) does not replace it.
 func TestWarningDoesNotReplaceTheLastError(t *testing.T) {
+	captureLibraryOutput(t) // the lines it provokes are expected
 	l := simLibrary(t, "1")
 	p := l.malloc(1000, 0, 0x10)
 	require.NotZero(t, p)
@@ -222,6 +236,7 @@ func TestWarningDoesNotReplaceTheLastError(t *testing.T) {
 
 // goalloc_init with a negative device count is bad input, not a success.
 func TestInitWithANegativeCountIsRefused(t *testing.T) {
+	captureLibraryOutput(t) // the lines it provokes are expected
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	l := newLibrary()
 	require.Error(t, l.init(-5))
@@ -231,6 +246,7 @@ func TestInitWithANegativeCountIsRefused(t *testing.T) {
 
 // The history ring is bounded so that a snapshot of it fits in memory.
 func TestHistoryIsBounded(t *testing.T) {
+	captureLibraryOutput(t) // the lines it provokes are expected
 	l := simLibrary(t, "1")
 	require.Error(t, l.recordHistory(caching.MaxHistoryEntries+1))
 	require.Error(t, l.recordHistory(1<<26))
@@ -244,9 +260,8 @@ func TestNoEntryPointCountsACallBeforeInit(t *testing.T) {
 	t.Setenv("GOALLOC_DEVICE", "sim")
 	t.Setenv("GOALLOC_SIM_DEVICES", "1")
 	t.Setenv("GOALLOC_CONF", "")
-	var out strings.Builder
+	out := captureLibraryOutput(t)
 	l := newLibrary()
-	l.stderr = &out
 	p := l.malloc(1000, 0, 0)
 	require.NotZero(t, p)
 	l.free(p, 1000, 0, 0)
@@ -255,5 +270,5 @@ func TestNoEntryPointCountsACallBeforeInit(t *testing.T) {
 			assert.Zero(t, v, k)
 		}
 	}
-	assert.Empty(t, out.String())
+	assert.Empty(t, out.b.String())
 }

@@ -49,9 +49,12 @@ func WriteHTML(w io.Writer, trace *Trace, results []*Result) error {
 		Device:  results[0].Device,
 		Plot:    timelinePlot(trace, results),
 		Bars:    ratioBars(trace, results),
+
+		TinyFreePercent: tinyFreeShare * 100,
 	}
 	for i, r := range results {
 		d.Rows = append(d.Rows, newRow(r, colorOf(r.Policy, i)))
+		d.TinyFree = d.TinyFree || d.Rows[i].FragNote != ""
 	}
 	d.Native = trace.Header.NativeRatio() > 0
 	return reportTemplate.Execute(w, d)
@@ -66,6 +69,10 @@ type reportData struct {
 	Bars    template.HTML
 	Rows    []row
 	Native  bool
+	// TinyFree says some row's fragmentation is marked; TinyFreePercent
+	// is tinyFreeShare for the page's notes.
+	TinyFree        bool
+	TinyFreePercent float64
 }
 
 // row is a result formatted for the table.
@@ -74,7 +81,16 @@ type row struct {
 	PeakLive, PeakReserved, Ratio, AllocReserved, Alloc  string
 	Frag, FreeAtPeak, LargestAtPeak, DevAllocs, DevFrees string
 	OOMs, NsPerOp, EndToEnd, VsNative, OOMAt             string
+	// FragNote, when set, says why Frag means little: the free memory it
+	// is computed over is tiny (tinyFreeShare).
+	FragNote string
 }
+
+// tinyFreeShare is the share of peak live bytes below which free memory at
+// the peak is too little for its fragmentation to matter: 1 - largest/free
+// over a few MiB of crumbs can read 0.9 and cost nothing. The report marks
+// such figures rather than hide them.
+const tinyFreeShare = 0.01
 
 func newRow(r *Result, color string) row {
 	rw := row{
@@ -91,6 +107,10 @@ func newRow(r *Result, color string) row {
 	}
 	if r.AllocatorPeakAllocatedBytes > 0 {
 		rw.Alloc = fmtBytes(r.AllocatorPeakAllocatedBytes)
+	}
+	if free := r.Fragmentation.FreeBytes; free > 0 && float64(free) < tinyFreeShare*float64(r.PeakLiveBytes) {
+		rw.FragNote = fmt.Sprintf("%s's figure is computed over only %s of free memory at peak live (%.2f%% of the peak live bytes)",
+			r.Policy, fmtBytes(free), 100*float64(free)/float64(r.PeakLiveBytes))
 	}
 	if r.NativeRatio > 0 {
 		rw.VsNative = fmt.Sprintf("%+.1f%%", (r.Ratio/r.NativeRatio-1)*100)
@@ -116,7 +136,8 @@ const (
 type svgPlot struct {
 	b       strings.Builder
 	n       int     // events on the x axis
-	ymax    float64 // bytes at the top of the y axis
+	ymax    float64 // bytes at the top of the y axis, a multiple of ystep units
+	ystep   float64 // units between y ticks
 	unit    uint64  // bytes per unit of the y labels
 	unitStr string
 }
@@ -136,23 +157,33 @@ func (p *svgPlot) y(bytes uint64) float64 {
 
 func (p *svgPlot) printf(format string, args ...any) { fmt.Fprintf(&p.b, format, args...) }
 
-func (p *svgPlot) polyline(pts []point, color, dash string, width float64) {
+// polyline draws pts; title is what a reader hovering over it sees.
+func (p *svgPlot) polyline(pts []point, s lineStyle, title string) {
 	if len(pts) == 0 {
 		return
 	}
-	p.printf(`<polyline fill="none" stroke="%s" stroke-width="%.1f" stroke-linejoin="round"`, color, width)
-	if dash != "" {
-		p.printf(` stroke-dasharray="%s"`, dash)
+	p.printf(`<polyline fill="none" stroke="%s" stroke-width="%.1f" stroke-linejoin="round"`, s.color, s.width)
+	if s.dash != "" {
+		p.printf(` stroke-dasharray="%s"`, s.dash)
+	}
+	if s.class != "" {
+		p.printf(` class="%s"`, s.class)
 	}
 	p.b.WriteString(` points="`)
 	for _, pt := range pts {
 		p.printf("%.1f,%.1f ", p.x(pt.x), p.y(pt.y))
 	}
-	p.b.WriteString(`"/>` + "\n")
+	p.printf(`"><title>%s</title></polyline>`+"\n", template.HTMLEscapeString(title))
+}
+
+// lineStyle is how one line of the timeline is stroked.
+type lineStyle struct {
+	color, dash, class string
+	width              float64
 }
 
 // area fills under pts down to the x axis.
-func (p *svgPlot) area(pts []point, fill string) {
+func (p *svgPlot) area(pts []point, fill, title string) {
 	if len(pts) == 0 {
 		return
 	}
@@ -160,18 +191,30 @@ func (p *svgPlot) area(pts []point, fill string) {
 	for _, pt := range pts {
 		p.printf("%.1f,%.1f ", p.x(pt.x), p.y(pt.y))
 	}
-	p.printf(`%.1f,%.1f"/>`+"\n", p.x(pts[len(pts)-1].x), p.y(0))
+	p.printf(`%.1f,%.1f"><title>%s</title></polygon>`+"\n", p.x(pts[len(pts)-1].x), p.y(0), template.HTMLEscapeString(title))
 }
 
-func (p *svgPlot) marker(event int, bytes uint64, color string) {
-	p.printf(`<circle cx="%.1f" cy="%.1f" r="5" fill="white" stroke="%s" stroke-width="2.5"/>`+"\n",
-		p.x(event), p.y(bytes), color)
+// marker circles a peak; title gives its value on hover.
+func (p *svgPlot) marker(event int, bytes uint64, color, title string) {
+	p.printf(`<circle cx="%.1f" cy="%.1f" r="5" fill="white" stroke="%s" stroke-width="2.5"><title>%s</title></circle>`+"\n",
+		p.x(event), p.y(bytes), color, template.HTMLEscapeString(title))
+}
+
+// setYMax makes the y axis end on a labelled tick at or above the highest
+// value, with a little room over it: the top of the axis is then a figure
+// the reader can see.
+func (p *svgPlot) setYMax(highest uint64) {
+	top := float64(max(highest, 1)) * 1.03
+	p.unit, p.unitStr = unitFor(uint64(top))
+	p.ystep = niceStep(top/float64(p.unit), 6)
+	p.ymax = math.Ceil(top/float64(p.unit)/p.ystep) * p.ystep * float64(p.unit)
 }
 
 // axes draws the grid, the ticks and their labels.
 func (p *svgPlot) axes(xLabel string) {
-	step := niceStep(p.ymax/float64(p.unit), 6)
-	for v := 0.0; v*float64(p.unit) <= p.ymax*1.0001; v += step {
+	step := p.ystep
+	for i := 0; float64(i)*step*float64(p.unit) <= p.ymax*1.0001; i++ {
+		v := float64(i) * step
 		y := p.y(uint64(v * float64(p.unit)))
 		p.printf(`<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" class="grid"/>`+"\n", marginL, plotW-marginR, y, y)
 		p.printf(`<text x="%d" y="%.1f" class="tick" text-anchor="end">%s %s</text>`+"\n",
@@ -190,7 +233,10 @@ func (p *svgPlot) axes(xLabel string) {
 }
 
 // timelinePlot draws live bytes and each policy's reserved bytes over the
-// replayed events, with each peak marked.
+// replayed events, with each peak marked. goalloc's lines are drawn last,
+// wider and over a white edge, so that they stay visible where another
+// policy runs close to them (passthrough, which holds just the live bytes,
+// often does).
 func timelinePlot(trace *Trace, results []*Result) template.HTML {
 	n := len(results[0].Timeline.Live)
 	if n == 0 {
@@ -198,36 +244,51 @@ func timelinePlot(trace *Trace, results []*Result) template.HTML {
 	}
 	p := &svgPlot{n: n}
 	type line struct {
-		pts         []point
-		color, dash string
+		pts   []point
+		style lineStyle
+		title string
 	}
 	var lines []line
 	live := downsampleDense(results[0].Timeline.Live, plotBuckets)
-	var ymax uint64
-	for i, r := range results {
-		color := colorOf(r.Policy, i)
+	var highest uint64
+	for _, i := range drawOrder(results) {
+		r := results[i]
+		style := lineStyle{color: colorOf(r.Policy, i), width: 1.8}
+		if r.Policy == highlighted {
+			style.width, style.class = 2.6, "highlight"
+		}
 		tl := &r.Timeline
-		lines = append(lines, line{downsampleSteps(&tl.PoolReserved, n, plotBuckets), color, ""})
+		lines = append(lines, line{downsampleSteps(&tl.PoolReserved, n, plotBuckets), style,
+			fmt.Sprintf("%s: device pool reserved, peak %s (%.3f× peak live) at event %s",
+				r.Policy, fmtBytes(r.PeakReservedBytes), r.Ratio, fmtCount(uint64(r.PeakReservedEvent)))})
 		// What the policy holds from the pool is the same line as the
 		// pool's reserved bytes for the policies that never give memory
 		// back; draw it only where it tells something (goalloc, passthrough).
 		if heldDiffers(r) {
-			lines = append(lines, line{downsampleSteps(&tl.AllocatorReserved, n, plotBuckets), color, "6 4"})
+			held := style
+			held.dash = "6 4"
+			lines = append(lines, line{downsampleSteps(&tl.AllocatorReserved, n, plotBuckets), held,
+				fmt.Sprintf("%s: held from the pool, peak %s", r.Policy, fmtBytes(r.AllocatorPeakReservedBytes))})
 		}
-		ymax = max(ymax, r.PeakReservedBytes, r.AllocatorPeakReservedBytes, r.PeakLiveBytes)
+		highest = max(highest, r.PeakReservedBytes, r.AllocatorPeakReservedBytes, r.PeakLiveBytes)
 	}
-	p.ymax = float64(max(ymax, 1)) * 1.06
-	p.unit, p.unitStr = unitFor(uint64(p.ymax))
+	p.setYMax(highest)
+	r0 := results[0]
 
 	p.printf(`<svg viewBox="0 0 %d %d" class="plot" role="img" aria-label="live and reserved bytes over the trace">`+"\n", plotW, plotH)
 	p.axes("replayed event (alloc and free_completed, in trace order)")
-	p.area(live, liveFill)
-	p.polyline(live, liveColor, "", 1.2)
+	liveTitle := fmt.Sprintf("live bytes: peak %s at event %s", fmtBytes(r0.PeakLiveBytes), fmtCount(uint64(r0.PeakLiveEvent)))
+	p.area(live, liveFill, liveTitle)
+	p.polyline(live, lineStyle{color: liveColor, width: 1.2}, liveTitle)
 	for _, l := range lines {
-		p.polyline(l.pts, l.color, l.dash, 1.8)
+		if l.style.class == "highlight" {
+			edge := l.style
+			edge.color, edge.dash, edge.class, edge.width = "#fff", "", "edge", l.style.width+2.4
+			p.polyline(l.pts, edge, l.title)
+		}
+		p.polyline(l.pts, l.style, l.title)
 	}
-	r0 := results[0]
-	p.marker(r0.PeakLiveEvent, r0.PeakLiveBytes, liveColor)
+	p.marker(r0.PeakLiveEvent, r0.PeakLiveBytes, liveColor, liveTitle)
 	label := fmt.Sprintf("peak live %s (event %s)", fmtBytes(r0.PeakLiveBytes), fmtCount(uint64(r0.PeakLiveEvent)))
 	lx, anchor := p.x(r0.PeakLiveEvent)+9, "start"
 	if lx > plotW*0.7 {
@@ -235,8 +296,11 @@ func timelinePlot(trace *Trace, results []*Result) template.HTML {
 	}
 	p.printf(`<text x="%.1f" y="%.1f" class="peak" text-anchor="%s">%s</text>`+"\n",
 		lx, p.y(r0.PeakLiveBytes)+18, anchor, template.HTMLEscapeString(label))
-	for i, r := range results {
-		p.marker(r.PeakReservedEvent, r.PeakReservedBytes, colorOf(r.Policy, i))
+	for _, i := range drawOrder(results) {
+		r := results[i]
+		p.marker(r.PeakReservedEvent, r.PeakReservedBytes, colorOf(r.Policy, i),
+			fmt.Sprintf("%s: peak reserved %s (%.3f× peak live) at event %s",
+				r.Policy, fmtBytes(r.PeakReservedBytes), r.Ratio, fmtCount(uint64(r.PeakReservedEvent))))
 	}
 	p.b.WriteString("</svg>\n")
 
@@ -255,6 +319,27 @@ func timelinePlot(trace *Trace, results []*Result) template.HTML {
 	}
 	lg.WriteString(`<span><i class="sw dot"></i>peaks</span></div>`)
 	return template.HTML(p.b.String() + lg.String())
+}
+
+// highlighted is the policy whose lines are drawn on top of the others.
+const highlighted = "goalloc"
+
+// drawOrder lists the indexes of results in the order their lines are
+// drawn: as given, with the highlighted policy last, on top.
+func drawOrder(results []*Result) []int {
+	var order []int
+	last := -1
+	for i, r := range results {
+		if r.Policy == highlighted && last < 0 {
+			last = i
+			continue
+		}
+		order = append(order, i)
+	}
+	if last >= 0 {
+		order = append(order, last)
+	}
+	return order
 }
 
 // heldDiffers says whether the line of what r's policy holds from the
@@ -298,8 +383,9 @@ func ratioBars(trace *Trace, results []*Result) template.HTML {
 	for i, r := range results {
 		y := top + i*rowH
 		fmt.Fprintf(&b, `<text x="%d" y="%d" class="name" text-anchor="end">%s</text>`, left-10, y+rowH/2+4, template.HTMLEscapeString(r.Policy))
-		fmt.Fprintf(&b, `<rect x="%.1f" y="%d" width="%.1f" height="%d" rx="3" fill="%s"/>`,
-			x(lo), y+5, max(x(r.Ratio)-x(lo), 1), rowH-10, colorOf(r.Policy, i))
+		fmt.Fprintf(&b, `<rect x="%.1f" y="%d" width="%.1f" height="%d" rx="3" fill="%s"><title>%s: peak reserved %s / peak live %s = %.3f×</title></rect>`,
+			x(lo), y+5, max(x(r.Ratio)-x(lo), 1), rowH-10, colorOf(r.Policy, i), template.HTMLEscapeString(r.Policy),
+			fmtBytes(r.PeakReservedBytes), fmtBytes(r.PeakLiveBytes), r.Ratio)
 		fmt.Fprintf(&b, `<text x="%.1f" y="%d" class="val">%.3f×</text>`+"\n", x(r.Ratio)+6, y+rowH/2+4, r.Ratio)
 	}
 	if native > 0 {
@@ -421,6 +507,7 @@ tbody tr:hover { background: #f8f9fb; }
 td.policy { font-weight: 600; }
 td.policy i { display: inline-block; width: 10px; height: 10px; border-radius: 50%; margin-right: 8px; }
 tr.native td { color: #5f6368; font-style: italic; }
+td .tiny { color: #80868b; cursor: help; }
 .scroll { overflow-x: auto; }
 .note { color: #5f6368; font-size: 13px; margin: 10px 2px 0; }
 .note code { font-size: 12px; background: #f1f3f4; padding: 1px 4px; border-radius: 3px; }
@@ -463,7 +550,7 @@ the live bytes (passthrough's is). Lines keep every peak: each pixel column draw
 <td class="policy"><i style="background:{{.Color}}"></i>{{.Policy}}{{with .Conf}} <span class="note">({{.}})</span>{{end}}</td>
 <td>{{.PeakLive}}</td><td>{{.PeakReserved}}</td><td><b>{{.Ratio}}</b></td>{{if $.Native}}<td>{{.VsNative}}</td>{{end}}
 <td>{{.AllocReserved}}</td><td>{{.Alloc}}</td>
-<td>{{.Frag}}</td><td>{{.FreeAtPeak}}<br><small>{{.LargestAtPeak}}</small></td>
+<td>{{if .FragNote}}<span class="tiny" title="{{.FragNote}}">{{.Frag}}†</span>{{else}}{{.Frag}}{{end}}</td><td>{{.FreeAtPeak}}<br><small>{{.LargestAtPeak}}</small></td>
 <td>{{.DevAllocs}} / {{.DevFrees}}</td><td>{{.OOMs}}</td><td>{{.NsPerOp}}</td><td>{{.EndToEnd}}</td>
 </tr>
 {{end}}{{if .Native}}{{with .Trace.Header}}<tr class="native">
@@ -474,6 +561,7 @@ the live bytes (passthrough's is). Lines keep every peak: each pixel column draw
 </tbody>
 </table>
 </div>
+{{range .Rows}}{{with .FragNote}}<p class="note">† {{.}}. Below {{$.TinyFreePercent}}% of peak live, free memory is too little for its fragmentation to cost anything: the figure describes a few leftover pieces, not wasted memory.</p>{{end}}{{end}}
 {{range .Rows}}{{with .OOMAt}}<p class="note">First out-of-memory: {{.}}</p>{{end}}{{end}}
 </section>
 
@@ -483,7 +571,7 @@ the live bytes (passthrough's is). Lines keep every peak: each pixel column draw
 <dt>peak reserved (pool)</dt><dd>The device pool's reserved high-water mark (<code>CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH</code>, or the simulated pool's): memory really taken from the GPU. Comparable between policies, and between the simulation and a GPU.</dd>
 <dt>ratio</dt><dd>Peak reserved over peak live. 1.000 would waste nothing.</dd>
 <dt>policy's peak reserved / allocated</dt><dd>The policy's own accounting: bytes it held from the pool, and bytes it handed out with its rounding (PyTorch's <code>reserved_bytes</code> and <code>allocated_bytes</code> peaks).</dd>
-<dt>fragmentation at peak live</dt><dd>1 − largest free block / free bytes, over the memory the policy holds but has not handed out, right after event {{(index .Results 0).PeakLiveEvent}}, where live bytes first reach their peak. 0: all free memory is one piece.</dd>
+<dt>fragmentation at peak live</dt><dd>1 − largest free block / free bytes, over the memory the policy holds but has not handed out, right after event {{(index .Results 0).PeakLiveEvent}}, where live bytes first reach their peak. 0: all free memory is one piece.{{if .TinyFree}} A figure marked † is computed over free memory below {{$.TinyFreePercent}}% of peak live, where it says little.{{end}}</dd>
 <dt>device allocs / frees</dt><dd>Calls that reached the device (the pool), counted the same way for every policy.</dd>
 <dt>ns/op, events/s</dt><dd>ns/op is the wall time of the replay loop per replayed event. Events per second end to end counts every event line of the trace over the time to read and parse it ({{printf "%.0f" (ms .Trace.Elapsed.Seconds)}} ms) plus the replay loop.</dd>
 {{if .Native}}<dt>native, recorded run</dt><dd>PyTorch's own figures at the end of the recorded run, from the trace header: *max_allocated counts whole blocks, so it is slightly above peak live; its segment count is the trace's segment_alloc lines.</dd>{{end}}

@@ -1,10 +1,19 @@
-"""The package itself: its names, where it finds libgoalloc.so, and that it
-imports without torch."""
+"""The package itself: its names, where it finds libgoalloc.so, that it
+imports without torch, its `goalloc` command, and that the sdist builds a
+wheel that installs and works."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,8 +29,21 @@ API = [
 ]
 
 
-def test_version():
-    assert goalloc.__version__ == "0.1.0"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_version_is_written_once():
+    """pyproject.toml reads the version from goalloc.__version__, and the
+    installed metadata says the same."""
+    from importlib import metadata
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+", goalloc.__version__)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject
+    assert 'version = { attr = "goalloc.__version__" }' in pyproject
+    assert not re.search(r'^version\s*=\s*"', pyproject, re.M)
+    if os.environ.get("GOALLOC_EXPECT_INSTALLED"):
+        assert metadata.version("goalloc") == goalloc.__version__
 
 
 @pytest.mark.parametrize("name", API)
@@ -106,3 +128,160 @@ def test_settings_set_in_os_environ_before_first_use_are_seen():
     print(goalloc.device_count(), goalloc.config()["fraction"])
     """)
     assert proc.stdout.split() == ["3", "0.25"], proc.stdout + proc.stderr
+
+
+# --- the goalloc command --------------------------------------------------------
+
+def _tool_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "GOALLOC_TOOL"}
+    env.update(extra)
+    return env
+
+
+def test_python_m_goalloc_runs_the_tool_with_its_arguments_and_exit_status():
+    if not (Path(goalloc.__file__).parent / "bin" / "goalloc").is_file():
+        pytest.skip("the package was installed without the tool")
+    ok = subprocess.run([sys.executable, "-m", "goalloc", "help", "replay"],
+                        env=_tool_env(), capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert "Usage: goalloc replay" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "goalloc", "replay", "--policy", "no-such-policy"],
+                         env=_tool_env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stderr  # the tool's usage-error status
+    assert "no-such-policy" in bad.stderr
+
+
+def test_goalloc_command_without_the_tool_says_how_to_get_it(tmp_path):
+    """A package installed without Go and without GOALLOC_TOOL has no tool:
+    the command says so and exits 127, as a shell does for a missing command."""
+    package = tmp_path / "goalloc"
+    shutil.copytree(Path(goalloc.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("bin", "*.so", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "goalloc", "--help"], cwd=tmp_path,
+                          env=_tool_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 127
+    assert "the goalloc tool is not in this installation" in proc.stderr
+    assert "GOALLOC_TOOL=" in proc.stderr and "make tool" in proc.stderr
+
+
+def test_goalloc_tool_that_is_not_a_file_is_reported(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "goalloc", "--help"],
+                          env=_tool_env(GOALLOC_TOOL=str(tmp_path / "missing")),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 127
+    assert "GOALLOC_TOOL=" in proc.stderr and "is not an executable file" in proc.stderr
+
+
+# --- the wheel's platform tag ---------------------------------------------------
+
+def _wheel_tag():
+    sys.path.insert(0, str(REPO))
+    try:
+        import wheel_tag
+    finally:
+        sys.path.remove(str(REPO))
+    return wheel_tag
+
+
+def test_manylinux_tag_is_the_newest_glibc_the_library_needs():
+    """The tag's glibc is the newest GLIBC_2.X symbol version named in the
+    library's dynamic string table (read here by a plain byte search, apart
+    from wheel_tag's ELF reader)."""
+    wheel_tag = _wheel_tag()
+    library = Path(goalloc.library_path())
+    newest = max(int(m) for m in re.findall(rb"GLIBC_2\.(\d+)", library.read_bytes()))
+    tag, why = wheel_tag.manylinux_tag([library], "linux_x86_64")
+    assert why == []
+    assert tag == f"manylinux_2_{max(newest, 17)}_x86_64"
+
+
+def test_a_library_manylinux_does_not_allow_keeps_the_linux_tag():
+    wheel_tag = _wheel_tag()
+    info = wheel_tag.ELFInfo("x86_64", ["libc.so.6", "libcuda.so.1"], {"libc.so.6": {"GLIBC_2.17"}})
+    floor, problems = wheel_tag.glibc_floor(info)
+    assert problems == ["links libcuda.so.1, which manylinux does not allow"]
+    newer_cxx = wheel_tag.ELFInfo("x86_64", ["libstdc++.so.6"], {"libstdc++.so.6": {"GLIBCXX_3.4.30"}})
+    assert wheel_tag.glibc_floor(newer_cxx) == (35, [])
+
+
+# --- sdist -> wheel -> fresh venv ------------------------------------------------
+
+@pytest.mark.packaging
+def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
+    """What a release does: `python -m build` makes the sdist and then the
+    wheel from that sdist (so the sdist must carry every Go source the
+    build needs); the wheel goes into a fresh venv, where the library, the
+    `goalloc` command and `python -m goalloc` work, away from the checkout."""
+    try:
+        import build  # noqa: F401
+    except ImportError:
+        if os.environ.get("GOALLOC_EXPECT_INSTALLED"):
+            pytest.fail("`make pytest` installs the build package; it is missing")
+        pytest.skip("needs the build package (pip install build)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GOALLOC_LIBRARY", "GOALLOC_TOOL", "PYTHONPATH")}
+    dist = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "build", "-o", str(dist), str(REPO)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # Built from the sdist, not from the checkout.
+    log = proc.stdout + proc.stderr
+    assert "Building wheel from sdist" in log, log[-2000:]
+    (sdist,) = dist.glob("goalloc-*.tar.gz")
+    (wheel,) = dist.glob("goalloc-*.whl")
+
+    version = goalloc.__version__
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for needed in ["go.mod", "go.sum", "setup.py", "wheel_tag.py", "export/main.go",
+                   "export/torch_malloc.cpp", "cmd/goalloc/main.go", "arena/cuda.go",
+                   "caching/allocator.go", "streams/streams.go", "policies/policies.go",
+                   "replay/replay.go", "python/goalloc/__main__.py"]:
+        assert needed in names, needed
+    assert not [n for n in names if n.endswith("_test.go") or "testdata" in n
+                or n.startswith(("traces/", "bench/", "tests/"))]
+
+    assert re.fullmatch(rf"goalloc-{re.escape(version)}-py3-none-manylinux_2_\d+_x86_64\.whl", wheel.name)
+    with zipfile.ZipFile(wheel) as zf:
+        tool = zf.getinfo("goalloc/bin/goalloc")
+        assert tool.external_attr >> 16 & 0o111, "the tool must be executable"
+        assert "goalloc/libgoalloc.so" in zf.namelist()
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    py = env_dir / "bin" / "python"
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
+                              "--no-deps", "--no-index", str(wheel)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+
+    away = tmp_path / "elsewhere"  # no goalloc source folder here
+    away.mkdir()
+    smoke = subprocess.run([str(py), "-c", (
+        "import goalloc, json; from goalloc import _lib\n"
+        "p = _lib.lib().my_malloc(1 << 20, 0, 0x1000)\n"
+        "print(json.dumps([goalloc.__file__, goalloc.__version__, goalloc.memory_allocated(0)]))")],
+        cwd=away, env=env, capture_output=True, text=True, timeout=120)
+    assert smoke.returncode == 0, smoke.stderr
+    path, installed_version, allocated = json.loads(smoke.stdout)
+    assert Path(path).is_relative_to(env_dir)
+    assert (installed_version, allocated) == (version, 1 << 20)
+
+    # A two-event trace, replayed by the installed tool.
+    trace = away / "tiny.jsonl.gz"
+    with gzip.open(trace, "wt") as f:
+        f.write(json.dumps({"workload": "tiny"}) + "\n")
+        f.write(json.dumps({"a": "alloc", "addr": 4096, "size": 1 << 20, "stream": 0, "t": 1}) + "\n")
+        f.write(json.dumps({"a": "free_completed", "addr": 4096, "size": 1 << 20, "stream": 0, "t": 2}) + "\n")
+    for cmd in ([str(env_dir / "bin" / "goalloc")], [str(py), "-m", "goalloc"]):
+        help_ = subprocess.run(cmd + ["--help"], cwd=away, env=env, capture_output=True, text=True, timeout=60)
+        assert help_.returncode == 0, help_.stderr
+        assert "goalloc replay" in help_.stdout + help_.stderr
+        replay = subprocess.run(cmd + ["replay", str(trace), "--json"], cwd=away, env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert replay.returncode == 0, replay.stderr
+        assert json.loads(replay.stdout)["policy"] == "goalloc"
+        bad = subprocess.run(cmd + ["replay", "--device", "abacus"], cwd=away, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2, bad.stderr

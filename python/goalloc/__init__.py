@@ -27,11 +27,13 @@ from typing import Any, Optional, Union
 
 from . import _lib, _snapshot, _summary
 from ._lib import GoallocError, library_path
+from ._warnings import GoallocWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GoallocError",
+    "GoallocWarning",
     "Fragmentation",
     "install",
     "mempool",

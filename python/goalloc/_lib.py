@@ -24,6 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import _warnings
+
 LIBRARY_ENV = "GOALLOC_LIBRARY"
 LIBRARY_NAME = "libgoalloc.so"
 
@@ -128,6 +130,7 @@ def lib() -> ctypes.CDLL:
             except OSError as e:
                 raise OSError(f"goalloc: cannot load {path}: {e}") from e
             _declare(loaded)
+            _warnings.attach(loaded)  # the library's warnings become GoallocWarning
             _loaded_path = path
             _lib = loaded
     return _lib
@@ -180,6 +183,7 @@ def _config_error(msg: str) -> Exception:
 
 
 def _check(rc: int, what: str) -> None:
+    _warnings.drain()  # what this call warned of comes before its return
     if rc != 0:
         raise _error(what)
 

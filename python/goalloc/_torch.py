@@ -119,8 +119,8 @@ GRAPH_HOOKS = (
 def _pluggable(torch: ModuleType) -> Any:
     """The process's one CUDAPluggableAllocator over libgoalloc.so, all hooks set.
 
-    Without a hook the matching torch call is a silent no-op (PLATFORM.md),
-    so all are set: empty_cache, set_per_process_memory_fraction and
+    Without a hook the matching torch call is a silent no-op (torch 2.11's
+    CUDAPluggableAllocator does nothing for a hook never set), so all are set: empty_cache, set_per_process_memory_fraction and
     Tensor.record_stream then reach goalloc, and torch's init call tells
     goalloc how many devices torch sees.
     """

@@ -184,7 +184,12 @@ int main(int argc, char **argv) {
 	}
 	init(1);
 
-	/* Bad input: clear errors, no crash, nothing lost. */
+	/* Bad input: clear errors, no crash, nothing lost. Its warnings are
+	   queued (goalloc_warnings_capture) and checked below, not printed. */
+	int (*capture)(int) = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
+	char *(*take)(void) = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
+	if (!capture || !take) { fprintf(stderr, "harness: missing warning symbols\n"); return 1; }
+	capture(1);
 	if (my_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
 	if (my_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
 	if (my_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
@@ -195,6 +200,16 @@ int main(int argc, char **argv) {
 	my_free(z, 0, 0, NULL);
 	my_free(z, 0, 0, NULL); /* double free: warned and ignored */
 	record((void *)0x1234, (void *)0x1000);
+	char *warned = take();
+	const char *kinds[] = {"negative_size", "bad_device", "invalid_size", "null_pointer", "unknown_pointer", "double_free"};
+	for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+		char pat[64];
+		snprintf(pat, sizeof pat, "\"kind\":\"%s\"", kinds[i]);
+		if (!warned || !strstr(warned, pat)) fail(kinds[i], 0);
+	}
+	if (take()) fail("the warning queue is not empty after it was taken", 0);
+	strfree(warned);
+	capture(0);
 
 	check_last_error_per_thread();
 

@@ -3,9 +3,13 @@
 //   c++ tests/c/torch_malloc_test.cpp -o build/torch_malloc_test -ldl
 //   GOALLOC_DEVICE=sim build/torch_malloc_test build/libgoalloc.so
 #include <dlfcn.h>
+#include <unistd.h>
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <sys/types.h>
 
 typedef void *(*malloc_fn)(ssize_t, int, void *);
@@ -17,7 +21,17 @@ int main(int argc, char **argv) {
 	if (!lib) { std::fprintf(stderr, "%s\n", dlerror()); return 1; }
 	auto m = (malloc_fn)dlsym(lib, "goalloc_torch_malloc");
 	auto f = (free_fn)dlsym(lib, "my_free");
-	if (!m || !f) { std::fprintf(stderr, "missing symbols\n"); return 1; }
+	auto capture = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
+	auto take = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
+	auto strfree = (void (*)(char *))dlsym(lib, "goalloc_string_free");
+	if (!m || !f || !capture || !take || !strfree) { std::fprintf(stderr, "missing symbols\n"); return 1; }
+	// The bad calls below are expected to warn and to print one
+	// out-of-memory line: the warnings are queued and the line goes to a
+	// file, and both are checked instead of shown.
+	capture(1);
+	std::FILE *errs = std::tmpfile();
+	int saved_stderr = dup(2);
+	dup2(fileno(errs), 2);
 	void *p = m(1 << 20, 0, nullptr);
 	if (!p) { std::fprintf(stderr, "FAIL: no pointer\n"); return 1; }
 	f(p, 1 << 20, 0, nullptr);
@@ -40,6 +54,25 @@ int main(int argc, char **argv) {
 			}
 		}
 	}
+	dup2(saved_stderr, 2);
+	std::string printed(4096, '\0');
+	std::rewind(errs);
+	printed.resize(std::fread(&printed[0], 1, printed.size(), errs));
+	if (!std::strstr(printed.c_str(), "goalloc: out of memory on device 0: 1024.00 GiB requested") ||
+	    std::count(printed.begin(), printed.end(), '\n') != 1) {
+		std::fprintf(stderr, "FAIL: want one out-of-memory line on stderr, got:\n%s", printed.c_str());
+		failures++;
+	}
+	char *warned = take();
+	for (const char *kind : {"call_before_init", "negative_size", "invalid_size", "bad_device"}) {
+		std::string pat = std::string("\"kind\":\"") + kind + "\"";
+		if (!warned || !std::strstr(warned, pat.c_str())) {
+			std::fprintf(stderr, "FAIL: no %s warning in %s\n", kind, warned ? warned : "(none)");
+			failures++;
+		}
+	}
+	strfree(warned);
+	capture(0);
 	p = m(4096, 0, nullptr);  // still works after the failures
 	if (!p) failures++;
 	f(p, 4096, 0, nullptr);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [replay] [bench]
 #               [ddp] [multigpu] [mgbench] (these three need naming; the last two need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python replay bench} "
+what=" ${*:-probe core graphs torture sanitizer python package replay bench} "
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
@@ -42,6 +42,12 @@ fi
 if want python; then
   step python
   timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_python_gpu.py 2>&1 | tail -15 || status=1
+fi
+if want package; then
+  step package
+  # Warnings from the autograd thread; the wheel from dist/ (python -m build
+  # where Go is, carry dist/), skipped without one.
+  timeout 600 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_package_gpu.py 2>&1 | tail -15 || status=1
 fi
 if want replay; then
   step replay

@@ -1,0 +1,41 @@
+package main
+
+// The C ABI of warnings.go. A Python program calls
+//
+//	int   goalloc_warnings_capture(int on);      // 1: queue warnings, 0: print them (the default)
+//	char* goalloc_warnings_take(void);           // JSON [{"kind", "message"}...], NULL if none; free with goalloc_string_free
+//	int   goalloc_warnings_notify(void (*fn)(void)); // fn is called when a warning is queued; NULL: none
+//
+// goalloc_warnings_notify(NULL) returns once a call of the previous
+// function in flight has returned, so that its caller may then free it.
+
+/*
+typedef void (*goalloc_notify_fn)(void);
+static inline void goalloc_call_notify(goalloc_notify_fn f) { f(); }
+*/
+import "C"
+
+//export goalloc_warnings_capture
+func goalloc_warnings_capture(on C.int) C.int {
+	warnings.setCapture(on != 0)
+	return 0
+}
+
+//export goalloc_warnings_take
+func goalloc_warnings_take() *C.char {
+	b := warnings.takeJSON()
+	if b == nil {
+		return nil
+	}
+	return C.CString(string(b))
+}
+
+//export goalloc_warnings_notify
+func goalloc_warnings_notify(fn C.goalloc_notify_fn) C.int {
+	if fn == nil {
+		warnings.setNotify(nil)
+		return 0
+	}
+	warnings.setNotify(func() { C.goalloc_call_notify(fn) })
+	return 0
+}
