@@ -209,9 +209,13 @@ int main(int argc, char **argv) {
 	}
 	if (take()) fail("the warning queue is not empty after it was taken", 0);
 	strfree(warned);
-	capture(0);
-
+	/* The per-thread check provokes a wrong-size free and a bad fraction:
+	   their warnings are expected, so they stay queued and are dropped. */
 	check_last_error_per_thread();
+	char *expected = take();
+	if (!expected || !strstr(expected, "\"kind\":\"size_mismatch\"")) fail("no size_mismatch warning", 0);
+	strfree(expected);
+	capture(0);
 
 	pthread_t th[THREADS];
 	for (int t = 0; t < THREADS; t++) pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t);
