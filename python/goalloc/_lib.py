@@ -170,6 +170,7 @@ def last_error() -> str:
 
 def _error(what: str, exc: Callable[[str], Exception] = GoallocError) -> Exception:
     msg = last_error() or f"goalloc: {what} failed, and the library gave no reason"
+    _warnings.drain()  # a refused call's warnings, too, come before it raises
     return exc(msg)
 
 
@@ -189,6 +190,7 @@ def _check(rc: int, what: str) -> None:
 
 
 def _json(ptr: Optional[int], what: str) -> Any:
+    _warnings.drain()  # what this call warned of comes before its return
     text = _take_string(ptr)
     if text is None:
         raise _error(what)
