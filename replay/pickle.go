@@ -150,9 +150,6 @@ type unpickler struct {
 	stack []any
 	marks []int // stack heights at each MARK
 	memo  []any
-	// memoSet says which memo entries were stored, to tell a stored None
-	// from a never-stored index.
-	memoSet []bool
 }
 
 // unpickle decodes the pickle at the start of data and returns its value.
@@ -343,7 +340,7 @@ func (u *unpickler) run() (any, error) {
 		case opAppend:
 			err = u.appendItems(1)
 		case opAppends, opAdditems:
-			err = u.appendMarked(op)
+			err = u.appendMarked()
 		case opEmptyTuple:
 			u.push(pyTuple{})
 		case opTuple1, opTuple2, opTuple3:
@@ -381,7 +378,7 @@ func (u *unpickler) run() (any, error) {
 			u.stack = u.stack[:n-2]
 		case opSetitems:
 			var items []any
-			if items, err = u.popMark(); err != nil {
+			if items, err = u.popMarkView(); err != nil {
 				break
 			}
 			if len(u.stack) == u.floor() {
@@ -538,15 +535,24 @@ func (u *unpickler) long(n int) error {
 	return nil
 }
 
-// popMark pops the values above the innermost MARK, and the mark.
+// popMark pops the values above the innermost MARK, and the mark, into a
+// slice of their own.
 func (u *unpickler) popMark() ([]any, error) {
+	items, err := u.popMarkView()
+	return append([]any(nil), items...), err
+}
+
+// popMarkView is popMark for a caller that copies the values out before the
+// next push: they stay in the stack's memory, saving a copy for each
+// SETITEMS and APPENDS, which is most of a snapshot.
+func (u *unpickler) popMarkView() ([]any, error) {
 	n := len(u.marks)
 	if n == 0 {
 		return nil, errors.New("no MARK to pop to")
 	}
 	at := u.marks[n-1]
 	u.marks = u.marks[:n-1]
-	items := append([]any(nil), u.stack[at:]...)
+	items := u.stack[at:]
 	u.stack = u.stack[:at]
 	return items, nil
 }
@@ -567,8 +573,8 @@ func (u *unpickler) appendItems(n int) error {
 
 // appendMarked appends the values above the innermost MARK to the list (or
 // set) under it: APPENDS and ADDITEMS.
-func (u *unpickler) appendMarked(op byte) error {
-	items, err := u.popMark()
+func (u *unpickler) appendMarked() error {
+	items, err := u.popMarkView()
 	if err != nil {
 		return err
 	}
@@ -587,6 +593,10 @@ func setPairs(d *pyDict, items []any) error {
 	if len(items)%2 != 0 {
 		return fmt.Errorf("%d values for a dict's keys and values (want pairs)", len(items))
 	}
+	if n := len(d.keys) + len(items)/2; cap(d.keys) < n {
+		d.keys = append(make([]any, 0, n), d.keys...)
+		d.vals = append(make([]any, 0, n), d.vals...)
+	}
 	for i := 0; i < len(items); i += 2 {
 		if err := d.set(items[i], items[i+1]); err != nil {
 			return err
@@ -595,29 +605,27 @@ func setPairs(d *pyDict, items []any) error {
 	return nil
 }
 
-// memoLimit bounds a memo index, so that a damaged index cannot make the
-// memo huge: Python numbers memo entries from 0 up, one per memoized
-// value, so an index past the values read so far is damage.
-func (u *unpickler) memoLimit() uint64 { return uint64(len(u.memo)) + uint64(len(u.data)) + 1 }
-
+// put stores the top of the stack in the memo at index i. Python's pickler
+// and torch's number memo entries from 0 up, one per memoized value, so i
+// is an index stored before or the next one; anything past that is damage,
+// refused before it can make the memo huge.
 func (u *unpickler) put(i uint64) error {
 	if len(u.stack) == u.floor() {
 		return errors.New("PUT on an empty stack")
 	}
-	if i >= u.memoLimit() {
-		return fmt.Errorf("memo index %d is past anything a pickle of %d bytes can hold", i, len(u.data))
+	switch n := uint64(len(u.memo)); {
+	case i < n:
+		u.memo[i] = u.stack[len(u.stack)-1]
+	case i == n:
+		u.memo = append(u.memo, u.stack[len(u.stack)-1])
+	default:
+		return fmt.Errorf("memo index %d skips ahead of the %d values memoized so far (a damaged pickle)", i, n)
 	}
-	for uint64(len(u.memo)) <= i {
-		u.memo = append(u.memo, nil)
-		u.memoSet = append(u.memoSet, false)
-	}
-	u.memo[i] = u.stack[len(u.stack)-1]
-	u.memoSet[i] = true
 	return nil
 }
 
 func (u *unpickler) get(i uint64) error {
-	if i >= uint64(len(u.memo)) || !u.memoSet[i] {
+	if i >= uint64(len(u.memo)) {
 		return fmt.Errorf("memo index %d was never stored (a damaged pickle)", i)
 	}
 	u.push(u.memo[i])

@@ -98,7 +98,8 @@ type SnapshotInfo struct {
 	Notes []string `json:"notes,omitempty"`
 }
 
-// Summary is the snapshot's description for the replay's table, a line each.
+// Summary is the snapshot's description for the replay's table, a line
+// each, each starting with a label in a column of nine.
 func (s *SnapshotInfo) Summary() []string {
 	var acts []string
 	for _, name := range snapshotActionNames {
@@ -112,19 +113,19 @@ func (s *SnapshotInfo) Summary() []string {
 	}
 	others := ""
 	if len(s.DevicesWithEvents) > 1 {
-		others = fmt.Sprintf(" of devices %s with events", joinInts(s.DevicesWithEvents))
+		others = fmt.Sprintf(" (devices with events: %s)", joinInts(s.DevicesWithEvents))
 	}
 	lines := []string{
-		fmt.Sprintf("memory snapshot of %s; device %d%s: %s events (%s)", who, s.Device, others, count(s.Entries), strings.Join(acts, ", ")),
+		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, count(s.Entries), strings.Join(acts, ", ")),
 	}
-	start := "start    empty allocator"
+	start := "start    an empty allocator"
 	if s.InitialBlocks > 0 || s.InitialReservedBytes > 0 {
 		start = fmt.Sprintf("start    %s blocks (%s) live before the first event, replayed first; %s reserved then",
 			count(s.InitialBlocks), FormatBytes(s.InitialBlockBytes), FormatBytes(s.InitialReservedBytes))
 	}
 	lines = append(lines, start)
 	if s.RecordedPeakReservedBytes > 0 {
-		lines = append(lines, fmt.Sprintf("recorded peak reserved %s (from the segment events)", FormatBytes(s.RecordedPeakReservedBytes)))
+		lines = append(lines, fmt.Sprintf("recorded peak reserved %s (the segments at the start and the segment events)", FormatBytes(s.RecordedPeakReservedBytes)))
 	}
 	return lines
 }
@@ -268,7 +269,7 @@ func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
 		}
 		dev = opt.Device
 	} else if len(s.info.DevicesWithEvents) > 1 {
-		s.note("replaying device %d, the first with events; devices %s have events too: pick one with --device-index N", dev, joinInts(s.info.DevicesWithEvents[1:]))
+		s.note("replaying device %d, the first with events; other devices with events: %s (pick one with --device-index N)", dev, joinInts(s.info.DevicesWithEvents[1:]))
 	}
 	s.info.Device = dev
 	entries, _ := asList(traces[dev], "")
@@ -632,7 +633,7 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 		s.note("recorded with PYTORCH_CUDA_ALLOC_CONF=%q; the native policy models the default settings, so its figures may differ from the recorded run's", in.AllocConf)
 	}
 	if n := in.Actions["oom"]; n > 0 {
-		s.note("the recorded run ran out of memory %d times (oom events); the requests that failed are not in the history and are not replayed", n)
+		s.note("the recorded run ran out of memory (%d oom events); the requests that failed are not in the history and are not replayed", n)
 	}
 	if private > 0 {
 		s.note("%d segments belong to private pools (CUDA graphs, MemPool); the replay does not keep pools apart", private)
