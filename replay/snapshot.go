@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/big"
 	"slices"
 	"strings"
@@ -230,9 +231,13 @@ type segment struct {
 }
 
 // liveBlock is a block the snapshot shows in use (active_allocated or
-// active_pending_free: a pending block waits for its free_completed).
+// active_pending_free: a pending block waits for its free_completed), or
+// one the history frees without allocating it.
 type liveBlock struct {
 	addr, size, stream uint64
+	// held is the block's size in the snapshot, where size is the request
+	// it recorded; 0 for a block known from the history only.
+	held uint64
 }
 
 func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
@@ -273,7 +278,7 @@ func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
 	}
 	s.info.Device = dev
 	entries, _ := asList(traces[dev], "")
-	events, err := decodeEvents(entries, dev)
+	events, err := s.decodeEvents(entries, dev)
 	if err != nil {
 		return nil, err
 	}
@@ -372,14 +377,14 @@ func (s *snapshotReader) segments() ([]*segment, error) {
 			if lb.addr, err = uintField(bd, addrKey, bwhat); err != nil {
 				return nil, err
 			}
-			// What the block's alloc event recorded: the request.
+			if lb.held, err = uintField(bd, "size", bwhat); err != nil {
+				return nil, err
+			}
 			if rs, ok := bd.get("requested_size"); ok {
 				lb.size, _ = asUint(rs)
 			}
 			if lb.size == 0 {
-				if lb.size, err = uintField(bd, "size", bwhat); err != nil {
-					return nil, err
-				}
+				lb.size = lb.held
 			}
 			sg.live = append(sg.live, lb)
 		}
@@ -407,7 +412,7 @@ func (s *snapshotReader) settings(segments []*segment) {
 }
 
 // decodeEvents reads a device's trace entries.
-func decodeEvents(entries []any, dev int) ([]snapEvent, error) {
+func (s *snapshotReader) decodeEvents(entries []any, dev int) ([]snapEvent, error) {
 	events := make([]snapEvent, 0, len(entries))
 	unknown := map[string]int{}
 	for i, ev := range entries {
@@ -449,7 +454,12 @@ func decodeEvents(entries []any, dev int) ([]snapEvent, error) {
 		events = append(events, e)
 	}
 	if len(unknown) > 0 {
-		return nil, fmt.Errorf("device_traces[%d] has actions this reader does not know: %v (it knows %s)", dev, unknown, strings.Join(snapshotActionNames[:], ", "))
+		names := slices.Sorted(maps.Keys(unknown))
+		for i, n := range names {
+			names[i] = fmt.Sprintf("%s (%d)", n, unknown[n])
+		}
+		s.note("device_traces[%d] has events of actions this reader does not know, left out: %s (it knows %s)",
+			dev, strings.Join(names, ", "), strings.Join(snapshotActionNames[:], ", "))
 	}
 	return events, nil
 }
@@ -525,6 +535,11 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 			if last, ok := touched[b.addr]; ok {
 				mismatch = append(mismatch, fmt.Sprintf("block %#x is live in the segments but %s freed it", b.addr, where(last)))
 				continue
+			}
+			if s.info.Recorder != "pytorch" {
+				// goalloc's alloc events record the slot or block it handed
+				// out, which is the block's size; torch's, the request.
+				b.size = b.held
 			}
 			initial = append(initial, b)
 		}
