@@ -14,26 +14,37 @@ pytestmark = [
 ]
 
 
-def test_native_snapshot_replays_to_the_recorded_peak():
-    r = run_check("snapshot_check.py", "snapshot-native", "native", timeout=600)
-    s = r["snapshot"]
+@pytest.fixture(scope="module")
+def native():
+    return run_check("snapshot_check.py", "snapshot-native", "native", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def with_goalloc():
+    return run_check("snapshot_check.py", "snapshot-goalloc", "goalloc", timeout=600)
+
+
+def test_native_snapshot_replays_to_the_recorded_peak(native):
+    s = native["snapshot"]
     assert s["recorder"] == "pytorch"
     assert s["initial_blocks"] == 0
     assert s["actions"]["alloc"] > 1000, "a training run, not a toy"
     # The history's own account of reserved memory is torch's.
-    assert abs(s["recorded_peak_reserved_bytes"] / r["max_memory_reserved"] - 1) <= 0.02, s
+    assert abs(s["recorded_peak_reserved_bytes"] / native["max_memory_reserved"] - 1) <= 0.02, s
     # The point: the native policy reproduces the run's peak reserved.
-    assert abs(r["native"]["vs_max_memory_reserved"]) <= 0.02, r["native"]
-    assert r["pickle_bytes"] < 2 << 20
+    assert abs(native["native"]["vs_max_memory_reserved"]) <= 0.02, native["native"]
 
 
-def test_goalloc_snapshot_replays():
-    r = run_check("snapshot_check.py", "snapshot-goalloc", "goalloc", timeout=600)
-    s = r["snapshot"]
+def test_native_snapshot_is_small_enough_to_commit(native):
+    assert native["pickle_bytes"] < 2 << 20, native["pickle_bytes"]
+
+
+def test_goalloc_snapshot_replays(with_goalloc):
+    s = with_goalloc["snapshot"]
     assert s["recorder"] == "unknown"
     assert s["initial_blocks"] == 0
     assert s["actions"]["alloc"] > 1000
-    assert "no allocator_settings" in r["notes"]
+    assert "no allocator_settings" in with_goalloc["notes"]
     # goalloc's history accounts for goalloc's reserved memory.
-    assert abs(s["recorded_peak_reserved_bytes"] / r["goalloc_max_memory_reserved"] - 1) <= 0.02, r
-    assert r["goalloc"]["peak_live_bytes"] > 0
+    assert abs(s["recorded_peak_reserved_bytes"] / with_goalloc["goalloc_max_memory_reserved"] - 1) <= 0.02, with_goalloc
+    assert with_goalloc["goalloc"]["peak_live_bytes"] > 0
