@@ -105,7 +105,7 @@ func (s *SnapshotInfo) Summary() []string {
 	var acts []string
 	for _, name := range snapshotActionNames {
 		if n := s.Actions[name]; n > 0 {
-			acts = append(acts, fmt.Sprintf("%s %s", count(n), name))
+			acts = append(acts, fmt.Sprintf("%s %s", FormatCount(n), name))
 		}
 	}
 	who := "PyTorch's caching allocator"
@@ -117,12 +117,12 @@ func (s *SnapshotInfo) Summary() []string {
 		others = fmt.Sprintf(" (devices with events: %s)", joinInts(s.DevicesWithEvents))
 	}
 	lines := []string{
-		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, count(s.Entries), strings.Join(acts, ", ")),
+		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, FormatCount(s.Entries), strings.Join(acts, ", ")),
 	}
 	start := "start    an empty allocator"
 	if s.InitialBlocks > 0 || s.InitialReservedBytes > 0 {
 		start = fmt.Sprintf("start    %s blocks (%s) live before the first event, replayed first; %s reserved then",
-			count(s.InitialBlocks), FormatBytes(s.InitialBlockBytes), FormatBytes(s.InitialReservedBytes))
+			FormatCount(s.InitialBlocks), FormatBytes(s.InitialBlockBytes), FormatBytes(s.InitialReservedBytes))
 	}
 	lines = append(lines, start)
 	if s.RecordedPeakReservedBytes > 0 {
@@ -131,8 +131,8 @@ func (s *SnapshotInfo) Summary() []string {
 	return lines
 }
 
-// count writes n with thousands separators.
-func count(n int) string {
+// FormatCount writes n with thousands separators, as the replay's tables do.
+func FormatCount(n int) string {
 	s := fmt.Sprint(n)
 	for i := len(s) - 3; i > 0; i -= 3 {
 		s = s[:i] + "," + s[i:]
@@ -624,7 +624,7 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 			"Recording began after they were allocated, or the ring buffer (max_entries) wrapped and dropped the oldest events; "+
 			"the replay allocates them first, in address order. What happened before the first event is not in the file, "+
 			"so where the recorded run had placed them (and so the recorded segments) cannot be reproduced exactly",
-			count(in.InitialBlocks), FormatBytes(in.InitialBlockBytes))
+			FormatCount(in.InitialBlocks), FormatBytes(in.InitialBlockBytes))
 	}
 	if in.InitialReservedBytes > in.InitialBlockBytes && consistentReserved && in.InitialBlocks == 0 {
 		s.note("the recorded allocator held %s of cached segments at the first event, which the replay starts without", FormatBytes(in.InitialReservedBytes))

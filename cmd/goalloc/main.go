@@ -385,7 +385,7 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		}
 	}
 	fmt.Fprintf(w, "\n         %s events, %s replayed (alloc, free_completed); read in %.0f ms (%.1f M lines/s)\n",
-		count(tr.Lines), count(len(tr.Events)), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
+		replay.FormatCount(tr.Lines), replay.FormatCount(len(tr.Events)), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
 	if f.device == "sim" {
 		fmt.Fprintf(w, "device   sim, %s\n", replay.FormatBytes(f.simMemory))
 	} else {
@@ -413,7 +413,7 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		}
 		t.rows = append(t.rows, []string{r.Policy, replay.FormatBytes(r.PeakLiveBytes), replay.FormatBytes(r.PeakReservedBytes),
 			fmt.Sprintf("%.3f", r.Ratio), vs, fmt.Sprintf("%.3f", r.FragmentationAtPeak),
-			count(int(r.DeviceAllocs)), count(int(r.DeviceFrees)), count(r.OOMs),
+			replay.FormatCount(int(r.DeviceAllocs)), replay.FormatCount(int(r.DeviceFrees)), replay.FormatCount(r.OOMs),
 			fmt.Sprintf("%.0f", r.NsPerOp), fmt.Sprintf("%.2f", r.EventsPerSecond/1e6),
 			fmt.Sprintf("%.2f", r.EndToEndEventsPerSecond/1e6)})
 	}
@@ -454,13 +454,4 @@ func (t *table) write(w io.Writer) {
 		}
 		fmt.Fprintln(w, b.String())
 	}
-}
-
-// count writes n with thousands separators.
-func count(n int) string {
-	s := fmt.Sprint(n)
-	for i := len(s) - 3; i > 0; i -= 3 {
-		s = s[:i] + "," + s[i:]
-	}
-	return s
 }
