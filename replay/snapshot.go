@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"bufio"
 	"cmp"
 	"errors"
 	"fmt"
@@ -179,8 +180,17 @@ type snapEvent struct {
 	timeUs     int64
 }
 
-// isSnapshot says whether data starts like a pickle of protocol 2 or later.
-func isSnapshot(prefix []byte) bool { return len(prefix) > 0 && prefix[0] == pickleProto }
+// sniffSnapshot says whether r starts like a pickle of protocol 2 or later
+// (a JSON lines trace starts with '{'), and returns r to read from: r itself
+// when it is buffered already, else r buffered.
+func sniffSnapshot(r io.Reader) (io.Reader, bool) {
+	br, ok := r.(*bufio.Reader)
+	if !ok {
+		br = bufio.NewReaderSize(r, 64<<10)
+	}
+	first, _ := br.Peek(1)
+	return br, len(first) > 0 && first[0] == pickleProto
+}
 
 // readSnapshot reads a memory snapshot pickle from r and makes the Trace of
 // one of its devices.

@@ -160,15 +160,15 @@ func ReadWith(r io.Reader, name string, opt ReadOptions) (*Trace, error) {
 	} else if strings.HasSuffix(name, ".gz") {
 		return nil, &ParseError{Path: name, Err: errors.New("unreadable gzip: the name ends in .gz but the file does not start with the gzip magic number")}
 	}
-	bsrc := bufio.NewReaderSize(src, 64<<10)
-	if first, _ := bsrc.Peek(1); isSnapshot(first) {
-		return readSnapshot(bsrc, name, opt, start)
-	}
-	if opt.Device >= 0 {
+	var snapshot bool
+	if src, snapshot = sniffSnapshot(src); snapshot {
+		return readSnapshot(src, name, opt, start)
+	} else if opt.Device >= 0 {
 		return nil, &ParseError{Path: name, Err: errors.New("a device index picks a device of a memory snapshot; this is a JSON lines trace, of one device")}
 	}
+
 	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}}
-	if err := p.run(bsrc); err != nil {
+	if err := p.run(src); err != nil {
 		return nil, err
 	}
 	if !p.sawHeader {
