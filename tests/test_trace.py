@@ -184,3 +184,27 @@ def test_replay_reads_goallocs_snapshot(raw, device, tmp_path, goalloc_tool, his
     assert snap["recorded_peak_reserved_bytes"] == BLOCK + 256 * 1024  # the block and the 1024-byte class's segment
     assert "no allocator_settings" in proc.stderr
     assert os.path.getsize(path) < 1 << 20
+
+
+def test_history_reader_takes_any_json_layout():
+    # The library's compact layout is read by pattern; any other layout of
+    # the same JSON is decoded whole, with the same result.
+    from goalloc import _trace
+
+    snap = [{"device": 0, "segments": [{"address": 4096, "total_size": 262144, "stream": 7, "blocks": []}],
+             "device_traces": [
+                 {"action": "segment_alloc", "addr": 4096, "size": 262144, "stream": 7, "time_us": 5, "frames": []},
+                 {"action": "alloc", "addr": 4096, "size": 1024, "stream": 7, "time_us": 6, "frames": []},
+                 {"action": "oom", "addr": 0, "size": 1 << 40, "stream": 0, "time_us": 7, "frames": []},
+             ]}]
+    compact = _trace.History(json.dumps(snap, separators=(",", ":")))
+    spaced = _trace.History(json.dumps(snap, indent=1))
+    assert compact._list is None and spaced._list is not None  # the two paths
+    want = [("segment_alloc", 4096, 262144, 7, 5), ("alloc", 4096, 1024, 7, 6), ("oom", 0, 1 << 40, 0, 7)]
+    for h in (compact, spaced):
+        assert list(h.entries()) == want
+        assert h.count == 3
+        assert h.segments == snap[0]["segments"]
+        start = h.scan()
+        assert start.lines == 2 and start.blocks == {} and start.segments == {}
+        assert (start.peak_reserved, start.peak_allocated) == (262144, 1024)

@@ -24,11 +24,12 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sys
 import time
 import warnings
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from . import _lib
 
@@ -76,43 +77,40 @@ class TraceRecorder:
         # one wants to replay. The exception, if any, goes on.
         previous, self._previous_history = self._previous_history, None
         try:
-            (snap,) = _lib.snapshot(self.device)
+            history = read_history(self.device)
         finally:
             # Put history recording back as it was (on again starts afresh).
             _lib.record_history(previous or 0)
-        self._write(snap, time.time() - self._start)
+        self._write(history, time.time() - self._start)
 
-    def _write(self, snap: dict[str, Any], seconds: float) -> None:
-        entries = snap.get("device_traces") or []
-        if len(entries) >= self.max_entries:
+    def _write(self, history: "History", seconds: float) -> None:
+        if history.count >= self.max_entries:
             warnings.warn(
                 f"goalloc.record_trace: the history filled its ring of max_entries={self.max_entries} events, "
-                f"so its oldest events are gone; the trace holds the last {len(entries)} and starts from the "
+                f"so its oldest events are gone; the trace holds the last {history.count} and starts from the "
                 f"state they imply. Pass a larger max_entries to keep them all.", RuntimeWarning, stacklevel=3)
-        segments, blocks = initial_state(entries, snap.get("segments") or [])
-        t0 = int(self._start * 1e6)
-        if entries:
-            t0 = min(t0, int(entries[0]["time_us"]))
-        lines = [_line("segment_alloc", a, size, stream, t0) for a, (size, stream) in sorted(segments.items())]
-        lines += [_line("alloc", a, size, stream, t0) for a, (size, stream) in sorted(blocks.items())]
-        lines += [_line(e["action"], e["addr"], e["size"], e["stream"], e["time_us"])
-                  for e in entries if e["action"] in TRACE_ACTIONS]
-        reserved, allocated = _peaks(entries, segments, blocks)
+        start = history.scan()
+        t0 = min(int(self._start * 1e6), start.first_time)
         header = {
             "workload": self.workload, "torch": _torch_version(), "gpu": _gpu_name(self.device),
-            "allocator": "goalloc", "device": self.device, "events": len(lines), "seconds": seconds,
+            "allocator": "goalloc", "device": self.device, "events": start.lines, "seconds": seconds,
             # goalloc's own peaks over the recording. The trace format's
             # max_reserved / max_allocated are PyTorch's native allocator's
             # figures, which a goalloc run does not have.
-            "goalloc_max_reserved": reserved, "goalloc_max_allocated": allocated,
+            "goalloc_max_reserved": start.peak_reserved, "goalloc_max_allocated": start.peak_allocated,
         }
         opener = gzip.open if self.path.endswith(".gz") else open
         with opener(self.path, "wt", encoding="utf-8") as f:  # type: ignore[operator]
             f.write(json.dumps(header) + "\n")
-            for line in lines:
-                f.write(line)
-        self.events = len(lines)
-        self.initial_blocks = len(blocks)
+            for a, (size, stream) in sorted(start.segments.items()):
+                f.write(_line("segment_alloc", a, size, stream, t0))
+            for a, (size, stream) in sorted(start.blocks.items()):
+                f.write(_line("alloc", a, size, stream, t0))
+            for action, addr, size, stream, t in history.entries():
+                if action in TRACE_ACTIONS:
+                    f.write(_line(action, addr, size, stream, t))
+        self.events = start.lines
+        self.initial_blocks = len(start.blocks)
 
 
 def _line(action: str, addr: int, size: int, stream: int, t: int) -> str:
@@ -120,73 +118,119 @@ def _line(action: str, addr: int, size: int, stream: int, t: int) -> str:
     return f'{{"a": "{action}", "addr": {addr}, "size": {size}, "stream": {stream}, "t": {t}}}\n'
 
 
-def initial_state(entries: list[dict[str, Any]], segments: list[dict[str, Any]]
-                  ) -> tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
-    """The segments and blocks live before the first of entries, each
-    {address: (size, stream)}: those the history frees without taking them,
-    and those the segments (at the end) show live that the history never
-    names. Raises GoallocError for a history that contradicts itself."""
-    live: set[int] = set()
-    named: set[int] = set()
-    blocks: dict[int, tuple[int, int]] = {}
-    segs: set[int] = set()
-    seg_named: set[int] = set()
-    first_segs: dict[int, tuple[int, int]] = {}
-    for i, e in enumerate(entries):
-        action, addr = e["action"], e.get("addr")
-        if action == "alloc":
-            if addr in live:
-                raise _lib.GoallocError(f"goalloc.record_trace: history entry {i} allocates {addr:#x}, which is live")
-            live.add(addr)
-            named.add(addr)
-        elif action in ("free_requested", "free_completed"):
-            if addr not in live:
-                if addr in named:
-                    raise _lib.GoallocError(f"goalloc.record_trace: history entry {i} frees {addr:#x} twice")
-                blocks[addr] = (e["size"], e["stream"])
+#: One history entry as goalloc_snapshot_json writes it (encoding/json, the
+#: fields of caching.TraceJSON in order).
+_ENTRY = re.compile(r'\{"action":"([a-z_]+)","addr":(\d+),"size":(\d+),"stream":(\d+),"time_us":(-?\d+),"frames":\[\]\}')
+
+Entry = tuple[str, int, int, int, int]  # action, addr, size, stream, time_us
+
+
+class History:
+    """A device's history and segments, read from goalloc_snapshot_json.
+
+    A history of a million events is about 100 MB of JSON; decoded into
+    dicts it would take over a gigabyte of Python memory. So the events are
+    read from the text as they are needed, by a pattern for the library's own
+    layout, and only the segments are decoded. Should the text not be in
+    that layout, the whole of it is decoded instead."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._list: Optional[list[Entry]] = None
+        self._at = text.find('"device_traces":')
+        self.count = text.count('"action":')
+        if self._at >= 0:
+            try:
+                (head,) = json.loads(text[:self._at].rstrip().rstrip(",") + "}]")
+                self.segments: list[dict[str, Any]] = head.get("segments") or []
+                if sum(1 for _ in _ENTRY.finditer(text, self._at)) == self.count:
+                    return
+            except ValueError:
+                pass
+        (snap,) = json.loads(text)
+        self.segments = snap.get("segments") or []
+        self._list = [(e["action"], e["addr"], e["size"], e["stream"], e["time_us"])
+                      for e in snap.get("device_traces") or []]
+        self.count = len(self._list)
+
+    def entries(self) -> Iterator[Entry]:
+        """The events, oldest first."""
+        if self._list is not None:
+            return iter(self._list)
+        return ((m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5])) for m in _ENTRY.finditer(self._text, self._at))
+
+    def scan(self) -> "Start":
+        """The state the history starts from, and its figures."""
+        return Start(self.entries(), self.segments)
+
+
+def read_history(device: int) -> History:
+    text = _lib._take_string(_lib.lib().goalloc_snapshot_json(device))
+    if text is None:
+        raise _lib._error("snapshot")
+    return History(text)
+
+
+class Start:
+    """What one pass over a history finds: the segments and blocks live
+    before its first event, each {address: (size, stream)}: those it frees
+    without taking them, and those the segments (at the end) show live that
+    it never names; and goalloc's peaks over it. Raises GoallocError for a
+    history that contradicts itself."""
+
+    def __init__(self, entries: Iterator[Entry], segments: list[dict[str, Any]]) -> None:
+        live: set[int] = set()
+        named: set[int] = set()
+        self.blocks: dict[int, tuple[int, int]] = {}
+        segs: set[int] = set()
+        seg_named: set[int] = set()
+        self.segments: dict[int, tuple[int, int]] = {}
+        # Reserved and allocated bytes relative to the start, and their peaks.
+        reserved = allocated = top_reserved = top_allocated = 0
+        self.lines = 0
+        self.first_time = 1 << 62
+        for i, (action, addr, size, stream, t) in enumerate(entries):
+            self.first_time = min(self.first_time, t)
+            if action in TRACE_ACTIONS:
+                self.lines += 1
+            if action == "alloc":
+                if addr in live:
+                    raise _lib.GoallocError(f"goalloc.record_trace: history entry {i} allocates {addr:#x}, which is live")
                 live.add(addr)
-            named.add(addr)
-            if action == "free_completed":
-                live.discard(addr)
-        elif action == "segment_alloc":
-            segs.add(addr)
-            seg_named.add(addr)
-        elif action == "segment_free":
-            if addr not in segs and addr not in seg_named:
-                first_segs[addr] = (e["size"], e["stream"])
-            segs.discard(addr)
-            seg_named.add(addr)
-    for seg in segments:
-        if seg["address"] not in seg_named:
-            first_segs[seg["address"]] = (seg["total_size"], seg["stream"])
-        for b in seg.get("blocks") or []:
-            if b["state"] in _LIVE_STATES and b["address"] not in named:
-                # goalloc's alloc events record the slot or block handed
-                # out; so does a block's size.
-                blocks[b["address"]] = (b["size"], seg["stream"])
-    return first_segs, blocks
-
-
-def _peaks(entries: list[dict[str, Any]], segments: dict[int, tuple[int, int]],
-           blocks: dict[int, tuple[int, int]]) -> tuple[int, int]:
-    """goalloc's peak reserved and allocated bytes over the recording."""
-    reserved = sum(s for s, _ in segments.values())
-    allocated = sum(s for s, _ in blocks.values())
-    sizes = {a: s for a, (s, _) in blocks.items()}
-    peak_r, peak_a = reserved, allocated
-    for e in entries:
-        action = e["action"]
-        if action == "segment_alloc":
-            reserved += e["size"]
-        elif action == "segment_free":
-            reserved -= e["size"]
-        elif action == "alloc":
-            sizes[e["addr"]] = e["size"]
-            allocated += e["size"]
-        elif action == "free_completed":
-            allocated -= sizes.pop(e["addr"], e["size"])
-        peak_r, peak_a = max(peak_r, reserved), max(peak_a, allocated)
-    return peak_r, peak_a
+                named.add(addr)
+                allocated += size
+            elif action in ("free_requested", "free_completed"):
+                if addr not in live:
+                    if addr in named:
+                        raise _lib.GoallocError(f"goalloc.record_trace: history entry {i} frees {addr:#x} twice")
+                    self.blocks[addr] = (size, stream)
+                    live.add(addr)
+                named.add(addr)
+                if action == "free_completed":
+                    live.discard(addr)
+                    allocated -= size  # goalloc frees the size it allocated
+            elif action == "segment_alloc":
+                segs.add(addr)
+                seg_named.add(addr)
+                reserved += size
+            elif action == "segment_free":
+                if addr not in seg_named:
+                    self.segments[addr] = (size, stream)
+                segs.discard(addr)
+                seg_named.add(addr)
+                reserved -= size
+            top_reserved, top_allocated = max(top_reserved, reserved), max(top_allocated, allocated)
+        for seg in segments:
+            if seg["address"] not in seg_named:
+                self.segments[seg["address"]] = (seg["total_size"], seg["stream"])
+            for b in seg.get("blocks") or []:
+                if b["state"] in _LIVE_STATES and b["address"] not in named:
+                    # goalloc's alloc events record the slot or block handed
+                    # out; so does a block's size.
+                    self.blocks[b["address"]] = (b["size"], seg["stream"])
+        self.lines += len(self.segments) + len(self.blocks)
+        self.peak_reserved = sum(s for s, _ in self.segments.values()) + top_reserved
+        self.peak_allocated = sum(s for s, _ in self.blocks.values()) + top_allocated
 
 
 def _default_workload() -> str:
