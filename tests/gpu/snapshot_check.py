@@ -57,15 +57,19 @@ rng = random.Random(0)
 # Before anything touches CUDA memory, so that the history starts from an
 # empty allocator.
 torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
-model = tiny_lm(torch, vocab=2048, width=256, layers=2).cuda()
+# Sizes large enough that the peak (about a GB) dwarfs the 2 MiB segments of
+# torch's small pool, where the replay may place a few blocks differently;
+# the number of events, and so the pickle's size, depends on the ops only.
+VOCAB = 8192
+model = tiny_lm(torch, vocab=VOCAB, width=512, layers=2).cuda()
 # fused: one kernel for the update, not a list of temporaries per step,
 # which keeps the history (and the pickle) small.
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 shapes = []
 for step in range(STEPS):
-    n, seq = rng.choice([4, 8, 12, 16]), rng.choice([32, 64, 96, 128, 192, 256])
+    n, seq = rng.choice([8, 16, 24, 32]), rng.choice([64, 128, 192, 256, 384, 512])
     shapes.append([n, seq])
-    tokens = torch.randint(0, 2048, (n, seq + 1), device="cuda")
+    tokens = torch.randint(0, VOCAB, (n, seq + 1), device="cuda")
     mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device="cuda")
     logits = model(tokens[:, :-1], mask)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
