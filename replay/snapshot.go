@@ -263,7 +263,7 @@ func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.settings(segments)
+	s.settings()
 
 	for d, tv := range traces {
 		entries, err := asList(tv, fmt.Sprintf("device_traces[%d]", d))
@@ -405,7 +405,7 @@ func (s *snapshotReader) segments() ([]*segment, error) {
 
 // settings reads allocator_settings: who recorded the snapshot, and with
 // what configuration.
-func (s *snapshotReader) settings(segments []*segment) {
+func (s *snapshotReader) settings() {
 	s.info.Recorder = "unknown"
 	v, ok := s.top.get("allocator_settings")
 	d, isDict := v.(*pyDict)
