@@ -639,6 +639,10 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	if in.InitialReservedBytes > in.InitialBlockBytes && consistentReserved && in.InitialBlocks == 0 {
 		s.note("the recorded allocator held %s of cached segments at the first event, which the replay starts without", FormatBytes(in.InitialReservedBytes))
 	}
+	if in.Entries == 1 {
+		s.note("the history holds one event: torch keeps a ring of one when recording with enabled=\"state\"; " +
+			"record with torch.cuda.memory._record_memory_history(max_entries=1000000) to replay the run")
+	}
 	if len(mismatch) > 0 {
 		shown := mismatch[:min(3, len(mismatch))]
 		s.note("the snapshot's segments disagree with the end of its history in %d blocks (%s): the snapshot was taken after recording stopped, "+

@@ -521,6 +521,12 @@ func TestSnapshotInitialState(t *testing.T) {
 	require.Equal(t, uint64(0x1000), tr.PeakLive)
 	require.Contains(t, strings.Join(tr.Snapshot.Notes, "\n"), "actions this reader does not know, left out: teleport (2)")
 
+	// One event: what torch's enabled="state" keeps.
+	snap["device_traces"] = []any{[]any{te("alloc", 0x5000, 0x100)}}
+	tr, err = openPickled(t, snap)
+	require.NoError(t, err)
+	require.Contains(t, strings.Join(tr.Snapshot.Notes, "\n"), `the history holds one event: torch keeps a ring of one when recording with enabled="state"`)
+
 	// A history that takes more segment memory than the segments hold.
 	snap["device_traces"] = []any{[]any{te("segment_alloc", 0x4000000, 40*MiB), te("alloc", 0x4000000, 100)}}
 	snap["segments"] = []any{}
