@@ -556,3 +556,29 @@ func TestSnapshotBadStructure(t *testing.T) {
 		require.ErrorContains(t, err, c.want)
 	}
 }
+
+// TestRecordedSnapshot replays a snapshot torch itself wrote on a GPU: the
+// native-snapshot.pickle that `tests/gpu/run_gpu.sh snapshot` leaves in its
+// output folder (tests/gpu/snapshot_check.py), committed here as
+// testdata/snapshots/h200-native.pickle. Skipped until it is.
+func TestRecordedSnapshot(t *testing.T) {
+	path := fixture("h200-native.pickle")
+	if _, err := os.Stat(path); err != nil {
+		t.Skip("no recorded snapshot yet: run tests/gpu/run_gpu.sh snapshot on a GPU and commit its native-snapshot.pickle as " + path)
+	}
+	tr, err := Open(path)
+	require.NoError(t, err)
+	s := tr.Snapshot
+	require.Equal(t, "pytorch", s.Recorder)
+	require.Zero(t, s.InitialBlocks)
+	require.Empty(t, s.Notes)
+	require.Positive(t, s.RecordedPeakReservedBytes)
+	for _, name := range []string{"native", "goalloc", "passthrough"} {
+		r, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: name})
+		require.NoError(t, err, name)
+		require.Zero(t, r.OOMs, name)
+		if name == "native" {
+			require.InEpsilon(t, float64(s.RecordedPeakReservedBytes), float64(r.PeakReservedBytes), 0.02)
+		}
+	}
+}
