@@ -15,6 +15,12 @@
 // parse serves any number of replays: `goalloc replay --compare` runs every
 // policy on the same Trace.
 //
+// Open also takes the memory snapshot pickles PyTorch writes
+// (torch.cuda.memory._dump_snapshot, snapshot.go, read by the small
+// unpickler of pickle.go): one device's history becomes the same Trace,
+// preceded by the allocations of the blocks live at its first event, and
+// Trace.Snapshot says what the replay can and cannot reproduce of it.
+//
 // Parsing is most of the work (a trace is mostly numbers), so it is fast on
 // purpose: a goroutine decompresses the next chunk of lines while the
 // current one is parsed, and event lines are read by hand (parse.go), first

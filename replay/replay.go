@@ -86,6 +86,10 @@ type Result struct {
 	NativeRatio         float64 `json:"native_ratio"`
 	NativeSegmentAllocs int     `json:"native_segment_allocs"`
 
+	// Snapshot describes the memory snapshot replayed; absent for a JSON
+	// lines trace.
+	Snapshot *SnapshotInfo `json:"snapshot,omitempty"`
+
 	// Timeline is the memory over the replay, for plots.
 	Timeline Timeline `json:"-"`
 }
@@ -150,7 +154,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		Events: t.Lines, Replayed: len(t.Events),
 		NativeMaxReserved: t.Header.MaxReserved, NativeMaxAllocated: t.Header.MaxAllocated,
 		NativeRatio: t.Header.NativeRatio(), NativeSegmentAllocs: t.SegmentAllocs(),
-		ParseSeconds: t.Elapsed.Seconds(),
+		ParseSeconds: t.Elapsed.Seconds(), Snapshot: t.Snapshot,
 	}
 	if name == "goalloc" {
 		res.Conf = opt.Conf
@@ -183,7 +187,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 					return nil, replayError(t, ev, name, err)
 				}
 				if res.OOMs == 0 {
-					res.OOMError = fmt.Sprintf("line %d: %v", ev.Line, err)
+					res.OOMError = fmt.Sprintf("%s: %v", t.where(ev.Line), err)
 				}
 				res.OOMs++
 				p = 0 // its free is skipped too
@@ -259,6 +263,6 @@ func replayError(t *Trace, ev *Event, policy string, err error) error {
 	if ev.Op == OpFree {
 		what = "free_completed"
 	}
-	return fmt.Errorf("%s: line %d: %s of %d bytes on stream %#x: policy %s: %w",
-		t.Path, ev.Line, what, ev.Size, uint64(ev.Stream), policy, err)
+	return fmt.Errorf("%s: %s: %s of %d bytes on stream %#x: policy %s: %w",
+		t.Path, t.where(ev.Line), what, ev.Size, uint64(ev.Stream), policy, err)
 }

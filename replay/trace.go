@@ -54,7 +54,7 @@ type Event struct {
 	Size   uint64 // the alloc's size, for its free too (the allocator wants it back)
 	Stream arena.Stream
 	Slot   int32
-	Line   int32 // line number in the trace file, for error messages
+	Line   int32 // where in the file, for error messages (Trace.where)
 	Op     Op
 }
 
@@ -79,6 +79,22 @@ type Trace struct {
 	Elapsed time.Duration
 	// Warnings are oddities that do not stop the replay.
 	Warnings []string
+	// Snapshot describes the memory snapshot the trace came from; nil for a
+	// JSON lines trace.
+	Snapshot *SnapshotInfo
+}
+
+// where names the place of an event's Line in the file, for messages: a
+// line of a JSON lines trace, an entry of a snapshot's device trace, or one
+// of the blocks a snapshot's history starts with.
+func (t *Trace) where(line int32) string {
+	switch {
+	case t.Snapshot == nil:
+		return fmt.Sprintf("line %d", line)
+	case line < 0:
+		return fmt.Sprintf("initial block %d (live before the history began)", -line)
+	}
+	return fmt.Sprintf("device_traces[%d][%d]", t.Snapshot.Device, line-1)
 }
 
 // SegmentAllocs is how many segments the native allocator took from
@@ -102,15 +118,20 @@ func (e *ParseError) Error() string {
 func (e *ParseError) Unwrap() error { return e.Err }
 
 // Open reads and parses the trace at path: gzipped JSON lines, or plain JSON
-// lines (told apart by the gzip magic number, not by the name).
-func Open(path string) (*Trace, error) {
+// lines (told apart by the gzip magic number, not by the name), or a memory
+// snapshot pickle of PyTorch's (snapshot.go; told by the pickle's first
+// byte), gzipped or not. A snapshot's first device with events is taken.
+func Open(path string) (*Trace, error) { return OpenWith(path, ReadOptions{Device: -1}) }
+
+// OpenWith is Open with options.
+func OpenWith(path string, opt ReadOptions) (*Trace, error) {
 	start := time.Now()
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("opening trace: %w", err)
 	}
 	defer f.Close()
-	t, err := Read(f, path)
+	t, err := ReadWith(f, path, opt)
 	if err != nil {
 		return nil, err
 	}
@@ -120,6 +141,11 @@ func Open(path string) (*Trace, error) {
 
 // Read parses a trace from r; name is its path for messages.
 func Read(r io.Reader, name string) (*Trace, error) {
+	return ReadWith(r, name, ReadOptions{Device: -1})
+}
+
+// ReadWith is Read with options.
+func ReadWith(r io.Reader, name string, opt ReadOptions) (*Trace, error) {
 	start := time.Now()
 	br := bufio.NewReaderSize(r, 64<<10)
 	magic, _ := br.Peek(2)
@@ -134,6 +160,13 @@ func Read(r io.Reader, name string) (*Trace, error) {
 	} else if strings.HasSuffix(name, ".gz") {
 		return nil, &ParseError{Path: name, Err: errors.New("unreadable gzip: the name ends in .gz but the file does not start with the gzip magic number")}
 	}
+	var snapshot bool
+	if src, snapshot = sniffSnapshot(src); snapshot {
+		return readSnapshot(src, name, opt, start)
+	} else if opt.Device >= 0 {
+		return nil, &ParseError{Path: name, Err: errors.New("a device index picks a device of a memory snapshot; this is a JSON lines trace, of one device")}
+	}
+
 	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}, gzipped: src != io.Reader(br)}
 	if err := p.run(src); err != nil {
 		return nil, err
@@ -356,12 +389,18 @@ func (p *parser) event(ev *rawEvent) error {
 	if ev.act == actNone {
 		return fmt.Errorf("unknown action %q (want alloc, free_requested, free_completed or segment_alloc)", ev.badAction)
 	}
-	if p.line > math.MaxInt32 {
+	if p.line > math.MaxInt32 || p.line < math.MinInt32 {
 		return errors.New("too many lines: a trace is limited to 2^31")
 	}
+	p.t.Lines++
+	p.t.Actions[ev.act]++
+	return p.apply(ev)
+}
+
+// apply checks an event against the ids live so far and, for an alloc or a
+// free_completed, appends it to the events to replay.
+func (p *parser) apply(ev *rawEvent) error {
 	t := p.t
-	t.Lines++
-	t.Actions[ev.act]++
 	switch ev.act {
 	case actAlloc:
 		if prev, ok := p.ids[ev.addr]; ok {

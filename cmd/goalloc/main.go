@@ -1,9 +1,11 @@
 // Command goalloc is goalloc's command-line tool. Its one command so far,
-// replay, replays a recorded PyTorch allocation trace through an allocation
-// policy on the simulated device or a GPU and reports what memory it took:
+// replay, replays a recorded PyTorch allocation trace (goalloc's JSON lines,
+// or the memory snapshot pickle torch.cuda.memory._dump_snapshot writes)
+// through an allocation policy on the simulated device or a GPU and reports
+// what memory it took:
 //
 //	goalloc replay [TRACE] [--device sim|cuda] [--policy NAME] [--conf GOALLOC_CONF]
-//	               [--sim-memory BYTES] [--json] [--html OUT.html]
+//	               [--sim-memory BYTES] [--device-index N] [--json] [--html OUT.html]
 //	goalloc replay --compare [TRACE] [--device sim|cuda] [--json] [--html OUT.html]
 //
 // See usage below for the flags, and package replay for how it measures.
@@ -50,10 +52,13 @@ Run "goalloc help replay" for the replay flags.
 const replayUsageText = `Usage: goalloc replay [TRACE] [flags]
        goalloc replay --compare [TRACE] [flags]
 
-Replays an allocation trace recorded from PyTorch (gzipped or plain JSON
-lines; see traces/README.md) through an allocation policy, each policy on a
-fresh device, and reports the device pool's peak reserved bytes against the
-trace's peak of live bytes, fragmentation at that peak, device calls and speed.
+Replays an allocation trace recorded from PyTorch through an allocation
+policy, each policy on a fresh device, and reports the device pool's peak
+reserved bytes against the trace's peak of live bytes, fragmentation at that
+peak, device calls and speed. TRACE is goalloc's trace format (JSON lines,
+gzipped or not; see traces/README.md) or a memory snapshot pickle as
+torch.cuda.memory._record_memory_history() and _dump_snapshot() write it
+(from PyTorch's allocator or goalloc's), told apart by their content.
 
 TRACE defaults to the bundled traces/gpt2-train.jsonl.gz, looked for above the
 current folder and above the executable.
@@ -66,6 +71,7 @@ Flags:
   --device sim|cuda    the simulated device (default) or GPU 0 through the CUDA driver
   --sim-memory BYTES   the simulated device's memory, e.g. 80G (default: $GOALLOC_SIM_MEMORY,
                        else %s)
+  --device-index N     the device of a memory snapshot to replay (default: the first with events)
   --json               print the results as JSON (an array with --compare)
   --html OUT.html      also write a self-contained HTML report with plots
   --allow-oom          exit 0 even when allocations failed for lack of memory
@@ -127,6 +133,8 @@ type replayFlags struct {
 	html      string
 	simMemory uint64
 	allowOOM  bool
+	// deviceIndex picks a snapshot's device; -1 the first with events.
+	deviceIndex int
 }
 
 func runReplay(args []string, stdout, stderr io.Writer) int {
@@ -164,6 +172,7 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	fs.BoolVar(&f.json, "json", false, "")
 	fs.StringVar(&f.html, "html", "", "")
 	fs.BoolVar(&f.allowOOM, "allow-oom", false, "")
+	fs.IntVar(&f.deviceIndex, "device-index", -1, "")
 	simMemory := fs.String("sim-memory", "", "")
 
 	// Flags may come before or after the trace: parse up to each
@@ -190,6 +199,9 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		return nil, usagef("one trace at a time, got %d: %s", len(positional), strings.Join(positional, " "))
 	}
 
+	if f.deviceIndex < -1 {
+		return nil, usagef("--device-index %d: a device is 0 or more", f.deviceIndex)
+	}
 	if f.device != "sim" && f.device != "cuda" {
 		return nil, usagef("unknown device %q (want sim or cuda)", f.device)
 	}
@@ -246,12 +258,17 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
-	tr, err := replay.Open(path)
+	tr, err := replay.OpenWith(path, replay.ReadOptions{Device: f.deviceIndex})
 	if err != nil {
 		return err
 	}
 	for _, w := range tr.Warnings {
 		fmt.Fprintf(stderr, "goalloc replay: warning: %s: %s\n", path, w)
+	}
+	if tr.Snapshot != nil {
+		for _, n := range tr.Snapshot.Notes {
+			fmt.Fprintf(stderr, "goalloc replay: note: %s: %s\n", path, n)
+		}
 	}
 
 	names := []string{f.policy}
@@ -387,13 +404,17 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		}
 	}
 	fmt.Fprintf(w, "\n         %s events, %s replayed (alloc, free_completed); read in %.0f ms (%.1f M lines/s)\n",
-		count(tr.Lines), count(len(tr.Events)), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
+		replay.FormatCount(tr.Lines), replay.FormatCount(len(tr.Events)), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
 	if f.device == "sim" {
 		fmt.Fprintf(w, "device   sim, %s\n", replay.FormatBytes(f.simMemory))
 	} else {
 		fmt.Fprintf(w, "device   cuda, GPU 0\n")
 	}
-	if h.NativeRatio() > 0 {
+	if tr.Snapshot != nil {
+		for _, line := range tr.Snapshot.Summary() {
+			fmt.Fprintln(w, line)
+		}
+	} else if h.NativeRatio() > 0 {
 		fmt.Fprintf(w, "native   recorded run: max_reserved %s / max_allocated %s = %.3f, %d segments\n",
 			replay.FormatBytes(h.MaxReserved), replay.FormatBytes(h.MaxAllocated), h.NativeRatio(), tr.SegmentAllocs())
 	}
@@ -411,7 +432,7 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		}
 		t.rows = append(t.rows, []string{r.Policy, replay.FormatBytes(r.PeakLiveBytes), replay.FormatBytes(r.PeakReservedBytes),
 			fmt.Sprintf("%.3f", r.Ratio), vs, fmt.Sprintf("%.3f", r.FragmentationAtPeak),
-			count(int(r.DeviceAllocs)), count(int(r.DeviceFrees)), count(r.OOMs),
+			replay.FormatCount(int(r.DeviceAllocs)), replay.FormatCount(int(r.DeviceFrees)), replay.FormatCount(r.OOMs),
 			fmt.Sprintf("%.0f", r.NsPerOp), fmt.Sprintf("%.2f", r.EventsPerSecond/1e6),
 			fmt.Sprintf("%.2f", r.EndToEndEventsPerSecond/1e6)})
 	}
@@ -452,13 +473,4 @@ func (t *table) write(w io.Writer) {
 		}
 		fmt.Fprintln(w, b.String())
 	}
-}
-
-// count writes n with thousands separators.
-func count(n int) string {
-	s := fmt.Sprint(n)
-	for i := len(s) - 3; i > 0; i -= 3 {
-		s = s[:i] + "," + s[i:]
-	}
-	return s
 }

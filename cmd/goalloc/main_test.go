@@ -322,3 +322,72 @@ func TestTraceWarnings(t *testing.T) {
 	require.Contains(t, errOut, "warning: "+path+": the header says 5 events, the file has 1")
 	require.NotContains(t, out, "native   recorded run", "no native figures in this header")
 }
+
+// snapshotFixture is one of the replay package's memory snapshot pickles
+// (replay/testdata/snapshots, written in the structure of torch 2.11's
+// _dump_snapshot).
+func snapshotFixture(name string) string {
+	return filepath.Join("..", "..", "replay", "testdata", "snapshots", name)
+}
+
+func TestReplaySnapshot(t *testing.T) {
+	path := snapshotFixture("torch-gpt2-wrapped.pickle")
+	code, out, errOut := goalloc(t, "replay", path, "--policy", "native", "--json")
+	require.Equal(t, 0, code, errOut)
+	var r map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &r), out)
+	require.Equal(t, "memory snapshot, device 0", r["workload"])
+	s, ok := r["snapshot"].(map[string]any)
+	require.True(t, ok, out)
+	require.Equal(t, "pytorch", s["recorder"])
+	require.Equal(t, float64(0), s["device"])
+	require.Equal(t, float64(8000), s["entries"])
+	require.Positive(t, s["initial_blocks"])
+	require.Positive(t, s["recorded_peak_reserved_bytes"])
+	require.Equal(t, s["recorded_peak_reserved_bytes"], r["native_max_reserved"])
+	// What cannot be reproduced goes to stderr, with --json too.
+	require.Contains(t, errOut, "goalloc replay: note: "+path+": the history does not start from an empty allocator")
+
+	code, out, errOut = goalloc(t, "replay", path, "--compare")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "trace    "+path+": memory snapshot, device 0")
+	require.Contains(t, out, "snapshot PyTorch's caching allocator; device 0: 8,000 events (2,787 alloc, 2,587 free_requested, 2,587 free_completed, 39 segment_alloc)")
+	require.Contains(t, out, "start    450 blocks")
+	require.Contains(t, out, "recorded peak reserved 26.11 GiB")
+	require.NotContains(t, out, "max_allocated", "a snapshot has no torch allocated peak")
+
+	report := filepath.Join(t.TempDir(), "r.html")
+	code, _, errOut = goalloc(t, "replay", path, "--policy", "goalloc", "--html", report)
+	require.Equal(t, 0, code, errOut)
+	require.FileExists(t, report)
+}
+
+func TestReplaySnapshotDevices(t *testing.T) {
+	path := snapshotFixture("torch-two-devices.pickle")
+	code, out, errOut := goalloc(t, "replay", path, "--json", "--policy", "native")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, errOut, "replaying device 1, the first with events; other devices with events: 2 (pick one with --device-index N)")
+	require.Contains(t, out, `"device": 1`)
+
+	code, out, errOut = goalloc(t, "replay", path, "--device-index", "2", "--json", "--policy", "native")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"device": 2`)
+	require.Empty(t, errOut)
+
+	for _, c := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"replay", path, "--device-index", "0"}, 1, "device 0 has no events in this snapshot; devices with events: 1, 2"},
+		{[]string{"replay", path, "--device-index", "-3"}, 2, "--device-index -3: a device is 0 or more"},
+		{[]string{"replay", synthetic(t, "s.jsonl"), "--device-index", "1"}, 1, "a device index picks a device of a memory snapshot; this is a JSON lines trace"},
+		{[]string{"replay", snapshotFixture("torch-no-history.pickle")}, 1, "a memory snapshot without allocation history"},
+		{[]string{"replay", snapshotFixture("values-p4.pickle")}, 1, "a dict without device_traces"},
+	} {
+		code, out, errOut := goalloc(t, c.args...)
+		require.Equal(t, c.code, code, "%v: %s", c.args, errOut)
+		require.Contains(t, errOut, c.want, "%v", c.args)
+		require.Empty(t, out, "%v", c.args)
+	}
+}

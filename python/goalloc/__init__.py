@@ -25,7 +25,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from . import _lib, _snapshot, _summary
+from . import _lib, _snapshot, _summary, _trace
 from ._lib import GoallocError, library_path
 from ._warnings import GoallocWarning
 
@@ -54,6 +54,7 @@ __all__ = [
     "snapshot",
     "dump_snapshot",
     "record_history",
+    "record_trace",
     "library_path",
 ]
 
@@ -333,3 +334,30 @@ def dump_snapshot(path: Union[str, os.PathLike[str]]) -> None:
     with open(path, "wb") as f:
         # Protocol 4: the highest that the visualiser's JavaScript unpickler reads.
         pickle.dump(data, f, protocol=4)
+
+
+def record_trace(path: Union[str, os.PathLike[str]], device: Device = 0,
+                 max_entries: int = _trace.DEFAULT_TRACE_ENTRIES,
+                 workload: Optional[str] = None) -> "_trace.TraceRecorder":
+    """A context manager that records goalloc's allocations on device while
+    it is open and then writes them to path in goalloc's trace format (JSON
+    lines, gzipped when path ends in .gz), which `goalloc replay PATH` reads::
+
+        with goalloc.record_trace("train.jsonl.gz"):
+            train_a_few_steps()
+
+    It uses the library's history (record_history(): on for every device
+    while open, a ring of max_entries events, restarting any history being
+    recorded; turned back as it was afterwards). Blocks already live when it
+    opens are written first. workload names the run in the header (default:
+    the script's name). The trace is written even if the block raises.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"goalloc: path must be a str or os.PathLike, not {type(path).__name__}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral):
+        raise TypeError(f"goalloc: max_entries must be an int, not {max_entries!r}")
+    if not 1 <= max_entries <= _lib.MAX_HISTORY_ENTRIES:
+        raise ValueError(f"goalloc: max_entries={max_entries} is outside [1, {_lib.MAX_HISTORY_ENTRIES}]")
+    if workload is not None and not isinstance(workload, str):
+        raise TypeError(f"goalloc: workload must be a str, not {type(workload).__name__}")
+    return _trace.TraceRecorder(path, _device_index(device), int(max_entries), workload)

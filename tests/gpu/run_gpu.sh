@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [replay] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [replay] [snapshot] [bench]
 #               [ddp] [multigpu] [mgbench] (these three need naming; the last two need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python package replay bench} "
+what=" ${*:-probe core graphs torture sanitizer python package replay snapshot bench} "
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
@@ -62,6 +62,14 @@ if want replay; then
       i=$((i + 1))
     done
   done
+fi
+if want snapshot; then
+  step snapshot
+  # torch's _record_memory_history + _dump_snapshot of a small training run,
+  # native and with goalloc, replayed by build/goalloc; the native pickle
+  # stays in $OUT (native-snapshot.pickle, under 2 MB) to become a fixture.
+  timeout 700 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_snapshot.py 2>&1 | tail -15 || status=1
+  rm -f "$OUT/goalloc-snapshot.pickle"
 fi
 if want ddp; then
   step ddp
