@@ -2,7 +2,8 @@
  * threads at once on the simulated device (GOALLOC_DEVICE=sim). Checks what a
  * C caller can see: every pointer is non-NULL, 512-byte aligned and disjoint
  * from every other live pointer of both threads; bad input returns NULL or is
- * ignored without crashing; the statistics add up at the end.
+ * ignored without crashing; the statistics add up at the end. A third thread
+ * reads goalloc_stat all the while, as a monitoring loop would.
  *
  *   cc tests/c/harness.c -o build/harness -ldl -lpthread
  *   GOALLOC_DEVICE=sim build/harness build/libgoalloc.so
@@ -27,6 +28,9 @@ static malloc_fn my_malloc;
 static free_fn my_free;
 static int (*check_invariants)(int);
 static char *(*last_error)(void);
+static long long (*stat_one)(int, int);
+static int (*stat_scalars)(int, int64_t *, int);
+static volatile int workers_done;
 
 #ifndef THREADS
 #define THREADS 2
@@ -104,6 +108,17 @@ static void *worker(void *arg) {
 	return NULL;
 }
 
+/* reader calls goalloc_stat while the workers allocate: it never waits for
+ * them, and never gets an error. */
+static void *reader(void *arg) {
+	(void)arg;
+	long reads = 0;
+	while (!workers_done) {
+		if (stat_one(0, reads++ & 3) < 0) fail("goalloc_stat failed during allocation", 0);
+	}
+	return NULL;
+}
+
 /* stat reads one integer key out of the stats JSON. */
 static long long stat(const char *json, const char *key) {
 	char pat[256];
@@ -125,7 +140,9 @@ int main(int argc, char **argv) {
 	json_fn stats = (json_fn)dlsym(lib, "goalloc_stats_json");
 	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
 	empty_fn empty = (empty_fn)dlsym(lib, "goalloc_empty_cache");
-	if (!my_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
+	stat_one = (long long (*)(int, int))dlsym(lib, "goalloc_stat");
+	stat_scalars = (int (*)(int, int64_t *, int))dlsym(lib, "goalloc_stat_scalars");
+	if (!my_malloc || !my_free || !init || !record || !stats || !strfree || !empty || !stat_one || !stat_scalars) {
 		fprintf(stderr, "harness: missing symbol\n");
 		return 1;
 	}
@@ -143,9 +160,12 @@ int main(int argc, char **argv) {
 	my_free(z, 0, 0, NULL); /* double free: warned and ignored */
 	record((void *)0x1234, (void *)0x1000);
 
-	pthread_t th[THREADS];
+	pthread_t th[THREADS], rd;
+	pthread_create(&rd, NULL, reader, NULL);
 	for (int t = 0; t < THREADS; t++) pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t);
 	for (int t = 0; t < THREADS; t++) pthread_join(th[t], NULL);
+	workers_done = 1;
+	pthread_join(rd, NULL);
 
 	char *js = stats(0);
 	if (!js) { fail("stats JSON is NULL", 0); return 1; }
@@ -157,6 +177,16 @@ int main(int argc, char **argv) {
 	if (allocated != 0 || count != 0) fail("memory still allocated after every free", (uintptr_t)allocated);
 	if (dbl != 1) fail("double free not counted once", (uintptr_t)dbl);
 	if (neg != 1) fail("negative size not counted once", (uintptr_t)neg);
+	/* The per-step figures, in goalloc_stat's documented order, equal the JSON's. */
+	static const char *keys[] = {"allocated_bytes.all.current", "allocated_bytes.all.peak",
+	                             "reserved_bytes.all.current", "reserved_bytes.all.peak"};
+	int64_t fig[4];
+	if (stat_scalars(0, fig, 4) != 4 || stat_scalars(0, NULL, 0) != 4) fail("goalloc_stat_scalars count", 0);
+	for (int k = 0; k < 4; k++) {
+		long long want = stat(js, keys[k]);
+		if (stat_one(0, k) != want || fig[k] != want) fail(keys[k], (uintptr_t)stat_one(0, k));
+	}
+	if (stat_one(0, 4) != -1 || stat_one(99, 0) != -1) fail("goalloc_stat accepted a bad key or device", 0);
 	empty();
 	char *js2 = stats(0);
 	long long reserved = stat(js2, "reserved_bytes.all.current");
