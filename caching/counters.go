@@ -63,26 +63,21 @@ type statsMutex struct {
 // watch makes Unlock publish from s. Called once, before the mutex is shared.
 func (m *statsMutex) watch(s *Stats) {
 	m.stats = s
-	m.publish()
+	m.Lock()
+	m.Unlock()
 }
 
+// Unlock publishes the figures that changed, then unlocks. Each figure is
+// stored and read on its own: figures read together while calls run may
+// come from different calls.
 func (m *statsMutex) Unlock() {
-	m.publish()
-	m.Mutex.Unlock()
-}
-
-// publish stores the figures that changed. Each figure is stored and read
-// on its own: figures read together while calls run may come from different
-// calls.
-func (m *statsMutex) publish() {
-	s := m.stats
-	if s == nil {
-		return
+	if s := m.stats; s != nil {
+		m.set(ScalarAllocatedBytes, s.AllocatedBytes[StatAll].Current)
+		m.set(ScalarAllocatedBytesPeak, s.AllocatedBytes[StatAll].Peak)
+		m.set(ScalarReservedBytes, s.ReservedBytes[StatAll].Current)
+		m.set(ScalarReservedBytesPeak, s.ReservedBytes[StatAll].Peak)
 	}
-	m.set(ScalarAllocatedBytes, s.AllocatedBytes[StatAll].Current)
-	m.set(ScalarAllocatedBytesPeak, s.AllocatedBytes[StatAll].Peak)
-	m.set(ScalarReservedBytes, s.ReservedBytes[StatAll].Current)
-	m.set(ScalarReservedBytesPeak, s.ReservedBytes[StatAll].Peak)
+	m.Mutex.Unlock()
 }
 
 // set stores v as figure k if it changed: a load is a plain read, a store a
