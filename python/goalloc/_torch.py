@@ -364,7 +364,7 @@ def torch_scalar(torch: ModuleType, name: str, key: int) -> Callable[..., int]:
         elif type(device) is int:
             index = device
         else:  # torch.device, "cuda:1", torch.cuda.device: torch's own parsing
-            index = cuda._get_device_index(device, optional=True)
+            index = int(cuda._get_device_index(device, optional=True))
         return _lib.stat(_stat_device(index), key)
 
     scalar.__name__ = scalar.__qualname__ = name
