@@ -101,7 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         # The per-step figures (STAT_KEYS): a number, -1 on error. No
         # argtypes: converting each argument through c_int.from_param
         # tripled the cost of the call (about 0.4 us without, 1.2 us with,
-        # on the build machine); stat()'s callers pass ints in range.
+        # on a 2-core x86-64 machine); stat()'s callers pass ints in range.
         "goalloc_stat": (ctypes.c_longlong, None),
         "goalloc_stat_scalars": (c_int, [c_int, ctypes.POINTER(ctypes.c_int64), c_int]),
         "goalloc_stat_keys_json": (c_void_p, []),
