@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 
 import goalloc
-from goalloc import _lib, _torch
+from goalloc import GoallocError, _lib, _torch
 from goalloc_testing import OTHER_STREAM, STREAM
 
 LARGE = 3_000_000
@@ -105,6 +105,17 @@ def test_bad_devices_are_caught_before_the_library(device):
         goalloc.memory_reserved("cpu")
     assert goalloc.memory_stats(0).get("goalloc.bad_input.bad_device", 0) == before
     assert goalloc.memory_allocated(f"cuda:{device}") == goalloc.memory_allocated(device)
+
+
+def test_library_refusals_carry_its_message():
+    """goalloc_stat's -1 becomes the library's own message (the calls above
+    check devices in Python first; a C caller or a bad key reaches this)."""
+    with pytest.raises(GoallocError, match="device 10000 does not exist"):
+        _lib.stat(10_000, _lib.ALLOCATED)
+    with pytest.raises(GoallocError, match="statistic 4 does not exist"):
+        _lib.stat(0, len(_lib.STAT_KEYS))
+    with pytest.raises(GoallocError, match="device -1 does not exist"):
+        _lib.stat_scalars(-1)
 
 
 def test_fast_figures_cost_microseconds_not_a_json_dict(raw, device):
