@@ -373,6 +373,8 @@ def torch_scalar(torch: ModuleType, name: str, key: int) -> Callable[..., int]:
 
 
 def patch_scalars(torch: ModuleType) -> None:
+    """Replace torch.cuda's four per-step functions (patch_torch calls it);
+    the originals are kept for unpatch_scalars()."""
     with _lock:
         for name, key in _SCALARS.items():
             fn = torch_scalar(torch, name, key)
@@ -388,6 +390,7 @@ def patch_scalars(torch: ModuleType) -> None:
 
 
 def unpatch_scalars() -> None:
+    """Put back what patch_scalars() replaced."""
     with _lock:
         for (module, name), fn in _scalar_originals.items():
             setattr(module, name, fn)
