@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"sync"
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/streams"
@@ -18,7 +17,7 @@ const MaxRequest = 1 << 48
 // Allocator is the caching allocator of one device. All its methods are safe
 // for concurrent use; each takes the one mutex once.
 type Allocator struct {
-	mu  sync.Mutex
+	mu  statsMutex // Unlock publishes the lock-free figures (counters.go)
 	dev arena.Device
 	cfg Config
 	// total is the device's memory, read once at creation.
@@ -84,6 +83,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		recorded:    map[uintptr][]arena.Stream{},
 		stats:       Stats{BadInput: map[string]int64{}},
 	}
+	a.mu.watch(&a.stats)
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
 	if cfg.Fraction > 0 {

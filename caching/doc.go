@@ -133,7 +133,11 @@
 // Stats keeps PyTorch's memory_stats() figures incrementally, under the same
 // mutex, split by pool as PyTorch splits them (small: slots; large: blocks).
 // CheckInvariants recomputes all of them from the blocks and segments; the
-// property tests call it after every step.
+// property tests call it after every step. The four figures torch has a
+// scalar function for (memory_allocated, max_memory_allocated,
+// memory_reserved, max_memory_reserved) are also published by the mutex's
+// Unlock to atomics that a training loop reads every step without the mutex
+// (counters.go).
 package caching
 
 //go:generate go run mksizeclasses.go

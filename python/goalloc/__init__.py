@@ -25,7 +25,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from . import _lib, _snapshot, _summary, _trace
+from . import _lib, _snapshot, _summary, _torch, _trace
 from ._lib import GoallocError, library_path
 from ._warnings import GoallocWarning
 
@@ -72,9 +72,7 @@ DEFAULT_HISTORY_ENTRIES = 100_000
 def _device_index(device: Device) -> int:
     """Turn a torch-style device into an index goalloc has, or raise ValueError."""
     if device is None:
-        from ._torch import current_device
-
-        index = current_device()
+        index = _torch.current_device()
     elif isinstance(device, bool):
         raise TypeError(f"goalloc: device must be an int, a torch.device or 'cuda:N', not {device!r}")
     elif isinstance(device, str) or hasattr(device, "type"):
@@ -82,9 +80,7 @@ def _device_index(device: Device) -> int:
         if kind != "cuda":
             raise ValueError(f"goalloc: manages CUDA devices only, not {str(device)!r}")
         if index_or_none is None:
-            from ._torch import current_device
-
-            index = current_device()
+            index = _torch.current_device()
         else:
             index = index_or_none
     else:
@@ -99,6 +95,21 @@ def _device_index(device: Device) -> int:
         kind = _lib.config().get("device", "")
         raise ValueError(f"goalloc: device {index} does not exist ({count} {kind} devices: 0 to {count - 1})")
     return index
+
+
+def _stat_device(device: Device) -> int:
+    """_device_index, without a call into the library for an int or None once
+    the device count is known: the per-step statistics cost about a
+    microsecond, and a training loop may call them every step."""
+    if device is None:
+        index = _torch.current_device()
+    elif type(device) is int:
+        index = device
+    else:
+        return _device_index(device)
+    if 0 <= index < _lib.device_count():
+        return index
+    return _device_index(index)  # raises, naming the devices there are
 
 
 def _parse_device(device: Any) -> tuple[str, Optional[int]]:
@@ -192,7 +203,7 @@ def device_count() -> int:
 
 # --- statistics -------------------------------------------------------------------
 
-def memory_stats(device: Device = 0) -> dict[str, int]:
+def memory_stats(device: Device = None) -> dict[str, int]:
     """Every statistic of a device, under torch.cuda.memory_stats()'s key names
     ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
     "num_ooms", ...), plus goalloc's own under "goalloc." (cache hits and
@@ -201,37 +212,42 @@ def memory_stats(device: Device = 0) -> dict[str, int]:
     return _lib.stats(_device_index(device))
 
 
-def memory_allocated(device: Device = 0) -> int:
+# The four per-step figures are read with atomic loads, without the
+# allocator's lock and without building memory_stats(): about a microsecond
+# a call (BENCHMARKS.md). They are the figures as of the last allocator call
+# that completed.
+
+def memory_allocated(device: Device = None) -> int:
     """Bytes held by live allocations (their block sizes), like torch's."""
-    return memory_stats(device)["allocated_bytes.all.current"]
+    return _lib.stat(_stat_device(device), _lib.ALLOCATED)
 
 
-def max_memory_allocated(device: Device = 0) -> int:
+def max_memory_allocated(device: Device = None) -> int:
     """Peak of memory_allocated() since the start or the last reset."""
-    return memory_stats(device)["allocated_bytes.all.peak"]
+    return _lib.stat(_stat_device(device), _lib.ALLOCATED_PEAK)
 
 
-def memory_reserved(device: Device = 0) -> int:
+def memory_reserved(device: Device = None) -> int:
     """Bytes goalloc holds from the driver pool, in use or cached."""
-    return memory_stats(device)["reserved_bytes.all.current"]
+    return _lib.stat(_stat_device(device), _lib.RESERVED)
 
 
-def max_memory_reserved(device: Device = 0) -> int:
+def max_memory_reserved(device: Device = None) -> int:
     """Peak of memory_reserved() since the start or the last reset."""
-    return memory_stats(device)["reserved_bytes.all.peak"]
+    return _lib.stat(_stat_device(device), _lib.RESERVED_PEAK)
 
 
-def reset_peak_memory_stats(device: Device = 0) -> None:
+def reset_peak_memory_stats(device: Device = None) -> None:
     """Set every peak to its current value, e.g. to measure one training step."""
     _lib.reset_peak(_device_index(device))
 
 
-def reset_accumulated_memory_stats(device: Device = 0) -> None:
+def reset_accumulated_memory_stats(device: Device = None) -> None:
     """Zero the running totals (the .allocated/.freed figures) and the counters."""
     _lib.reset_accumulated(_device_index(device))
 
 
-def memory_summary(device: Device = 0, abbreviated: bool = False) -> str:
+def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
     """The statistics of a device as a table, in the layout of
     torch.cuda.memory_summary(), followed by goalloc's own figures."""
     if not isinstance(abbreviated, bool):
@@ -251,7 +267,7 @@ def empty_cache(device: Device = None) -> None:
         _lib.empty_cache_device(_device_index(device))
 
 
-def set_memory_fraction(fraction: float, device: Device = 0) -> None:
+def set_memory_fraction(fraction: float, device: Device = None) -> None:
     """Cap reserved memory at fraction x the device's memory, fraction in (0, 1].
 
     The goalloc side of torch.cuda.set_per_process_memory_fraction(): past
@@ -283,7 +299,7 @@ class Fragmentation:
     pool_used_high_bytes: int = 0
 
 
-def fragmentation(device: Device = 0) -> Fragmentation:
+def fragmentation(device: Device = None) -> Fragmentation:
     """Cached free bytes, the largest free cached block, and 1 - largest/free."""
     f = _lib.fragmentation(_device_index(device))
     return Fragmentation(

@@ -312,6 +312,7 @@ def patch_torch(torch: ModuleType) -> None:
             if name not in _originals:
                 _originals[name] = getattr(torch._C, name, None)
             setattr(torch._C, name, fn)
+        patch_scalars(torch)
 
 
 def unpatch_torch(torch: ModuleType) -> None:
@@ -324,3 +325,73 @@ def unpatch_torch(torch: ModuleType) -> None:
             else:
                 setattr(torch._C, name, fn)
         _originals.clear()
+        unpatch_scalars()
+
+
+# --- torch's per-step statistics, answered without memory_stats() --------------
+#
+# torch.cuda.memory_allocated() and its three siblings build the whole
+# memory_stats() dict (a nested dict, flattened and sorted) to return one
+# number: over 100 us with goalloc behind _cuda_memoryStats. A training loop
+# may ask every step, so install() replaces the four functions themselves,
+# in torch.cuda.memory and in torch.cuda, with ones that read goalloc's
+# published figure (about a microsecond). torch's deprecated memory_cached()
+# and max_memory_cached() call memory_reserved() and max_memory_reserved()
+# of torch.cuda.memory, so they follow.
+
+_SCALARS = {
+    "memory_allocated": _lib.ALLOCATED,
+    "max_memory_allocated": _lib.ALLOCATED_PEAK,
+    "memory_reserved": _lib.RESERVED,
+    "max_memory_reserved": _lib.RESERVED_PEAK,
+}
+# (module, name) -> the function patch_scalars() replaced there.
+_scalar_originals: dict[tuple[ModuleType, str], Any] = {}
+
+
+def torch_scalar(torch: ModuleType, name: str, key: int) -> Callable[..., int]:
+    """torch.cuda.<name>, answered from goalloc's figure number key."""
+    from . import _stat_device
+
+    cuda = torch.cuda
+
+    def scalar(device: Any = None) -> int:
+        # As torch: nothing is allocated before CUDA starts.
+        if not cuda.memory.is_initialized():
+            return 0
+        if device is None:
+            index = cuda.current_device()
+        elif type(device) is int:
+            index = device
+        else:  # torch.device, "cuda:1", torch.cuda.device: torch's own parsing
+            index = int(cuda._get_device_index(device, optional=True))
+        return _lib.stat(_stat_device(index), key)
+
+    scalar.__name__ = scalar.__qualname__ = name
+    scalar.__doc__ = f"torch.cuda.{name}, answered by goalloc (goalloc.{name})."
+    return scalar
+
+
+def patch_scalars(torch: ModuleType) -> None:
+    """Replace torch.cuda's four per-step functions (patch_torch calls it);
+    the originals are kept for unpatch_scalars()."""
+    with _lock:
+        for name, key in _SCALARS.items():
+            fn = torch_scalar(torch, name, key)
+            original = getattr(torch.cuda.memory, name, None)
+            for module in (torch.cuda.memory, torch.cuda):
+                current = getattr(module, name, None)
+                # torch.cuda's name is the same function as torch.cuda.memory's
+                # (from .memory import *); leave it if someone rebound it.
+                if module is torch.cuda and current is not original and (module, name) not in _scalar_originals:
+                    continue
+                _scalar_originals.setdefault((module, name), current)
+                setattr(module, name, fn)
+
+
+def unpatch_scalars() -> None:
+    """Put back what patch_scalars() replaced."""
+    with _lock:
+        for (module, name), fn in _scalar_originals.items():
+            setattr(module, name, fn)
+        _scalar_originals.clear()

@@ -109,6 +109,9 @@ static void *worker(void *arg) {
  * and a warning (a free with the wrong size, done all the same) does not
  * replace it. Four threads, each with its own kind of refusal. */
 static int (*set_fraction)(int, double);
+static long long (*stat_one)(int, int);
+static int (*stat_scalars)(int, int64_t *, int);
+static volatile int workers_done;
 #define ERROR_ITERS 20000
 
 struct refusal { const char *want; int kind; };
@@ -156,6 +159,17 @@ static void check_last_error_per_thread(void) {
 	}
 }
 
+/* reader calls goalloc_stat while the workers allocate: it never waits for
+ * them, and never gets an error. */
+static void *reader(void *arg) {
+	(void)arg;
+	long reads = 0;
+	while (!workers_done) {
+		if (stat_one(0, reads++ & 3) < 0) fail("goalloc_stat failed during allocation", 0);
+	}
+	return NULL;
+}
+
 /* stat reads one integer key out of the stats JSON. */
 static long long stat(const char *json, const char *key) {
 	char pat[256];
@@ -178,7 +192,10 @@ int main(int argc, char **argv) {
 	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
 	empty_fn empty = (empty_fn)dlsym(lib, "goalloc_empty_cache");
 	set_fraction = (int (*)(int, double))dlsym(lib, "goalloc_set_fraction");
-	if (!set_fraction || !last_error || !check_invariants || !my_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
+	stat_one = (long long (*)(int, int))dlsym(lib, "goalloc_stat");
+	stat_scalars = (int (*)(int, int64_t *, int))dlsym(lib, "goalloc_stat_scalars");
+	if (!set_fraction || !last_error || !check_invariants || !my_malloc || !my_free || !init || !record || !stats || !strfree || !empty ||
+	    !stat_one || !stat_scalars) {
 		fprintf(stderr, "harness: missing symbol\n");
 		return 1;
 	}
@@ -217,9 +234,12 @@ int main(int argc, char **argv) {
 	strfree(expected);
 	capture(0);
 
-	pthread_t th[THREADS];
+	pthread_t th[THREADS], rd;
 	for (int t = 0; t < THREADS; t++) pthread_create(&th[t], NULL, worker, (void *)(intptr_t)t);
+	pthread_create(&rd, NULL, reader, NULL);
 	for (int t = 0; t < THREADS; t++) pthread_join(th[t], NULL);
+	workers_done = 1;
+	pthread_join(rd, NULL);
 
 	char *js = stats(0);
 	if (!js) { fail("stats JSON is NULL", 0); return 1; }
@@ -231,6 +251,16 @@ int main(int argc, char **argv) {
 	if (allocated != 0 || count != 0) fail("memory still allocated after every free", (uintptr_t)allocated);
 	if (dbl != 1) fail("double free not counted once", (uintptr_t)dbl);
 	if (neg != 1 + ERROR_ITERS) fail("negative size not counted once per call", (uintptr_t)neg);
+	/* The per-step figures, in goalloc_stat's documented order, equal the JSON's. */
+	static const char *keys[] = {"allocated_bytes.all.current", "allocated_bytes.all.peak",
+	                             "reserved_bytes.all.current", "reserved_bytes.all.peak"};
+	int64_t fig[4];
+	if (stat_scalars(0, fig, 4) != 4 || stat_scalars(0, NULL, 0) != 4) fail("goalloc_stat_scalars count", 0);
+	for (int k = 0; k < 4; k++) {
+		long long want = stat(js, keys[k]);
+		if (stat_one(0, k) != want || fig[k] != want) fail(keys[k], (uintptr_t)stat_one(0, k));
+	}
+	if (stat_one(0, 4) != -1 || stat_one(99, 0) != -1) fail("goalloc_stat accepted a bad key or device", 0);
 	empty();
 	char *js2 = stats(0);
 	long long reserved = stat(js2, "reserved_bytes.all.current");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [replay] [snapshot] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
 #               [ddp] [multigpu] [mgbench] (these three need naming; the last two need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python package replay snapshot bench} "
+what=" ${*:-probe core graphs torture sanitizer python package stats replay snapshot bench} "
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
@@ -48,6 +48,11 @@ if want package; then
   # Warnings from the autograd thread; the wheel from dist/ (python -m build
   # where Go is, carry dist/), skipped without one.
   timeout 600 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_package_gpu.py 2>&1 | tail -15 || status=1
+fi
+if want stats; then
+  step stats
+  # torch.cuda.memory_allocated() and family after install(): goalloc's figures, at most 2 us a call.
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_stats_gpu.py 2>&1 | grep -E "RESULT|passed|failed|Error" | tail -15 || status=1
 fi
 if want replay; then
   step replay

@@ -1,0 +1,95 @@
+package main
+
+// The per-step statistics: memory_allocated() and its family as single
+// numbers, read without the allocator's mutex and without JSON, for a
+// training loop that asks every step (caching/counters.go says how the
+// figures are published).
+//
+//	long long goalloc_stat(int device, int key);
+//	int goalloc_stat_scalars(int device, int64_t* out, int n);
+//	char* goalloc_stat_keys_json(void);
+//
+// key indexes the published figures, in this fixed order (new figures are
+// only ever appended):
+//
+//	0  allocated_bytes.all.current   torch.cuda.memory_allocated()
+//	1  allocated_bytes.all.peak      torch.cuda.max_memory_allocated()
+//	2  reserved_bytes.all.current    torch.cuda.memory_reserved()
+//	3  reserved_bytes.all.peak       torch.cuda.max_memory_reserved()
+//
+// goalloc_stat returns the figure, or -1 (goalloc_last_error says why) for
+// a device or key that does not exist. goalloc_stat_scalars writes the first
+// n figures (fewer if the library has fewer) into out and returns how many
+// figures the library has, or -1; so goalloc_stat_scalars(d, NULL, 0) asks
+// how many there are. goalloc_stat_keys_json lists the keys in order, as
+// goalloc_stats_json names them. A device not used yet reads as zeros.
+
+/*
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"fmt"
+	"unsafe"
+
+	"github.com/goalloc/goalloc/caching"
+)
+
+//export goalloc_stat
+func goalloc_stat(device C.int, key C.int) C.longlong {
+	v, err := lib.stat(int(device), int(key))
+	if err != nil {
+		return -1
+	}
+	return C.longlong(v)
+}
+
+//export goalloc_stat_scalars
+func goalloc_stat_scalars(device C.int, out *C.int64_t, n C.int) C.int {
+	if n < 0 || (n > 0 && out == nil) {
+		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: goalloc_stat_scalars into %d figures at %p; give a buffer of n >= 0 figures, or NULL and 0", int(n), out))
+		return -1
+	}
+	var buf []int64
+	if n > 0 {
+		buf = unsafe.Slice((*int64)(unsafe.Pointer(out)), int(n))
+	}
+	if err := lib.statScalars(int(device), buf); err != nil {
+		return -1
+	}
+	return C.int(caching.NumScalars)
+}
+
+//export goalloc_stat_keys_json
+func goalloc_stat_keys_json() *C.char { return cstring(json.Marshal(caching.ScalarKeys())) }
+
+// stat is one published figure of device d. A device in use is read with
+// atomic loads only: no mutex, neither the allocator's nor the library's.
+func (l *library) stat(d, key int) (int64, error) {
+	if key < 0 || key >= int(caching.NumScalars) {
+		return -1, l.bad("invalid_argument", fmt.Sprintf("goalloc: statistic %d does not exist; goalloc_stat takes 0 to %d (goalloc_stat_keys_json names them)", key, caching.NumScalars-1))
+	}
+	if a := l.existingDevice(d); a != nil {
+		return a.Scalar(caching.Scalar(key)), nil
+	}
+	if err := l.checkDevice(d); err != nil {
+		return -1, err
+	}
+	return 0, nil
+}
+
+// statScalars fills out with the published figures of device d, as many
+// as fit.
+func (l *library) statScalars(d int, out []int64) error {
+	if a := l.existingDevice(d); a != nil {
+		a.Scalars(out)
+		return nil
+	}
+	if err := l.checkDevice(d); err != nil {
+		return err
+	}
+	clear(out[:min(len(out), int(caching.NumScalars))])
+	return nil
+}
