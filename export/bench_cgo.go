@@ -2,7 +2,7 @@
 
 package main
 
-// A C loop over my_malloc/my_free, so that BenchmarkCABIPair measures a
+// A C loop over goalloc_malloc/my_free, so that BenchmarkCABIPair measures a
 // cache-hit pair the way PyTorch makes it: a C caller entering Go twice.
 // Built only with -tags goalloc_bench, so the shipped library carries none
 // of it.
@@ -11,14 +11,14 @@ package main
 #include <stddef.h>
 #include <sys/types.h>
 
-extern void *my_malloc(ssize_t size, int device, void *stream);
+extern void *goalloc_malloc(ssize_t size, int device, void *stream);
 extern void my_free(void *ptr, ssize_t size, int device, void *stream);
 extern void *goalloc_bench_nop_malloc(ssize_t size, int device, void *stream);
 extern void goalloc_bench_nop_free(void *ptr, ssize_t size, int device, void *stream);
 
 static void goalloc_bench_pairs(long n, ssize_t size) {
 	for (long i = 0; i < n; i++) {
-		void *p = my_malloc(size, 0, (void *)0);
+		void *p = goalloc_malloc(size, 0, (void *)0);
 		my_free(p, size, 0, (void *)0);
 	}
 }
