@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [cxx] [cxxbench] [replay] [bench]
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -9,7 +9,10 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python replay bench} "
+what=" ${*:-probe core graphs torture sanitizer python cxx cxxbench replay bench} "
+# goalloc's C++ allocator class is built once per torch version into
+# build/cxx, which stays on the machine between calls (an ignored build folder).
+export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$PWD/build/cxx}
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
@@ -41,6 +44,24 @@ fi
 if want python; then
   step python
   timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_python_gpu.py 2>&1 | tail -15 || status=1
+fi
+if want cxx; then
+  step cxx
+  # Build the class first, so that a compiler error shows here in full.
+  timeout 400 python3 -m goalloc._cxx --verbose > "$OUT/cxx-build.txt" 2>&1
+  rc=$?
+  tail -40 "$OUT/cxx-build.txt"
+  echo "cxx build exit $rc"
+  if [[ $rc -ne 0 ]]; then
+    status=1
+  else
+    timeout 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py 2>&1 | tail -40 || status=1
+  fi
+fi
+if want cxxbench; then
+  step cxxbench
+  # native vs goalloc-cxx vs goalloc-pluggable, best of 3 (needs the cxx build).
+  timeout 500 python3 tests/gpu/bench_cxx.py --rounds 3 || status=1
 fi
 if want replay; then
   step replay
