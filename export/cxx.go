@@ -78,7 +78,12 @@ func goalloc_torch_device_stats(device C.int, out *C.longlong, n C.int) C.int {
 	if err != nil {
 		return -1
 	}
-	dst := unsafe.Slice((*int64)(unsafe.Pointer(out)), torchStatFigures)
+	torchStats(&st, unsafe.Slice((*int64)(unsafe.Pointer(out)), torchStatFigures))
+	return 0
+}
+
+// torchStats writes st into dst in the order of torchStatFigures.
+func torchStats(st *caching.Stats, dst []int64) {
 	k := 0
 	for _, arr := range [...]*[3]caching.Stat{(*[3]caching.Stat)(&st.Allocation), (*[3]caching.Stat)(&st.Segment),
 		(*[3]caching.Stat)(&st.Active), (*[3]caching.Stat)(&st.InactiveSplit), (*[3]caching.Stat)(&st.AllocatedBytes),
@@ -90,7 +95,6 @@ func goalloc_torch_device_stats(device C.int, out *C.longlong, n C.int) C.int {
 		}
 	}
 	copy(dst[k:], []int64{st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams, st.NumDeviceAlloc, st.NumDeviceFree})
-	return 0
 }
 
 //export goalloc_largest_cached_block

@@ -106,3 +106,32 @@ def test_builds_are_kept_per_torch_and_python_version(fake_torch):
     assert tag.startswith("torch-0.0_fake-py3")
     assert _cxx.cache_dir(fake_torch).name == tag
     assert _cxx.module_name().startswith("goalloc_torch_")
+
+
+class FakeExtension:
+    """The built class, whose install() fails as the real one can."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def install(self, path: str) -> None:
+        raise RuntimeError(self.error)
+
+    def is_installed(self) -> bool:
+        return False
+
+
+def test_a_library_too_old_for_the_class_falls_back_with_one_warning(fake_torch, monkeypatch):
+    monkeypatch.setattr(_cxx, "_module", FakeExtension(
+        "goalloc: /x/libgoalloc.so lacks goalloc_pool_malloc; it is older than this allocator class: rebuild it"))
+    with pytest.warns(RuntimeWarning, match="lacks goalloc_pool_malloc") as caught:
+        alloc = _torch.swap_in(fake_torch)
+    assert len(caught) == 1
+    assert fake_torch.swapped == [alloc] and isinstance(alloc, FakePluggable)
+
+
+def test_the_class_after_cuda_started_says_what_to_do(fake_torch, monkeypatch):
+    monkeypatch.setattr(_cxx, "_module", FakeExtension("Can't swap an already initialized allocator"))
+    with pytest.raises(RuntimeError, match="before PyTorch initialises CUDA"):
+        _torch.swap_in(fake_torch)
+    assert fake_torch.swapped == [] and _cxx.failure() is None

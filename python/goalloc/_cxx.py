@@ -182,9 +182,8 @@ def load(torch: ModuleType) -> Optional[ModuleType]:
     warning per process, where it cannot be had (see FALLBACK_LIMITS).
     With GOALLOC_CXX=0 it is None without a warning; with GOALLOC_CXX=1 a
     failure raises Unavailable."""
-    global _module, _failure
-    m = mode()
-    if m == "0":
+    global _module
+    if mode() == "0":
         return None
     with _lock:
         if _module is not None:
@@ -197,18 +196,27 @@ def load(torch: ModuleType) -> Optional[ModuleType]:
                            or build(torch))
                 return _module
             except Exception as e:  # Unavailable, an import error, an unwritable cache
-                _failure = str(e)
-                if m == "1":
-                    raise Unavailable(f"goalloc: the C++ allocator class is required (GOALLOC_CXX=1): {e}") from e
-                warnings.warn(
-                    f"goalloc: the C++ allocator class is not available: {e}. Falling back: {FALLBACK_LIMITS}. "
-                    f"Set GOALLOC_CXX=0 to choose the fallback without this warning.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-        elif m == "1":
+                give_up(str(e), e)
+        elif mode() == "1":
             raise Unavailable(f"goalloc: the C++ allocator class is required (GOALLOC_CXX=1): {_failure}")
         return None
+
+
+def give_up(reason: str, cause: Optional[BaseException] = None) -> None:
+    """Record why the class is not used in this process, and warn once (or,
+    with GOALLOC_CXX=1, raise Unavailable)."""
+    global _failure
+    first = _failure is None
+    _failure = reason
+    if mode() == "1":
+        raise Unavailable(f"goalloc: the C++ allocator class is required (GOALLOC_CXX=1): {reason}") from cause
+    if first:
+        warnings.warn(
+            f"goalloc: the C++ allocator class is not available: {reason}. Falling back: {FALLBACK_LIMITS}. "
+            f"Set GOALLOC_CXX=0 to choose the fallback without this warning.",
+            RuntimeWarning,
+            stacklevel=6,  # the caller of goalloc.install()
+        )
 
 
 def failure() -> Optional[str]:
@@ -245,9 +253,19 @@ def _loaded_library_path() -> str:
     return str(_lib.lib()._name)
 
 
-def install(module: ModuleType) -> None:
-    """Make the class torch's CUDA allocator (before CUDA starts)."""
-    module.install(_loaded_library_path())
+def install(module: ModuleType) -> bool:
+    """Make the class torch's CUDA allocator (before CUDA starts). False,
+    having warned, when the class cannot open the library (one too old for
+    it): torch's allocator is then unchanged and the fallback can be used.
+    torch's refusal after CUDA has started is raised as it is."""
+    try:
+        module.install(_loaded_library_path())
+    except RuntimeError as e:
+        if "already initialized" in str(e):
+            raise
+        give_up(str(e).splitlines()[0], e)
+        return False
+    return True
 
 
 def installed(module: Optional[ModuleType] = None) -> bool:

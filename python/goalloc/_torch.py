@@ -176,8 +176,7 @@ def swap_in(torch: ModuleType) -> Any:
 
     ext = _cxx.load(torch)
     try:
-        if ext is not None:
-            _cxx.install(ext)
+        if ext is not None and _cxx.install(ext):
             return torch.cuda.memory._get_current_allocator()
         alloc = _pluggable(torch)
         torch.cuda.memory.change_current_allocator(alloc)
