@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [cxx] [cxxbench] [replay] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [cxx] [cxxcompile] [cxxbench] [replay] [bench]
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python cxx cxxbench replay bench} "
+what=" ${*:-probe core graphs torture sanitizer python cxx cxxcompile cxxbench replay bench} "
 # goalloc's C++ allocator class is built once per torch version into
 # build/cxx, which stays on the machine between calls (an ignored build folder).
 export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$PWD/build/cxx}
@@ -55,8 +55,13 @@ if want cxx; then
   if [[ $rc -ne 0 ]]; then
     status=1
   else
-    timeout 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py 2>&1 | tail -40 || status=1
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py -k "not compile" 2>&1 | tail -40 || status=1
   fi
+fi
+if want cxxcompile; then
+  step cxxcompile
+  # torch.compile(mode="reduce-overhead") on the class (needs the cxx build).
+  timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py -k compile 2>&1 | tail -40 || status=1
 fi
 if want cxxbench; then
   step cxxbench
