@@ -25,8 +25,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#ifndef GOALLOC_TORCH_NO_MODULE  // tests/c/cxx_class_test.cpp: the class alone, on c10
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
+#endif
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -698,6 +700,7 @@ void raw_delete_fn(void* ptr) {
   if (ptr != nullptr) (void)lib.free_ptr(ptr);
 }
 
+#ifndef GOALLOC_TORCH_NO_MODULE
 std::shared_ptr<GoallocAllocator> installed;
 
 // install opens libgoalloc.so at path and makes goalloc torch's CUDA
@@ -711,12 +714,15 @@ void install(const std::string& path) {
 }
 
 bool is_installed() { return installed != nullptr && CCA::get() == installed.get(); }
+#endif  // GOALLOC_TORCH_NO_MODULE
 
 }  // namespace goalloc_torch
 
+#ifndef GOALLOC_TORCH_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "goalloc's C++ allocator class for PyTorch";
   m.def("install", &goalloc_torch::install, "Make goalloc (libgoalloc.so at path) torch's CUDA allocator");
   m.def("is_installed", &goalloc_torch::is_installed, "Whether goalloc's class is torch's CUDA allocator now");
   m.attr("stat_figures") = goalloc_torch::kStatFigures;
 }
+#endif  // GOALLOC_TORCH_NO_MODULE
