@@ -5,7 +5,7 @@ tests/gpu/test_cxx_gpu.py asserts on. From the repository root:
 
     GOALLOC_CXX=1 GOALLOC_LIBRARY=build/libgoalloc.so python3 tests/gpu/cxx_check.py CHECK
 
-CHECK is one of oom, stats, cudnn, compile, compile_paths, mempool, graphs.
+CHECK is one of oom, stats, cudnn, compile, compile_paths, mempool, graphs, peer.
 GOALLOC_CXX=1 makes install() fail rather than fall back to the pluggable
 allocator when the class cannot be built; GOALLOC_CXX=0 runs the same check
 on the pluggable path (which fails these checks: that is the point of them).
@@ -271,6 +271,21 @@ def check_graphs():
     out["record_stream_data_ok"] = dst.sum().item() == 7.0 * MiB
     del again, dst
     out["bad_input"] = {k: v for k, v in goalloc.memory_stats().items() if k.startswith("goalloc.bad_input")}
+    return out
+
+
+def check_peer():
+    """A copy between two devices (contiguous: the allocator's memcpyAsync)."""
+    out = install()
+    out["devices"] = torch.cuda.device_count()
+    if out["devices"] < 2:
+        return out
+    a = torch.randn(1 << 20, device="cuda:0")
+    b = a.to("cuda:1")
+    c = torch.empty(1 << 20, device="cuda:0")
+    c.copy_(b)
+    out["to_ok"] = bool(torch.equal(b.cpu(), a.cpu()))
+    out["copy_ok"] = bool(torch.equal(c, a))
     return out
 
 

@@ -96,6 +96,12 @@ def test_cuda_graphs_and_record_stream_as_before():
     assert res["bad_input"] == {}, res["bad_input"]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copies_between_devices():
+    res = check("peer")
+    assert res["to_ok"] and res["copy_ok"]
+
+
 @pytest.mark.skipif(os.environ.get("GOALLOC_CXX_SKIP_PLUGGABLE") == "1", reason="GOALLOC_CXX_SKIP_PLUGGABLE=1")
 def test_the_pluggable_path_fails_what_the_class_fixes(monkeypatch):
     """The checks above fail without the class: a refusal is a RuntimeError."""

@@ -626,11 +626,15 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     }
   }
 
-  // Memory of a stream-ordered pool is not reachable from another device
-  // without peer access; cudaMemcpyPeerAsync copies it all the same.
+  // goalloc's memory comes from a stream-ordered pool, which another device
+  // cannot reach, peer access enabled or not, until the pool grants it
+  // (cuMemPoolSetAccess; goalloc does not yet). cudaMemcpyPeerAsync copies
+  // between devices all the same, as PyTorch's cudaMallocAsync backend
+  // relies on; cudaMemcpyAsync between them failed with "invalid argument"
+  // on the H200s.
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
-                          cudaStream_t stream, bool p2p_enabled) override {
-    if (p2p_enabled || dstDevice == srcDevice) {
+                          cudaStream_t stream, bool) override {
+    if (dstDevice == srcDevice) {
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     }
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
