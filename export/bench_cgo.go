@@ -23,6 +23,20 @@ static void goalloc_bench_pairs(long n, ssize_t size) {
 	}
 }
 
+extern void *goalloc_pool_malloc(size_t size, int device, void *stream, unsigned long long id0,
+                                 unsigned long long id1, int *oom, char **err);
+extern int goalloc_free_ptr(void *ptr);
+
+// The pair as goalloc's C++ allocator class makes it.
+static void goalloc_bench_cxx_pairs(long n, size_t size) {
+	int oom = 0;
+	char *err = NULL;
+	for (long i = 0; i < n; i++) {
+		void *p = goalloc_pool_malloc(size, 0, (void *)0, 0, 0, &oom, &err);
+		goalloc_free_ptr(p);
+	}
+}
+
 static void goalloc_bench_nop_pairs(long n, ssize_t size) {
 	for (long i = 0; i < n; i++) {
 		void *p = goalloc_bench_nop_malloc(size, 0, (void *)0);
@@ -33,5 +47,7 @@ static void goalloc_bench_nop_pairs(long n, ssize_t size) {
 import "C"
 
 func benchPairs(n int, size int64) { C.goalloc_bench_pairs(C.long(n), C.ssize_t(size)) }
+
+func benchCxxPairs(n int, size int64) { C.goalloc_bench_cxx_pairs(C.long(n), C.size_t(size)) }
 
 func benchNopPairs(n int) { C.goalloc_bench_nop_pairs(C.long(n), 4096) }
