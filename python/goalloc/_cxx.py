@@ -241,6 +241,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Unavailable as e:
         print(f"goalloc: {e}", file=sys.stderr)
         return 1
+    if into is not None:  # the package keeps the extension, not its build files
+        for p in into.iterdir():
+            if p.suffix != ".so":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
     print(f"goalloc: built {mod.__file__}")
     return 0
 
