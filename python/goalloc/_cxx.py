@@ -131,7 +131,9 @@ def missing(torch: ModuleType) -> list[str]:
             lacks.append(f"torch.utils.cpp_extension ({e})")
         else:
             if kind is None:
-                lacks.append("the CUDA runtime headers (a CUDA toolkit: set CUDA_HOME, or put nvcc on PATH)")
+                lacks.append("the CUDA runtime headers (a CUDA toolkit: set CUDA_HOME, or put nvcc on PATH; or "
+                             "`pip install nvidia-cuda-crt` of torch's CUDA version, which completes the headers "
+                             "of the CUDA wheels installed with torch)")
     return lacks
 
 
