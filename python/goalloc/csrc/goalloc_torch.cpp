@@ -656,6 +656,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   // pool_for finds the pool an allocation on stream goes to: the first
   // window whose filter takes it, as PyTorch's caching allocator does.
   void pool_for(c10::DeviceIndex device, cudaStream_t stream, ull* id0, ull* id1) {
+    if (device < 0 || device >= kMaxDevices) return;  // goalloc refuses the device itself
     std::lock_guard<std::mutex> g(mu_);
     for (const auto& w : windows_[device]) {
       if (w.filter(stream)) {
