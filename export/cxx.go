@@ -201,14 +201,7 @@ func (l *library) mallocIn(size uint64, d int, s uintptr, id caching.PoolID) (ui
 	}
 	p, err := a.MallocIn(id, size, arena.Stream(s))
 	if err != nil {
-		// An out-of-memory reaches the user as torch.OutOfMemoryError with
-		// this message, as PyTorch's own allocator reports it: no stderr
-		// line (a program that retries smaller batches would print one per
-		// try). Anything else is reported as the C ABI reports it.
-		var oom *caching.OOMError
-		if !errors.As(err, &oom) {
-			l.report(err)
-		}
+		l.report(err)
 		return 0, err
 	}
 	return p, nil
