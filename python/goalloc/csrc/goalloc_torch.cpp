@@ -472,10 +472,10 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     int entries = 0;
     if (enabled) entries = static_cast<int>(std::min<size_t>(std::max<size_t>(alloc_trace_max_entries, 1), 1 << 26));
     check(lib.record_history(entries));
-    history_.store(enabled);
   }
 
-  bool isHistoryEnabled() override { return history_.load(); }
+  // Asked of the library: goalloc.record_history() turns it on too.
+  bool isHistoryEnabled() override { return parse(lib.config_json())["history"].sint() > 0; }
 
   // --- private pools: CUDA graphs, MemPool, use_mem_pool ---------------------
   //
@@ -680,7 +680,6 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   std::atomic<bool> initialized_{false};
-  std::atomic<bool> history_{false};
   std::atomic<int> open_windows_{0};
   std::mutex mu_;  // guards everything below
   std::vector<Window> windows_[kMaxDevices];
