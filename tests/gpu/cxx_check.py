@@ -52,7 +52,7 @@ def check_oom():
     else:
         out["error_type"] = None
     # The process goes on: new tensors, kernels, and the old tensor intact.
-    x = torch.arange(MiB, device="cuda", dtype=torch.float32)
+    x = torch.arange(MiB, device="cuda", dtype=torch.float64)  # every partial sum exact
     out["after_sum_ok"] = x.sum().item() == float(MiB * (MiB - 1) // 2)
     out["keep_ok"] = keep.sum().item() == MiB
     out["num_ooms"] = torch.cuda.memory_stats()["num_ooms"]
