@@ -4,7 +4,7 @@ PYTHON  ?= python3
 BUILD   := build
 GOFILES := $(shell find . -name '*.go' -not -path './build/*' -not -path './.venv/*') go.mod go.sum
 
-.PHONY: all lib tool test gotest ctest cxxtest pytest demo bench clean
+.PHONY: all lib tool test gotest ctest pytest demo bench clean
 
 all: lib tool
 
@@ -30,6 +30,8 @@ ctest: lib
 	GOALLOC_DEVICE=sim $(BUILD)/harness $(BUILD)/libgoalloc.so
 	c++ -O2 -Wall tests/c/torch_malloc_test.cpp -o $(BUILD)/torch_malloc_test -ldl
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/torch_malloc_test $(BUILD)/libgoalloc.so
+	cc -O2 -Wall tests/c/cxx_abi_test.c -o $(BUILD)/cxx_abi_test -ldl
+	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/cxx_abi_test $(BUILD)/libgoalloc.so
 
 # pytest: the Python package as a user gets it. `pip install .` (build isolation
 # on, so it fetches setuptools from PyPI) builds the library with Go into the
@@ -54,6 +56,7 @@ pytest: $(VENV)/bin/python
 TORCH        ?= $(shell $(PYTHON) -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
 CUDA_INCLUDE ?= $(or $(CUDA_HOME),/usr/local/cuda)/include
 CUDA_LIB     ?= $(firstword $(wildcard $(CUDA_INCLUDE)/../lib64) $(wildcard $(CUDA_INCLUDE)/../lib))
+.PHONY: cxxtest
 cxxtest: lib
 	@test -n "$(TORCH)" -a -f "$(TORCH)/include/c10/cuda/CUDACachingAllocator.h" || \
 		{ echo "cxxtest: set TORCH to a torch folder with include/ and lib/ (found: '$(TORCH)')"; exit 2; }

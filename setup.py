@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -80,22 +79,6 @@ def build_library(dest: Path) -> None:
         shutil.copyfile(out, dest)
 
 
-def build_cxx_class(package: Path) -> None:
-    """Build goalloc's C++ allocator class into package/cxxbuild when torch is
-    importable here (python -m goalloc._cxx --into-package); otherwise, or if
-    the build fails, the first goalloc.install() builds it (goalloc/_cxx.py).
-    Never fails the install."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return
-    cmd = [sys.executable, "-m", "goalloc._cxx", "--into-package"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")])))
-    print("goalloc: building the C++ allocator class for the installed torch: " + " ".join(cmd))
-    if subprocess.run(cmd, env=env).returncode != 0:
-        print("goalloc: the C++ allocator class was not built; goalloc.install() will try again")
-
-
 class BuildPyWithLibrary(build_py):
     """build_py that also puts libgoalloc.so into the goalloc package.
 
@@ -111,14 +94,11 @@ class BuildPyWithLibrary(build_py):
         else:
             dest = Path(self.build_lib) / "goalloc" / LIBRARY
         build_library(dest)
-        build_cxx_class(dest.parent)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outputs = super().get_outputs(include_bytecode)
         if not self.editable_mode:
-            package = Path(self.build_lib) / "goalloc"
-            outputs.append(str(package / LIBRARY))
-            outputs += [str(p) for p in (package / "cxxbuild").glob("*/*.so")]
+            outputs.append(str(Path(self.build_lib) / "goalloc" / LIBRARY))
         return outputs
 
 

@@ -23,7 +23,7 @@ typedef char *(*json_fn)(int);
 typedef void (*strfree_fn)(char *);
 typedef void (*empty_fn)(void);
 
-static malloc_fn c_malloc; // goalloc_malloc: NULL on failure
+static malloc_fn my_malloc;
 static free_fn my_free;
 static int (*check_invariants)(int);
 static char *(*last_error)(void);
@@ -75,7 +75,7 @@ static void *worker(void *arg) {
 			continue;
 		}
 		size_t n = draw_size(&seed);
-		uintptr_t p = (uintptr_t)c_malloc((ssize_t)n, 0, stream);
+		uintptr_t p = (uintptr_t)my_malloc((ssize_t)n, 0, stream);
 		if (p == 0) { fail("goalloc_malloc returned NULL", n); continue; }
 		if (p % 512) fail("pointer not 512-byte aligned", p);
 		pthread_mutex_lock(&live_mu);
@@ -116,7 +116,7 @@ int main(int argc, char **argv) {
 	if (argc != 2) { fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]); return 2; }
 	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
 	if (!lib) { fprintf(stderr, "harness: dlopen: %s\n", dlerror()); return 1; }
-	c_malloc = (malloc_fn)dlsym(lib, "goalloc_malloc");
+	my_malloc = (malloc_fn)dlsym(lib, "goalloc_malloc"); /* my_malloc throws; C callers get NULL */
 	my_free = (free_fn)dlsym(lib, "my_free");
 	init_fn init = (init_fn)dlsym(lib, "goalloc_init");
 	check_invariants = (int (*)(int))dlsym(lib, "goalloc_check_invariants");
@@ -125,19 +125,19 @@ int main(int argc, char **argv) {
 	json_fn stats = (json_fn)dlsym(lib, "goalloc_stats_json");
 	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
 	empty_fn empty = (empty_fn)dlsym(lib, "goalloc_empty_cache");
-	if (!c_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
+	if (!my_malloc || !my_free || !init || !record || !stats || !strfree || !empty) {
 		fprintf(stderr, "harness: missing symbol\n");
 		return 1;
 	}
 	init(1);
 
 	/* Bad input: clear errors, no crash, nothing lost. */
-	if (c_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
-	if (c_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
-	if (c_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
+	if (my_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
+	if (my_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
+	if (my_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
 	my_free(NULL, 0, 0, NULL);
 	my_free((void *)0x1234, 512, 0, NULL);
-	void *z = c_malloc(0, 0, NULL);
+	void *z = my_malloc(0, 0, NULL);
 	if (!z) fail("size 0 gave NULL", 0);
 	my_free(z, 0, 0, NULL);
 	my_free(z, 0, 0, NULL); /* double free: warned and ignored */

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [cxx] [cxxcompile] [cxxbench] [replay] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench]
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -9,15 +9,15 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python cxx cxxcompile cxxbench replay bench} "
-# goalloc's C++ allocator class is built once per torch version into
-# build/cxx, which stays on the machine between calls (an ignored build folder).
-export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$PWD/build/cxx}
+what=" ${*:-probe core graphs torture sanitizer python replay bench} "
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 status=0
 step() { echo "== $1 ($(date +%T))"; }
+# goalloc.install() builds goalloc's C++ allocator class once per torch
+# version; build/cxx keeps it on the machine between calls (ignored folder).
+export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$PWD/build/cxx}
 if want probe; then
   step probe
   timeout 300 python3 tests/gpu/probe_pool.py > "$OUT/pool.json" || status=1
@@ -30,21 +30,8 @@ if want graphs; then
   step graphs
   timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py 2>&1 | tail -15 || status=1
 fi
-if want torture; then
-  step torture
-  timeout 900 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_torture.py 2>&1 | tail -15 || status=1
-fi
-if want sanitizer; then
-  step sanitizer
-  # memcheck on a short torture run; says so if the tool cannot run here.
-  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/torture_check.py --ops 2000 --max-log2 22 \
-    > "$OUT/sanitizer.txt" 2>&1; echo "compute-sanitizer exit $?" | tee -a "$OUT/sanitizer.txt"
-  tail -5 "$OUT/sanitizer.txt"
-fi
-if want python; then
-  step python
-  timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_python_gpu.py 2>&1 | tail -15 || status=1
-fi
+# cxx, cxxcompile, cxxbench: goalloc's C++ allocator class (named only:
+# bash tests/gpu/run_gpu.sh cxx cxxcompile cxxbench; each within 10 minutes).
 if want cxx; then
   step cxx
   # Build the class first, so that a compiler error shows here in full.
@@ -60,13 +47,28 @@ if want cxx; then
 fi
 if want cxxcompile; then
   step cxxcompile
-  # torch.compile(mode="reduce-overhead") on the class (needs the cxx build).
+  # torch.compile(mode="reduce-overhead") on the class (after cxx built it).
   timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py -k compile 2>&1 | tail -40 || status=1
 fi
 if want cxxbench; then
   step cxxbench
-  # native vs goalloc-cxx vs goalloc-pluggable, best of 3 (needs the cxx build).
+  # native vs goalloc-cxx vs goalloc-pluggable, best of 3 (after cxx built it).
   timeout 500 python3 tests/gpu/bench_cxx.py --rounds 3 || status=1
+fi
+if want torture; then
+  step torture
+  timeout 900 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_torture.py 2>&1 | tail -15 || status=1
+fi
+if want sanitizer; then
+  step sanitizer
+  # memcheck on a short torture run; says so if the tool cannot run here.
+  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 tests/gpu/torture_check.py --ops 2000 --max-log2 22 \
+    > "$OUT/sanitizer.txt" 2>&1; echo "compute-sanitizer exit $?" | tee -a "$OUT/sanitizer.txt"
+  tail -5 "$OUT/sanitizer.txt"
+fi
+if want python; then
+  step python
+  timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_python_gpu.py 2>&1 | tail -15 || status=1
 fi
 if want replay; then
   step replay
