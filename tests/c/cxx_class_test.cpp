@@ -102,6 +102,8 @@ int main(int argc, char** argv) {
   EXPECT(throws<c10::Error>([&] { a.setMemoryFraction(1.5, 1); }).find("outside (0, 1]") != std::string::npos, "bad fraction");
 
   // History and snapshot through c10's structs.
+  a.recordHistory(true, nullptr, SIZE_MAX, CCA::RecordContext::ALL, false, {});  // torch's default: sys.maxsize
+  EXPECT(a.isHistoryEnabled(), "history on, as long as the library allows");
   a.recordHistory(true, nullptr, 100, CCA::RecordContext::ALL, false, {});
   EXPECT(a.isHistoryEnabled(), "history on");
   void* q = a.malloc(1000, 0, S);

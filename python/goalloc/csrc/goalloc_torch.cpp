@@ -469,8 +469,14 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   void recordHistory(bool enabled, CCA::CreateContextFn, size_t alloc_trace_max_entries, CCA::RecordContext,
                      bool, const std::vector<std::string>&) override {
     // goalloc records no stack traces: every entry's frames are empty.
+    // torch's default max_entries is sys.maxsize: keep the most the library
+    // takes (its config's max_history, where it says; else 2^26).
     int entries = 0;
-    if (enabled) entries = static_cast<int>(std::min<size_t>(std::max<size_t>(alloc_trace_max_entries, 1), 1 << 26));
+    if (enabled) {
+      long long most = parse(lib.config_json())["max_history"].sint();
+      if (most <= 0) most = 1 << 26;
+      entries = static_cast<int>(std::min<size_t>(std::max<size_t>(alloc_trace_max_entries, 1), static_cast<size_t>(most)));
+    }
     check(lib.record_history(entries));
   }
 
