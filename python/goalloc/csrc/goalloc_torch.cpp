@@ -633,11 +633,11 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   // goalloc's memory comes from a stream-ordered pool, which another device
-  // cannot reach, peer access enabled or not, until the pool grants it
-  // (cuMemPoolSetAccess; goalloc does not yet). cudaMemcpyPeerAsync copies
-  // between devices all the same, as PyTorch's cudaMallocAsync backend
-  // relies on; cudaMemcpyAsync between them failed with "invalid argument"
-  // on the H200s.
+  // reaches only if the pool grants it access (cuMemPoolSetAccess), whatever
+  // the peer access between the devices; without it, cudaMemcpyAsync between
+  // them failed with "invalid argument" on the H200s. cudaMemcpyPeerAsync
+  // copies between devices either way, as PyTorch's cudaMallocAsync backend
+  // relies on.
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
                           cudaStream_t stream, bool) override {
     if (dstDevice == srcDevice) {
