@@ -16,8 +16,9 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 status=0
 step() { echo "== $1 ($(date +%T))"; }
 # goalloc.install() builds goalloc's C++ allocator class once per torch
-# version; build/cxx keeps it on the machine between calls (ignored folder).
-export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$PWD/build/cxx}
+# version and keeps it here: outside build/, which a call that carries build/
+# replaces, so that the build lasts as long as the machine.
+export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$HOME/.cache/goalloc}
 if want probe; then
   step probe
   timeout 300 python3 tests/gpu/probe_pool.py > "$OUT/pool.json" || status=1
