@@ -8,7 +8,7 @@ reduce-overhead with "... checkPoolLiveAllocations", MemPool() with
 "... createOrIncrefPool", and the statistics needed torch's functions
 replaced.
 
-    GOALLOC_CXX_CACHE=build/cxx python3 -m pytest -q tests/gpu/test_cxx_gpu.py
+    python3 -m goalloc._cxx && python3 -m pytest -q tests/gpu/test_cxx_gpu.py   # build once, then test
 """
 
 from __future__ import annotations
