@@ -36,6 +36,8 @@ ctest: lib
 	GOALLOC_DEVICE=sim $(BUILD)/harness $(BUILD)/libgoalloc.so
 	c++ -O2 -Wall tests/c/torch_malloc_test.cpp -o $(BUILD)/torch_malloc_test -ldl
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/torch_malloc_test $(BUILD)/libgoalloc.so
+	cc -O2 -Wall tests/c/cxx_abi_test.c -o $(BUILD)/cxx_abi_test -ldl
+	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/cxx_abi_test $(BUILD)/libgoalloc.so
 
 # pytest: the Python package as a user gets it. `pip install .` (build isolation
 # on, so it fetches setuptools from PyPI) builds the library with Go into the
@@ -51,6 +53,24 @@ pytest: $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install -q pytest build
 	env -u GOALLOC_LIBRARY $(VENV)/bin/python -m pip install -q --force-reinstall --no-deps .
 	$(SIM_ENV) $(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
+
+## cxxtest: goalloc's C++ allocator class for PyTorch on the simulated device,
+## compiled against torch's headers and linked to c10 alone (no GPU, no torch
+## runtime). Not part of `make test`: CI has no torch. TORCH is a torch folder
+## (installed or an unpacked wheel) with include/ and lib/libc10*.so;
+## CUDA_INCLUDE holds the CUDA runtime headers, CUDA_LIB libcudart.
+TORCH        ?= $(shell $(PYTHON) -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
+CUDA_INCLUDE ?= $(or $(CUDA_HOME),/usr/local/cuda)/include
+CUDA_LIB     ?= $(firstword $(wildcard $(CUDA_INCLUDE)/../lib64) $(wildcard $(CUDA_INCLUDE)/../lib))
+.PHONY: cxxtest
+cxxtest: lib
+	@test -n "$(TORCH)" -a -f "$(TORCH)/include/c10/cuda/CUDACachingAllocator.h" || \
+		{ echo "cxxtest: set TORCH to a torch folder with include/ and lib/ (found: '$(TORCH)')"; exit 2; }
+	c++ -std=c++17 -O1 -Wall -D_GLIBCXX_USE_CXX11_ABI=1 -I$(TORCH)/include -I$(CUDA_INCLUDE) \
+		tests/c/cxx_class_test.cpp -o $(BUILD)/cxx_class_test -ldl \
+		-L$(TORCH)/lib -lc10 -lc10_cuda $(firstword $(wildcard $(CUDA_LIB)/libcudart.so*)) \
+		-Wl,-rpath,$(TORCH)/lib -Wl,-rpath,$(abspath $(CUDA_LIB))
+	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G GOALLOC_SIM_DEVICES=2 $(BUILD)/cxx_class_test $(BUILD)/libgoalloc.so
 
 ## demo: the main job. With torch and a GPU: train a small transformer with
 ## goalloc installed. Without: replay the bundled GPT-2 trace on the simulated

@@ -147,6 +147,11 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 			return 0, err
 		}
 	}
+	return a.mallocIn(cp, size, s)
+}
+
+// mallocIn is Malloc from the cache pool cp, with a.mu held.
+func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintptr, error) {
 	l := cp.last
 	if l == nil || l.stream != s {
 		l = cp.list(s)
@@ -172,6 +177,11 @@ func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintp
 	n := len(seg.freeSlots) - 1
 	i := seg.freeSlots[n]
 	seg.freeSlots = seg.freeSlots[:n]
+	return a.liveSlot(l, seg, i, size)
+}
+
+// liveSlot hands out slot i of seg, already taken off its free stack.
+func (a *Allocator) liveSlot(l *StreamFreeList, seg *Segment, i int32, size uint64) uintptr {
 	seg.state[i] = slotLive
 	seg.requested[i] = uint32(size)
 	slot := int64(seg.slotSize)
@@ -188,7 +198,7 @@ func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintp
 		a.stats.InactiveSplitBytes.sub(StatSmall, slot)
 	}
 	seg.used++
-	if n == 0 {
+	if len(seg.freeSlots) == 0 {
 		l.small[seg.class].remove(seg)
 	}
 	a.countAlloc(StatSmall, slot, size)

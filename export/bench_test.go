@@ -24,5 +24,11 @@ func BenchmarkCABIPair(b *testing.B) {
 			b.ResetTimer()
 			benchPairs(b.N, size)
 		})
+		b.Run(fmt.Sprintf("cxx/%dKiB", size>>10), func(b *testing.B) { // goalloc_pool_malloc + goalloc_free_ptr
+			benchCxxPairs(100, size)
+			b.ReportAllocs()
+			b.ResetTimer()
+			benchCxxPairs(b.N, size)
+		})
 	}
 }

@@ -6,7 +6,7 @@
 //
 // Calls PyTorch makes (torch.cuda.memory.CUDAPluggableAllocator):
 //
-//	void* my_malloc(ssize_t size, int device, cudaStream_t stream);
+//	void* my_malloc(ssize_t size, int device, cudaStream_t stream);  // throws on failure (torch_malloc.cpp)
 //	void  my_free(void* ptr, ssize_t size, int device, cudaStream_t stream);
 //	void  goalloc_init(int device_count);                       // set_init_fn
 //	void  goalloc_empty_cache(void);                            // set_reset_fn
@@ -22,6 +22,7 @@
 //	void goalloc_release_pool(int device, unsigned long long id0,
 //	                          unsigned long long id1);                        // set_release_pool
 //
+// C callers allocate with goalloc_malloc, which returns NULL on failure.
 // Control functions return 0 on success and -1 on error, or a string that
 // the caller frees with goalloc_string_free (NULL on error); either way
 // goalloc_last_error says what went wrong. See the README's C ABI table.
@@ -57,8 +58,13 @@ func cGetenv(name string) string {
 	return ""
 }
 
-//export my_malloc
-func my_malloc(size C.ssize_t, device C.int, stream C.cudaStream_t) unsafe.Pointer {
+// goalloc_malloc is the C entry point: NULL on failure, and
+// goalloc_last_error says why. my_malloc, the name PyTorch's documentation
+// gives the pluggable allocator, is the same call throwing a C++ exception
+// instead (torch_malloc.cpp).
+//
+//export goalloc_malloc
+func goalloc_malloc(size C.ssize_t, device C.int, stream C.cudaStream_t) unsafe.Pointer {
 	return devicePointer(lib.malloc(int64(size), int(device), uintptr(stream)))
 }
 

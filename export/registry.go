@@ -230,7 +230,7 @@ func (l *library) existing() map[int]*caching.Allocator {
 	return out
 }
 
-// malloc is my_malloc. It returns 0 on failure, having said why on stderr.
+// malloc is goalloc_malloc. It returns 0 on failure, having said why on stderr.
 func (l *library) malloc(size int64, d int, s uintptr) uintptr {
 	if size < 0 {
 		l.bad("negative_size", fmt.Sprintf("goalloc: malloc of a negative size (%d) on device %d", size, d))

@@ -1,4 +1,4 @@
-// goalloc_torch_malloc is my_malloc for PyTorch: where my_malloc returns
+// my_malloc is goalloc_malloc for PyTorch: where goalloc_malloc returns
 // NULL, it throws. PyTorch 2.11 does not check the pointer a pluggable
 // allocator returns: a NULL becomes a tensor that looks made, and the first
 // kernel that touches it faults and breaks the CUDA context for the whole
@@ -6,19 +6,22 @@
 // request). An exception thrown here instead unwinds through PyTorch's
 // allocation path, which is written for allocators that throw on
 // out-of-memory, and reaches Python as a RuntimeError carrying goalloc's own
-// message, before any kernel runs. The Python package installs this symbol;
-// my_malloc stays the plain C ABI.
+// message, before any kernel runs. It cannot be torch's OutOfMemoryError:
+// this library is built without torch's headers (goalloc's C++ allocator
+// class, python/goalloc/csrc, throws that one). It is thrown here, after Go
+// has returned: an exception must never unwind through Go frames. C callers
+// use goalloc_malloc.
 #include <stdexcept>
 #include <string>
 #include <sys/types.h>
 
 extern "C" {
-void *my_malloc(ssize_t size, int device, void *stream);
+void *goalloc_malloc(ssize_t size, int device, void *stream);
 char *goalloc_last_error(void);
 void goalloc_string_free(char *s);
 
-void *goalloc_torch_malloc(ssize_t size, int device, void *stream) {
-	void *p = my_malloc(size, device, stream);
+void *my_malloc(ssize_t size, int device, void *stream) {
+	void *p = goalloc_malloc(size, device, stream);
 	if (p == nullptr) {
 		char *e = goalloc_last_error();
 		std::string msg = e != nullptr && *e != '\0' ? e : "goalloc: allocation failed";

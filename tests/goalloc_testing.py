@@ -30,12 +30,12 @@ class Raw:
         _lib.init(0)
 
     def malloc(self, size: int, device: int, stream: int = STREAM) -> int:
-        """my_malloc; 0 for NULL."""
-        return self.lib.my_malloc(size, device, stream) or 0
+        """goalloc_malloc; 0 for NULL."""
+        return self.lib.goalloc_malloc(size, device, stream) or 0
 
     def must_malloc(self, size: int, device: int, stream: int = STREAM) -> int:
         p = self.malloc(size, device, stream)
-        assert p, f"my_malloc({size}, {device}) returned NULL"
+        assert p, f"goalloc_malloc({size}, {device}) returned NULL"
         return p
 
     def free(self, ptr: int, size: int, device: int, stream: int = STREAM) -> None:

@@ -28,9 +28,9 @@ def test_fraction_cap_fails_an_allocation_with_goallocs_message_and_the_process_
     proc = child("""
     goalloc.set_memory_fraction(0.001, 0)   # set before the device is first used
     cap = goalloc.config()["limits"]        # devices made so far: none yet
-    ok = L.my_malloc(4 * MiB, 0, STREAM)    # fits under 8G x 0.001 = 8.2 MiB
-    big = L.my_malloc(64 * MiB, 0, STREAM)  # does not
-    after = L.my_malloc(2 * MiB, 0, STREAM) # the process keeps working
+    ok = L.goalloc_malloc(4 * MiB, 0, STREAM)    # fits under 8G x 0.001 = 8.2 MiB
+    big = L.goalloc_malloc(64 * MiB, 0, STREAM)  # does not
+    after = L.goalloc_malloc(2 * MiB, 0, STREAM) # the process keeps working
     s = goalloc.memory_stats(0)
     L.my_free(ok, 4 * MiB, 0, STREAM)
     L.my_free(after, 2 * MiB, 0, STREAM)
@@ -53,7 +53,7 @@ def test_fraction_cap_fails_an_allocation_with_goallocs_message_and_the_process_
 
 def test_lowering_the_fraction_releases_cached_memory():
     proc = child("""
-    p = L.my_malloc(16 * MiB, 0, STREAM)
+    p = L.goalloc_malloc(16 * MiB, 0, STREAM)
     L.my_free(p, 16 * MiB, 0, STREAM)          # cached
     before = goalloc.memory_reserved(0)
     goalloc.set_memory_fraction(0.001, 0)      # below what is cached
@@ -68,7 +68,7 @@ def test_configure_before_the_first_allocation_only():
     proc = child("""
     goalloc.configure("large_cache:0,quiet:true")
     conf = goalloc.config()["conf"]
-    p = L.my_malloc(16 * MiB, 1, STREAM)
+    p = L.goalloc_malloc(16 * MiB, 1, STREAM)
     L.my_free(p, 16 * MiB, 1, STREAM)
     reserved = goalloc.memory_reserved(1)       # large_cache:0 caches nothing
     try:
@@ -109,7 +109,7 @@ def test_history_records_across_a_fresh_start_and_caps_its_length():
     proc = child("""
     goalloc.record_history(True, max_entries=5)
     for _ in range(10):
-        p = L.my_malloc(1000, 2, STREAM)
+        p = L.goalloc_malloc(1000, 2, STREAM)
         L.my_free(p, 1000, 2, STREAM)
     trace = goalloc.snapshot()["device_traces"][2]
     print(json.dumps([e["action"] for e in trace]))
@@ -124,7 +124,7 @@ def test_record_stream_defers_the_free():
     the pointer up on every device, and the simulated devices share one
     address range (real ones do not), so other tests' blocks must not exist."""
     proc = child("""
-    p = L.my_malloc(3_000_000, 3, STREAM)
+    p = L.goalloc_malloc(3_000_000, 3, STREAM)
     L.goalloc_record_stream(p, 0x9000)
     L.my_free(p, 3_000_000, 3, STREAM)
     s = goalloc.memory_stats(3)

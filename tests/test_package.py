@@ -101,7 +101,7 @@ def test_import_and_statistics_without_torch():
     sys.modules["torch"] = None  # `import torch` fails from here on
     import goalloc
     from goalloc import _lib
-    p = _lib.lib().my_malloc(1 << 20, 0, 0x1000)
+    p = _lib.lib().goalloc_malloc(1 << 20, 0, 0x1000)
     print(goalloc.memory_allocated(0), "torch" in sys.modules and sys.modules["torch"] is not None)
     """)
     assert proc.stdout.split() == [str(1 << 20), "False"]

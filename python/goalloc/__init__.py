@@ -138,12 +138,16 @@ def _fraction_argument(fraction: Any) -> float:
 # --- torch integration ----------------------------------------------------------
 
 def install(conf: Optional[str] = None) -> Any:
-    """Make goalloc torch's CUDA allocator, and return the CUDAPluggableAllocator.
+    """Make goalloc torch's CUDA allocator, and return torch's allocator object.
+
+    goalloc's C++ allocator class is used where it can be built (once per
+    torch version; see goalloc._cxx); otherwise, after one warning, torch's
+    CUDAPluggableAllocator over the library.
 
     Call it before anything starts CUDA (at the top of the script): torch
     cannot swap an allocator it has used. conf is a GOALLOC_CONF string such
     as "fraction:0.9,reserve:0.1"; None keeps the GOALLOC_CONF environment
-    variable. It sets torch's four allocator hooks (init, empty_cache,
+    variable. On the pluggable path it sets torch's four allocator hooks (init, empty_cache,
     set_per_process_memory_fraction, record_stream), so those torch calls
     reach goalloc, and the CUDA graph pool hooks where the library has
     them, and points torch.cuda.memory_stats() and its family at

@@ -84,7 +84,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int, ctypes.c_double, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p)
     sigs: dict[str, tuple[Any, Optional[list[Any]]]] = {
         # The calls PyTorch makes.
-        "my_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
+        "goalloc_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
         "my_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
         "goalloc_init": (None, [c_int]),
         "goalloc_empty_cache": (None, []),

@@ -3,10 +3,11 @@ without torch, and a missing torch must be reported by the call that needs it.
 
 Two jobs:
 
-1. Make goalloc torch's allocator: a CUDAPluggableAllocator over
-   libgoalloc.so with all its hooks set (install), or a torch.cuda.MemPool
-   backed by it (mempool).
-2. Keep torch's statistics calls working. With a pluggable allocator, torch
+1. Make goalloc torch's allocator (install): goalloc's C++ allocator class
+   (_cxx.py), which answers everything torch asks of its allocator; where
+   that cannot be built, a CUDAPluggableAllocator over libgoalloc.so with
+   all its hooks set. Or a torch.cuda.MemPool backed by goalloc (mempool).
+2. With the pluggable fallback, keep torch's statistics calls working: torch
    2.11's torch.cuda.memory_stats() and everything built on it
    (memory_allocated, max_memory_reserved, memory_summary, ...) raise
    "CUDAPluggableAllocator does not yet support ...". All of them reach the
@@ -126,12 +127,10 @@ def _pluggable(torch: ModuleType) -> Any:
     """
     global _allocator
     if _allocator is None:
-        # goalloc_torch_malloc raises where my_malloc would return NULL:
-        # torch does not check the pointer, so a NULL would become a tensor
-        # whose first kernel faults and breaks the CUDA context
-        # (export/torch_malloc.cpp).
-        malloc = "goalloc_torch_malloc" if _lib.has_function("goalloc_torch_malloc") else "my_malloc"
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib.library_path(), malloc, "my_free")
+        # my_malloc raises where goalloc_malloc returns NULL: torch does
+        # not check the pointer, so a NULL would become a tensor whose first
+        # kernel faults and breaks the CUDA context (export/torch_malloc.cpp).
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib.library_path(), "my_malloc", "my_free")
         raw = alloc.allocator()
         raw.set_init_fn(_lib.address("goalloc_init"))
         raw.set_reset_fn(_lib.address("goalloc_empty_cache"))
@@ -164,16 +163,29 @@ def install(conf: Optional[str]) -> Any:
         if torch.cuda.is_initialized():
             raise RuntimeError(AFTER_INIT)
         init_library(torch)
+        _installed = swap_in(torch)
+        return _installed
+
+
+def swap_in(torch: ModuleType) -> Any:
+    """Make goalloc torch's allocator: goalloc's C++ allocator class where it
+    can be built and loaded (_cxx.py), else torch's CUDAPluggableAllocator
+    with goalloc's statistics functions patched in. Returns torch's object
+    for the allocator now in force."""
+    from . import _cxx
+
+    ext = _cxx.load(torch)
+    try:
+        if ext is not None and _cxx.install(ext):
+            return torch.cuda.memory._get_current_allocator()
         alloc = _pluggable(torch)
-        try:
-            torch.cuda.memory.change_current_allocator(alloc)
-        except RuntimeError as e:
-            if "already initialized" in str(e):
-                raise RuntimeError(AFTER_INIT) from e
-            raise
-        patch_torch(torch)
-        _installed = alloc
-        return alloc
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        if "already initialized" in str(e):
+            raise RuntimeError(AFTER_INIT) from e
+        raise
+    patch_torch(torch)
+    return alloc
 
 
 def mempool(conf: Optional[str]) -> Any:
@@ -188,6 +200,11 @@ def mempool(conf: Optional[str]) -> Any:
             )
         # torch calls the init hook only when goalloc is the global allocator.
         init_library(torch)
+        from . import _cxx
+
+        if _cxx.installed():
+            # goalloc's C++ class is torch's allocator: it serves MemPools itself.
+            return torch.cuda.MemPool()
         alloc = _pluggable(torch)
         return torch.cuda.MemPool(allocator=alloc.allocator())
 

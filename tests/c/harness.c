@@ -76,7 +76,7 @@ static void *worker(void *arg) {
 		}
 		size_t n = draw_size(&seed);
 		uintptr_t p = (uintptr_t)my_malloc((ssize_t)n, 0, stream);
-		if (p == 0) { fail("my_malloc returned NULL", n); continue; }
+		if (p == 0) { fail("goalloc_malloc returned NULL", n); continue; }
 		if (p % 512) fail("pointer not 512-byte aligned", p);
 		pthread_mutex_lock(&live_mu);
 		for (int u = 0; u < THREADS; u++)
@@ -182,7 +182,7 @@ int main(int argc, char **argv) {
 	if (argc != 2) { fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]); return 2; }
 	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
 	if (!lib) { fprintf(stderr, "harness: dlopen: %s\n", dlerror()); return 1; }
-	my_malloc = (malloc_fn)dlsym(lib, "my_malloc");
+	my_malloc = (malloc_fn)dlsym(lib, "goalloc_malloc"); /* my_malloc throws; C callers get NULL */
 	my_free = (free_fn)dlsym(lib, "my_free");
 	init_fn init = (init_fn)dlsym(lib, "goalloc_init");
 	check_invariants = (int (*)(int))dlsym(lib, "goalloc_check_invariants");

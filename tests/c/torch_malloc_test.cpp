@@ -1,4 +1,4 @@
-// goalloc_torch_malloc throws where my_malloc returns NULL, as PyTorch's
+// my_malloc throws where goalloc_malloc returns NULL, as PyTorch's
 // allocation path expects of an allocator; a C++ caller catches it.
 //   c++ tests/c/torch_malloc_test.cpp -o build/torch_malloc_test -ldl
 //   GOALLOC_DEVICE=sim build/torch_malloc_test build/libgoalloc.so
@@ -19,7 +19,7 @@ int main(int argc, char **argv) {
 	if (argc != 2) return 2;
 	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
 	if (!lib) { std::fprintf(stderr, "%s\n", dlerror()); return 1; }
-	auto m = (malloc_fn)dlsym(lib, "goalloc_torch_malloc");
+	auto m = (malloc_fn)dlsym(lib, "my_malloc");
 	auto f = (free_fn)dlsym(lib, "my_free");
 	auto capture = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
 	auto take = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");

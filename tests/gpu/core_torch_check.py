@@ -87,7 +87,7 @@ total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction(0.05)
 ooms_before = stats()["num_ooms"]
 try:
-    # goalloc_torch_malloc raises; my_malloc's NULL would have made a tensor
+    # my_malloc raises; goalloc_malloc's NULL would have made a tensor
     # whose first kernel faults (export/torch_malloc.cpp).
     big = torch.empty(int(total * 0.08) // 4, device="cuda")
     big.fill_(1.0)

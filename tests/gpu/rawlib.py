@@ -35,9 +35,9 @@ class RawGoalloc:
         return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
 
     def install(self, torch):
-        """Make goalloc torch's allocator, with goalloc_torch_malloc (which
-        raises where my_malloc would return NULL) and every hook."""
-        pluggable = torch.cuda.memory.CUDAPluggableAllocator(self.path, "goalloc_torch_malloc", "my_free")
+        """Make goalloc torch's allocator, with my_malloc (which raises where
+        goalloc_malloc would return NULL) and every hook."""
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(self.path, "my_malloc", "my_free")
         hooks = pluggable.allocator()
         for setter, name in HOOKS:
             getattr(hooks, setter)(self.address(name))

@@ -16,6 +16,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
 status=0
 step() { echo "== $1 ($(date +%T))"; }
+# goalloc.install() builds goalloc's C++ allocator class once per torch
+# version and keeps it here: outside build/, which a call that carries build/
+# replaces, so that the build lasts as long as the machine.
+export GOALLOC_CXX_CACHE=${GOALLOC_CXX_CACHE:-$HOME/.cache/goalloc}
 if want probe; then
   step probe
   timeout 300 python3 tests/gpu/probe_pool.py > "$OUT/pool.json" || status=1
@@ -27,6 +31,31 @@ fi
 if want graphs; then
   step graphs
   timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py 2>&1 | tail -15 || status=1
+fi
+# cxx, cxxcompile, cxxbench: goalloc's C++ allocator class (named only:
+# bash tests/gpu/run_gpu.sh cxx cxxcompile cxxbench; each within 10 minutes).
+if want cxx; then
+  step cxx
+  # Build the class first, so that a compiler error shows here in full.
+  timeout 400 python3 -m goalloc._cxx --verbose > "$OUT/cxx-build.txt" 2>&1
+  rc=$?
+  tail -40 "$OUT/cxx-build.txt"
+  echo "cxx build exit $rc"
+  if [[ $rc -ne 0 ]]; then
+    status=1
+  else
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py -k "not compile" 2>&1 | tail -40 || status=1
+  fi
+fi
+if want cxxcompile; then
+  step cxxcompile
+  # torch.compile(mode="reduce-overhead") on the class (after cxx built it).
+  timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py -k compile 2>&1 | tail -40 || status=1
+fi
+if want cxxbench; then
+  step cxxbench
+  # native vs goalloc-cxx vs goalloc-pluggable, best of 3 (after cxx built it).
+  timeout 500 python3 tests/gpu/bench_cxx.py --rounds 3 || status=1
 fi
 if want torture; then
   step torture

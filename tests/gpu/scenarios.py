@@ -246,7 +246,7 @@ def scenario_fraction(out: Path) -> dict[str, Any]:
         big = torch.empty(int(0.10 * total), dtype=torch.uint8, device="cuda")
         pointer = big.untyped_storage().data_ptr()
         del big
-    except RuntimeError as e:  # goalloc_torch_malloc raises with goalloc's message
+    except RuntimeError as e:  # raised with goalloc's message (torch.OutOfMemoryError with the C++ class)
         torch_error = str(e).splitlines()[0]
     assert torch_error is not None, "an allocation of twice the cap did not raise"
     sys.stderr.flush()

@@ -1,0 +1,247 @@
+package main
+
+// The functions behind goalloc's C++ allocator class for PyTorch
+// (python/goalloc/csrc/goalloc_torch.cpp), which implements PyTorch's
+// c10::cuda::CUDACachingAllocator::CUDAAllocator over this library:
+//
+//	void* goalloc_pool_malloc(size_t size, int device, cudaStream_t stream,
+//	                          unsigned long long id0, unsigned long long id1,
+//	                          int* oom, char** err);
+//	int   goalloc_free_ptr(void* ptr);
+//	int   goalloc_torch_device_stats(int device, long long* out, int n);
+//	long long goalloc_largest_cached_block(int device);
+//	int   goalloc_create_or_incref_pool(int device, unsigned long long id0, unsigned long long id1);
+//	int   goalloc_pool_use_count(int device, unsigned long long id0, unsigned long long id1);
+//	char* goalloc_pool_live_blocks(int device, unsigned long long id0, unsigned long long id1);
+//	char* goalloc_restore_pool(int device, unsigned long long id0, unsigned long long id1,
+//	                           const unsigned long long* blocks, int n);
+//
+// The class evaluates PyTorch's pool filters itself and names the pool of
+// each allocation (caching/pools.go); a failed allocation hands back its
+// message directly, so that the class can throw it (as
+// c10::OutOfMemoryError for an out-of-memory) after this call has returned:
+// a C++ exception must never unwind through Go frames.
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef void *cudaStream_t;
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
+)
+
+//export goalloc_pool_malloc
+func goalloc_pool_malloc(size C.size_t, device C.int, stream C.cudaStream_t, id0, id1 C.ulonglong,
+	oom *C.int, errOut **C.char) unsafe.Pointer {
+	p, err := lib.mallocIn(uint64(size), int(device), uintptr(stream), caching.PoolID{uint64(id0), uint64(id1)})
+	if err != nil {
+		var o *caching.OOMError
+		if oom != nil && errors.As(err, &o) {
+			*oom = 1
+		}
+		if errOut != nil {
+			*errOut = C.CString(err.Error())
+		}
+		return nil
+	}
+	return devicePointer(p)
+}
+
+//export goalloc_free_ptr
+func goalloc_free_ptr(ptr unsafe.Pointer) C.int { return status(lib.freeOwned(uintptr(ptr))) }
+
+// torchStatFigures is how many numbers goalloc_torch_device_stats writes:
+// c10's DeviceStats in its declaration order, nine StatArrays of (all,
+// small pool, large pool) x (current, peak, allocated, freed), then
+// num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc and
+// num_device_free.
+const torchStatFigures = 9*3*4 + 5
+
+//export goalloc_torch_device_stats
+func goalloc_torch_device_stats(device C.int, out *C.longlong, n C.int) C.int {
+	if int(n) != torchStatFigures {
+		return status(lib.bad("invalid_argument", fmt.Sprintf("goalloc: device stats into %d figures; this library gives %d", n, torchStatFigures)))
+	}
+	st, err := lib.stats(int(device))
+	if err != nil {
+		return -1
+	}
+	torchStats(&st, unsafe.Slice((*int64)(unsafe.Pointer(out)), torchStatFigures))
+	return 0
+}
+
+// torchStats writes st into dst in the order of torchStatFigures.
+func torchStats(st *caching.Stats, dst []int64) {
+	k := 0
+	for _, arr := range [...]*[3]caching.Stat{(*[3]caching.Stat)(&st.Allocation), (*[3]caching.Stat)(&st.Segment),
+		(*[3]caching.Stat)(&st.Active), (*[3]caching.Stat)(&st.InactiveSplit), (*[3]caching.Stat)(&st.AllocatedBytes),
+		(*[3]caching.Stat)(&st.ReservedBytes), (*[3]caching.Stat)(&st.ActiveBytes),
+		(*[3]caching.Stat)(&st.InactiveSplitBytes), (*[3]caching.Stat)(&st.RequestedBytes)} {
+		for _, s := range arr {
+			dst[k], dst[k+1], dst[k+2], dst[k+3] = s.Current, s.Peak, s.Allocated, s.Freed
+			k += 4
+		}
+	}
+	copy(dst[k:], []int64{st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams, st.NumDeviceAlloc, st.NumDeviceFree})
+}
+
+//export goalloc_largest_cached_block
+func goalloc_largest_cached_block(device C.int) C.longlong {
+	if lib.checkDevice(int(device)) != nil {
+		return -1
+	}
+	if a := lib.existingDevice(int(device)); a != nil {
+		return C.longlong(a.Fragmentation().LargestFreeBlock)
+	}
+	return 0
+}
+
+//export goalloc_create_or_incref_pool
+func goalloc_create_or_incref_pool(device C.int, id0, id1 C.ulonglong) C.int {
+	a, err := lib.device(int(device))
+	if err != nil {
+		return -1
+	}
+	return status(lib.reportErr(a.IncrefPool(caching.PoolID{uint64(id0), uint64(id1)})))
+}
+
+//export goalloc_pool_use_count
+func goalloc_pool_use_count(device C.int, id0, id1 C.ulonglong) C.int {
+	if lib.checkDevice(int(device)) != nil {
+		return -1
+	}
+	if a := lib.existingDevice(int(device)); a != nil {
+		return C.int(a.PoolUseCount(caching.PoolID{uint64(id0), uint64(id1)}))
+	}
+	return 0
+}
+
+// goalloc_pool_live_blocks lists the allocated blocks of a pool as JSON,
+// [[address, size, requested size, stream], ...] by address; the pool
+// (0, 0) is the general cache.
+//
+//export goalloc_pool_live_blocks
+func goalloc_pool_live_blocks(device C.int, id0, id1 C.ulonglong) *C.char {
+	if lib.checkDevice(int(device)) != nil {
+		return nil
+	}
+	var live []caching.LiveBlock
+	if a := lib.existingDevice(int(device)); a != nil {
+		live = a.PoolLive(caching.PoolID{uint64(id0), uint64(id1)})
+	}
+	rows := make([][4]uint64, len(live))
+	for i, b := range live {
+		rows[i] = [4]uint64{uint64(b.Addr), b.Size, b.Requested, uint64(b.Stream)}
+	}
+	return cstring(json.Marshal(rows))
+}
+
+// goalloc_restore_pool sets a pool back to a checkpoint: blocks holds n
+// rows of goalloc_pool_live_blocks (4n numbers). It returns JSON,
+// {"freed": [addresses freed], "error": "" or what could not be restored},
+// or NULL when the pool or device does not exist.
+//
+//export goalloc_restore_pool
+func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.ulonglong, n C.int) *C.char {
+	if n < 0 || (n > 0 && blocks == nil) {
+		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: restore_pool with %d blocks at %p", n, blocks))
+		return nil
+	}
+	a := lib.existingDevice(int(device))
+	if a == nil {
+		_ = lib.bad("invalid_pool", fmt.Sprintf("goalloc: restore_pool on device %d, where goalloc holds nothing", device))
+		return nil
+	}
+	var rows []uint64
+	if n > 0 {
+		rows = unsafe.Slice((*uint64)(unsafe.Pointer(blocks)), 4*int(n))
+	}
+	checkpoint := make([]caching.LiveBlock, n)
+	for i := range checkpoint {
+		r := rows[4*i:]
+		checkpoint[i] = caching.LiveBlock{Addr: uintptr(r[0]), Size: r[1], Requested: r[2], Stream: arena.Stream(r[3])}
+	}
+	freed, err := a.RestorePool(caching.PoolID{uint64(id0), uint64(id1)}, checkpoint)
+	var ie *caching.InputError
+	if errors.As(err, &ie) && freed == nil {
+		lib.report(err)
+		return nil
+	}
+	res := struct {
+		Freed []uint64 `json:"freed"`
+		Error string   `json:"error"`
+	}{Freed: []uint64{}}
+	for _, p := range freed {
+		res.Freed = append(res.Freed, uint64(p))
+	}
+	if err != nil {
+		res.Error = err.Error()
+		lib.report(err)
+	}
+	return cstring(json.Marshal(res))
+}
+
+// mallocIn allocates from the pool id (the general cache for the zero id).
+func (l *library) mallocIn(size uint64, d int, s uintptr, id caching.PoolID) (uintptr, error) {
+	a, err := l.device(d)
+	if err != nil {
+		return 0, err
+	}
+	p, err := a.MallocIn(id, size, arena.Stream(s))
+	if err != nil {
+		l.report(err)
+		return 0, err
+	}
+	return p, nil
+}
+
+// lastFreeDevice is the device whose block was freed last: a pointer
+// alone does not say its device, and a process mostly frees on one.
+var lastFreeDevice atomic.Int32
+
+// freeOwned frees ptr on whichever device holds it.
+func (l *library) freeOwned(p uintptr) error {
+	if p == 0 {
+		return nil // torch's deleter of an empty tensor
+	}
+	first := int(lastFreeDevice.Load())
+	if a := l.devices[first].Load(); a != nil {
+		if held, err := a.FreeOwned(p); held {
+			return l.reportErr(err)
+		}
+	}
+	for d := range l.devices {
+		a := l.devices[d].Load()
+		if d == first || a == nil {
+			continue
+		}
+		if held, err := a.FreeOwned(p); held {
+			lastFreeDevice.Store(int32(d))
+			return l.reportErr(err)
+		}
+	}
+	return l.bad("unknown_pointer", fmt.Sprintf("goalloc: free of %#x, which goalloc did not allocate on any device", p))
+}
+
+// stats is device d's statistics, zero for a device not used yet.
+func (l *library) stats(d int) (caching.Stats, error) {
+	if err := l.checkDevice(d); err != nil {
+		return caching.Stats{}, err
+	}
+	if a := l.existingDevice(d); a != nil {
+		return a.Stats(), nil
+	}
+	return caching.Stats{}, nil
+}

@@ -1,0 +1,116 @@
+/* The C calls of goalloc's C++ allocator class for PyTorch (export/cxx.go),
+ * from C on the simulated device: a refused goalloc_pool_malloc hands back
+ * its message and whether it was an out-of-memory; goalloc_free_ptr frees by
+ * pointer alone; the DeviceStats figures; a pool's users, live blocks and a
+ * checkpoint set back. goalloc_malloc, the C entry point, returns NULL.
+ *
+ *   cc tests/c/cxx_abi_test.c -o build/cxx_abi_test -ldl
+ *   GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G build/cxx_abi_test build/libgoalloc.so
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+typedef unsigned long long ull;
+
+static int failures = 0;
+#define EXPECT(cond, ...)                                                   \
+	do {                                                                    \
+		if (!(cond)) {                                                      \
+			fprintf(stderr, "FAIL line %d: %s: ", __LINE__, #cond);         \
+			fprintf(stderr, __VA_ARGS__);                                   \
+			fprintf(stderr, "\n");                                          \
+			failures++;                                                     \
+		}                                                                   \
+	} while (0)
+
+int main(int argc, char **argv) {
+	if (argc != 2) { fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]); return 2; }
+	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+	if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 1; }
+	void (*init)(int) = (void (*)(int))dlsym(lib, "goalloc_init");
+	void *(*cmalloc)(ssize_t, int, void *) = (void *(*)(ssize_t, int, void *))dlsym(lib, "goalloc_malloc");
+	void *(*pm)(size_t, int, void *, ull, ull, int *, char **) =
+		(void *(*)(size_t, int, void *, ull, ull, int *, char **))dlsym(lib, "goalloc_pool_malloc");
+	int (*fp)(void *) = (int (*)(void *))dlsym(lib, "goalloc_free_ptr");
+	int (*dstats)(int, long long *, int) = (int (*)(int, long long *, int))dlsym(lib, "goalloc_torch_device_stats");
+	long long (*largest)(int) = (long long (*)(int))dlsym(lib, "goalloc_largest_cached_block");
+	int (*incref)(int, ull, ull) = (int (*)(int, ull, ull))dlsym(lib, "goalloc_create_or_incref_pool");
+	int (*users)(int, ull, ull) = (int (*)(int, ull, ull))dlsym(lib, "goalloc_pool_use_count");
+	void (*begin)(int, ull, ull, void *) = (void (*)(int, ull, ull, void *))dlsym(lib, "goalloc_begin_allocate_to_pool");
+	void (*end)(int, ull, ull) = (void (*)(int, ull, ull))dlsym(lib, "goalloc_end_allocate_to_pool");
+	void (*release)(int, ull, ull) = (void (*)(int, ull, ull))dlsym(lib, "goalloc_release_pool");
+	char *(*live)(int, ull, ull) = (char *(*)(int, ull, ull))dlsym(lib, "goalloc_pool_live_blocks");
+	char *(*restore)(int, ull, ull, const ull *, int) =
+		(char *(*)(int, ull, ull, const ull *, int))dlsym(lib, "goalloc_restore_pool");
+	void (*sfree)(char *) = (void (*)(char *))dlsym(lib, "goalloc_string_free");
+	if (!init || !cmalloc || !pm || !fp || !dstats || !largest || !incref || !users || !begin || !end ||
+	    !release || !live || !restore || !sfree) {
+		fprintf(stderr, "cxx_abi_test: missing symbol\n");
+		return 1;
+	}
+	init(1);
+	void *const S = (void *)0x10;
+
+	/* goalloc_malloc: NULL for a refusal, never an exception. */
+	EXPECT(cmalloc(-5, 0, S) == NULL, "negative size");
+	EXPECT(cmalloc((ssize_t)1 << 40, 0, S) == NULL, "out of memory");
+
+	/* goalloc_pool_malloc: the message, and whether it was an out-of-memory. */
+	struct { size_t size; ull pool; int oom; const char *want; } refused[] = {
+		{(size_t)1 << 40, 0, 1, "out of memory on device 0"},
+		{(size_t)1 << 62, 0, 0, "larger than any device"},
+		{64, 12345, 0, "not in use"},
+	};
+	for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+		int oom = -1;
+		char *err = NULL;
+		void *q = pm(refused[i].size, 0, S, 0, refused[i].pool, &oom, &err);
+		EXPECT(q == NULL && oom == (refused[i].oom ? 1 : -1) && err && strstr(err, refused[i].want),
+		       "size %zu pool %llu: %p oom %d err %s", refused[i].size, refused[i].pool, q, oom, err ? err : "(null)");
+		if (err) sfree(err);
+	}
+
+	/* The DeviceStats figures: allocated_bytes.all.current is figure 48. */
+	long long f[113];
+	void *p = pm(3000000, 0, S, 0, 0, NULL, NULL);
+	EXPECT(p != NULL, "malloc");
+	EXPECT(dstats(0, f, 113) == 0 && f[4 * 3 * 4] == 3000320, "allocated_bytes.all.current %lld", f[48]);
+	EXPECT(dstats(0, f, 112) == -1, "a wrong figure count is refused");
+	EXPECT(fp(p) == 0, "free by pointer");
+	EXPECT(fp(p) == -1, "a double free is refused");
+	EXPECT(fp(NULL) == 0, "an empty tensor's deleter");
+	EXPECT(largest(0) >= 3000320, "the freed block is cached: %lld", largest(0));
+
+	/* A pool: users, live blocks, a checkpoint set back. */
+	EXPECT(incref(0, 0, 7) == 0 && users(0, 0, 7) == 1, "made");
+	begin(0, 0, 7, NULL);
+	EXPECT(users(0, 0, 7) == 2, "window");
+	void *a = pm(1 << 20, 0, S, 0, 7, NULL, NULL);
+	void *b = pm(1000, 0, S, 0, 7, NULL, NULL);
+	end(0, 0, 7);
+	release(0, 0, 7);
+	char *rows = live(0, 0, 7);
+	char want[256];
+	snprintf(want, sizeof want, "[%llu,1048576,1048576,16]", (ull)a);
+	EXPECT(rows && strstr(rows, want), "live blocks %s lack %s", rows ? rows : "(null)", want);
+	sfree(rows);
+	ull checkpoint[4] = {(ull)a, 1 << 20, 1 << 20, 0x10};
+	EXPECT(fp(a) == 0 && fp(b) == 0, "freed into the pool");
+	char *res = restore(0, 0, 7, checkpoint, 1);
+	EXPECT(res && strstr(res, "\"freed\":[]") && strstr(res, "\"error\":\"\""), "restore: %s", res ? res : "(null)");
+	sfree(res);
+	rows = live(0, 0, 7);
+	snprintf(want, sizeof want, "[[%llu,1048576,1048576,16]]", (ull)a);
+	EXPECT(rows && strcmp(rows, want) == 0, "after restore %s, want %s", rows ? rows : "(null)", want);
+	sfree(rows);
+	EXPECT(restore(0, 9, 9, checkpoint, 1) == NULL, "a pool not in use");
+	EXPECT(fp(a) == 0, "the restored block frees");
+	release(0, 0, 7);
+	EXPECT(users(0, 0, 7) == 0, "released");
+
+	printf("cxx_abi_test: %d failures\n", failures);
+	return failures ? 1 : 0;
+}

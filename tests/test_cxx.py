@@ -1,0 +1,137 @@
+"""goalloc.install() without its C++ allocator class: where the class cannot
+be built (here: a torch without its C++ headers), install falls back to
+torch's CUDAPluggableAllocator after exactly one warning that says what is
+missing and what will not work. A stand-in torch module records what
+install does with it; tests/gpu/test_cxx_gpu.py covers the class itself.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+
+from goalloc import _cxx, _torch
+
+
+class FakePluggable:
+    """torch.cuda.memory.CUDAPluggableAllocator, recording what it is given."""
+
+    made: list["FakePluggable"] = []
+
+    def __init__(self, path: str, malloc: str, free: str) -> None:
+        self.path, self.malloc, self.free = path, malloc, free
+        self.hooks: dict[str, int] = {}
+        FakePluggable.made.append(self)
+
+    def allocator(self) -> "FakePluggable":
+        return self
+
+    def __getattr__(self, name: str):  # set_init_fn, set_reset_fn, ...
+        if not name.startswith("set_"):
+            raise AttributeError(name)
+        return lambda address: self.hooks.__setitem__(name, address)
+
+
+@pytest.fixture
+def fake_torch(tmp_path, monkeypatch):
+    """A torch whose folder has no C++ headers, so the class cannot be built."""
+    swapped: list[object] = []
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=FakePluggable,
+                                   change_current_allocator=swapped.append)
+    torch = types.SimpleNamespace(__version__="0.0+fake", __file__=str(tmp_path / "torch" / "__init__.py"),
+                                  cuda=types.SimpleNamespace(memory=memory), _C=types.SimpleNamespace(),
+                                  swapped=swapped)
+    monkeypatch.setattr(_cxx, "_module", None)
+    monkeypatch.setattr(_cxx, "_failure", None)
+    monkeypatch.setattr(_torch, "_allocator", None)
+    monkeypatch.setenv("GOALLOC_CXX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GOALLOC_CXX", raising=False)
+    FakePluggable.made.clear()
+    yield torch
+    _torch.unpatch_torch(torch)
+
+
+def test_unbuildable_class_falls_back_with_one_warning(fake_torch):
+    with pytest.warns(RuntimeWarning) as caught:
+        alloc = _torch.swap_in(fake_torch)
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "C++ allocator class is not available" in msg
+    assert "PyTorch's C++ headers" in msg, "says what is missing"
+    assert "torch.OutOfMemoryError" in msg and "reduce-overhead" in msg, "says what will not work"
+
+    assert isinstance(alloc, FakePluggable) and fake_torch.swapped == [alloc], "the pluggable path is used"
+    assert alloc.malloc == "my_malloc" and alloc.free == "my_free"
+    assert {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn"} <= set(alloc.hooks)
+    assert fake_torch._C._cuda_memoryStats is _torch.nested_stats, "statistics patched in for the fallback"
+    assert "PyTorch's C++ headers" in (_cxx.failure() or "")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        assert _cxx.load(fake_torch) is None
+
+
+def test_goalloc_cxx_0_chooses_the_fallback_silently(fake_torch, monkeypatch):
+    monkeypatch.setenv("GOALLOC_CXX", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alloc = _torch.swap_in(fake_torch)
+    assert fake_torch.swapped == [alloc]
+    assert _cxx.failure() is None, "nothing was tried"
+
+
+def test_goalloc_cxx_1_makes_a_failed_build_an_error(fake_torch, monkeypatch):
+    monkeypatch.setenv("GOALLOC_CXX", "1")
+    with pytest.raises(_cxx.Unavailable, match=r"required \(GOALLOC_CXX=1\).*C\+\+ headers"):
+        _torch.swap_in(fake_torch)
+    assert fake_torch.swapped == [], "no allocator was swapped in"
+    with pytest.raises(_cxx.Unavailable, match="required"):
+        _cxx.load(fake_torch)  # and again, from the remembered failure
+
+
+def test_missing_names_every_tool(fake_torch, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(_cxx.shutil, "which", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "ninja", None)
+    lacks = " | ".join(_cxx.missing(fake_torch))
+    assert "PyTorch's C++ headers" in lacks
+    assert "a C++ compiler" in lacks
+    assert "ninja" in lacks
+
+
+def test_builds_are_kept_per_torch_and_python_version(fake_torch):
+    tag = _cxx.build_tag(fake_torch)
+    assert tag.startswith("torch-0.0_fake-py3")
+    assert _cxx.cache_dir(fake_torch).name == tag
+    assert _cxx.module_name().startswith("goalloc_torch_")
+
+
+class FakeExtension:
+    """The built class, whose install() fails as the real one can."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def install(self, path: str) -> None:
+        raise RuntimeError(self.error)
+
+    def is_installed(self) -> bool:
+        return False
+
+
+def test_a_library_too_old_for_the_class_falls_back_with_one_warning(fake_torch, monkeypatch):
+    monkeypatch.setattr(_cxx, "_module", FakeExtension(
+        "goalloc: /x/libgoalloc.so lacks goalloc_pool_malloc; it is older than this allocator class: rebuild it"))
+    with pytest.warns(RuntimeWarning, match="lacks goalloc_pool_malloc") as caught:
+        alloc = _torch.swap_in(fake_torch)
+    assert len(caught) == 1
+    assert fake_torch.swapped == [alloc] and isinstance(alloc, FakePluggable)
+
+
+def test_the_class_after_cuda_started_says_what_to_do(fake_torch, monkeypatch):
+    monkeypatch.setattr(_cxx, "_module", FakeExtension("Can't swap an already initialized allocator"))
+    with pytest.raises(RuntimeError, match="before PyTorch initialises CUDA"):
+        _torch.swap_in(fake_torch)
+    assert fake_torch.swapped == [] and _cxx.failure() is None
