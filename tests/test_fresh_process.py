@@ -142,7 +142,7 @@ def test_each_thread_gets_its_own_error():
     for different reasons each raise their own message, as the right type."""
     proc = child("""
     import threading
-    L.my_free(L.my_malloc(MiB, 0, STREAM), MiB, 0, STREAM)   # the device exists: configure is too late
+    L.my_free(L.goalloc_malloc(MiB, 0, STREAM), MiB, 0, STREAM)   # the device exists: configure is too late
     wrong = []
 
     def bad_key(i):

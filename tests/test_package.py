@@ -260,7 +260,7 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
     away.mkdir()
     smoke = subprocess.run([str(py), "-c", (
         "import goalloc, json; from goalloc import _lib\n"
-        "p = _lib.lib().my_malloc(1 << 20, 0, 0x1000)\n"
+        "p = _lib.lib().goalloc_malloc(1 << 20, 0, 0x1000)\n"
         "print(json.dumps([goalloc.__file__, goalloc.__version__, goalloc.memory_allocated(0)]))")],
         cwd=away, env=env, capture_output=True, text=True, timeout=120)
     assert smoke.returncode == 0, smoke.stderr

@@ -76,7 +76,7 @@ def test_warnings_can_be_logged_or_made_errors():
     # Delivery by the explicit drains only: the notifier's thread has no
     # caller to raise into (it prints instead), and would race them.
     _lib.lib().goalloc_warnings_notify(_warnings._NOTIFY())
-    _lib.lib().my_malloc(-1, 0, 0x1000)
+    _lib.lib().goalloc_malloc(-1, 0, 0x1000)
     _warnings.drain()
     warnings.filterwarnings("error", category=goalloc.GoallocWarning)
     _lib.lib().my_free(0x1234, 512, 0, 0x1000)

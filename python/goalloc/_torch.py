@@ -362,8 +362,9 @@ _SCALARS = {
     "memory_reserved": _lib.RESERVED,
     "max_memory_reserved": _lib.RESERVED_PEAK,
 }
-# (module, name) -> the function patch_scalars() replaced there.
-_scalar_originals: dict[tuple[ModuleType, str], Any] = {}
+# (id(module), name) -> (module, the function patch_scalars() replaced there).
+# Keyed by id: a module need not be hashable (stand-ins in tests are not).
+_scalar_originals: dict[tuple[int, str], tuple[Any, Any]] = {}
 
 
 def torch_scalar(torch: ModuleType, name: str, key: int) -> Callable[..., int]:
@@ -400,15 +401,15 @@ def patch_scalars(torch: ModuleType) -> None:
                 current = getattr(module, name, None)
                 # torch.cuda's name is the same function as torch.cuda.memory's
                 # (from .memory import *); leave it if someone rebound it.
-                if module is torch.cuda and current is not original and (module, name) not in _scalar_originals:
+                if module is torch.cuda and current is not original and (id(module), name) not in _scalar_originals:
                     continue
-                _scalar_originals.setdefault((module, name), current)
+                _scalar_originals.setdefault((id(module), name), (module, current))
                 setattr(module, name, fn)
 
 
 def unpatch_scalars() -> None:
     """Put back what patch_scalars() replaced."""
     with _lock:
-        for (module, name), fn in _scalar_originals.items():
+        for (_, name), (module, fn) in _scalar_originals.items():
             setattr(module, name, fn)
         _scalar_originals.clear()
