@@ -119,5 +119,7 @@ if mode == "native":
     assert abs(native / max_reserved - 1) <= 0.02, \
         f"native policy peak reserved {native} vs torch.cuda.max_memory_reserved() {max_reserved}"
 else:
-    assert result["snapshot"]["recorder"] == "unknown"
+    # goalloc's own snapshot (the pluggable path) names no recorder; through
+    # goalloc's C++ class torch builds it, with its allocator settings.
+    assert result["snapshot"]["recorder"] in ("unknown", "pytorch")
 print(json.dumps(result))

@@ -41,7 +41,7 @@ def test_native_snapshot_is_small_enough_to_commit(native):
 
 def test_goalloc_snapshot_replays(with_goalloc):
     s = with_goalloc["snapshot"]
-    assert s["recorder"] == "unknown"
+    assert s["recorder"] in ("unknown", "pytorch")  # goalloc's own snapshot, or torch's through the C++ class
     assert s["initial_blocks"] == 0
     assert s["actions"]["alloc"] > 1000
     assert "no allocator_settings" in with_goalloc["notes"]
