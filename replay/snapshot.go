@@ -72,7 +72,9 @@ type SnapshotInfo struct {
 	Device            int   `json:"device"`
 	DevicesWithEvents []int `json:"devices_with_events"`
 	// Recorder is "pytorch" for a snapshot of PyTorch's caching allocator
-	// (it has allocator_settings), else "unknown" (goalloc's have none).
+	// (it has allocator_settings), "goalloc" for one torch wrote through
+	// goalloc's C++ allocator class (its settings start with "goalloc "),
+	// else "unknown" (goalloc's own snapshots have no settings).
 	Recorder string `json:"recorder"`
 	// Entries is the number of events in the device's history, Actions
 	// their count per action.
@@ -110,7 +112,10 @@ func (s *SnapshotInfo) Summary() []string {
 		}
 	}
 	who := "PyTorch's caching allocator"
-	if s.Recorder != "pytorch" {
+	switch s.Recorder {
+	case "goalloc":
+		who = "goalloc (its allocator class in torch)"
+	case "unknown":
 		who = "an allocator other than PyTorch's (no allocator_settings)"
 	}
 	others := ""
@@ -416,6 +421,9 @@ func (s *snapshotReader) settings() {
 	if c, ok := d.get("PYTORCH_CUDA_ALLOC_CONF"); ok {
 		s.info.AllocConf, _ = c.(string)
 	}
+	if strings.HasPrefix(s.info.AllocConf, "goalloc ") {
+		s.info.Recorder = "goalloc"
+	}
 	if e, ok := d.get("expandable_segments"); ok && e == true {
 		s.info.ExpandableSegments = true
 	}
@@ -658,7 +666,7 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 			"and its peak reserved counts those; the native policy models the default allocator (whole 2 MiB, 20 MiB and larger segments), " +
 			"so its peak is not the recorded run's. The allocations replay as usual")
 	}
-	if in.AllocConf != "" {
+	if in.AllocConf != "" && in.Recorder == "pytorch" {
 		s.note("recorded with PYTORCH_CUDA_ALLOC_CONF=%q; the native policy models the default settings, so its figures may differ from the recorded run's", in.AllocConf)
 	}
 	if n := in.Actions["oom"]; n > 0 {
@@ -667,7 +675,11 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	if private > 0 {
 		s.note("%d segments belong to private pools (CUDA graphs, MemPool); the replay does not keep pools apart", private)
 	}
-	if in.Recorder != "pytorch" {
+	switch in.Recorder {
+	case "goalloc":
+		s.note("recorded by goalloc (through its allocator class in torch, settings %q): its alloc sizes are the slots and blocks goalloc handed out, "+
+			"not the requests, and its peak reserved, %s, is goalloc's", strings.TrimPrefix(in.AllocConf, "goalloc "), FormatBytes(in.RecordedPeakReservedBytes))
+	case "unknown":
 		s.note("no allocator_settings: not written by PyTorch's caching allocator (goalloc's snapshots have none). Its alloc sizes are what that allocator recorded "+
 			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", FormatBytes(in.RecordedPeakReservedBytes))
 	}

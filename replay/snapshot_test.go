@@ -582,3 +582,26 @@ func TestRecordedSnapshot(t *testing.T) {
 		}
 	}
 }
+
+// A snapshot torch wrote through goalloc's C++ allocator class carries
+// goalloc's settings ("goalloc <GOALLOC_CONF>"): it is goalloc's record, not
+// one of PyTorch's allocator with odd settings.
+func TestSnapshotThroughGoallocsClass(t *testing.T) {
+	snap := map[string]any{
+		"allocator_settings": map[string]any{"PYTORCH_CUDA_ALLOC_CONF": "goalloc fraction:0,large_cache:256M", "expandable_segments": false},
+		"segments":           []any{seg(0x0, 2*MiB, blk(0x0, 2*MiB, "inactive"))},
+		"device_traces": []any{[]any{
+			te("segment_alloc", 0x0, 2*MiB),
+			te("alloc", 0x0, 0x1000),
+			te("free_requested", 0x0, 0x1000),
+			te("free_completed", 0x0, 0x1000),
+		}},
+	}
+	tr, err := openPickled(t, snap)
+	require.NoError(t, err)
+	require.Equal(t, "goalloc", tr.Snapshot.Recorder)
+	notes := strings.Join(tr.Snapshot.Notes, "\n")
+	require.Contains(t, notes, `recorded by goalloc (through its allocator class in torch, settings "fraction:0,large_cache:256M")`)
+	require.NotContains(t, notes, "PYTORCH_CUDA_ALLOC_CONF")
+	require.Zero(t, tr.Header.MaxReserved, "goalloc's figures are not the native allocator's")
+}
