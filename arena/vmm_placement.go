@@ -151,6 +151,9 @@ const (
 	// anyStream marks a free whose completion lets any stream reuse the
 	// range at once (nothing can still use it).
 	anyStream = Stream(^uintptr(0) - 1)
+	// reviveSlack: a freed range up to 1/reviveSlack larger than a request
+	// is handed back whole for it (step 1).
+	reviveSlack = 16
 )
 
 // vmmHandle is one handle. owner is the index in ranges of the live or
@@ -174,6 +177,7 @@ type vmmHandle struct {
 type vmmRange struct {
 	base    uintptr
 	size    uint64
+	asked   uint64  // live: the bytes asked for (granules), at most reviveSlack less than size
 	handles []int32 // indices into engine.handles, in VA order
 	live    bool
 	stream  Stream // freed: the stream of the free (anyStream: completed)
@@ -362,18 +366,26 @@ func (e *vmmEngine) Alloc(size uint64, s Stream) (uintptr, error) {
 	if err := e.poll(); err != nil {
 		return 0, err
 	}
-	// Step 1: a freed range of exactly n bytes, usable on s as it is.
+	// Step 1: the smallest freed range of n bytes up to reviveSlack more,
+	// usable on s as it is.
+	best := -1
 	for i, ri := range e.freed {
 		r := &e.ranges[ri]
-		if r.size == n && !r.taken && (r.event == 0 || (r.stream == s && s != anyStream)) {
-			if r.event != 0 {
-				e.events = append(e.events, r.event)
-			}
-			r.live, r.event, r.stream = true, 0, 0
-			e.freed = append(e.freed[:i], e.freed[i+1:]...)
-			e.live += n
-			return r.base, nil
+		if r.size >= n && r.size <= n+e.slack(n) && !r.taken && (r.event == 0 || (r.stream == s && s != anyStream)) &&
+			(best < 0 || r.size < e.ranges[e.freed[best]].size) {
+			best = i
 		}
+	}
+	if best >= 0 {
+		ri := e.freed[best]
+		r := &e.ranges[ri]
+		if r.event != 0 {
+			e.events = append(e.events, r.event)
+		}
+		r.live, r.event, r.stream, r.asked = true, 0, 0, n
+		e.freed = append(e.freed[:best], e.freed[best+1:]...)
+		e.live += r.size
+		return r.base, nil
 	}
 	return e.place(n, s)
 }
@@ -480,7 +492,7 @@ func (e *vmmEngine) place(n uint64, s Stream) (uintptr, error) {
 	}
 	ri := e.newRange()
 	r := &e.ranges[ri]
-	*r = vmmRange{base: va, size: n, live: true}
+	*r = vmmRange{base: va, size: n, asked: n, live: true}
 	// Ranges completed: unmap them now, so their handles can map here.
 	for _, fi := range unmapIt {
 		e.removeFreed(fi)
@@ -694,14 +706,20 @@ func (e *vmmEngine) Free(va uintptr, s Stream, done bool) error {
 	return nil
 }
 
-// Owns says whether va is the base of a live range, and its size.
+// Owns says whether va is the base of a live range, and the size asked for it.
 func (e *vmmEngine) Owns(va uintptr) (uint64, bool) {
 	ri, ok := e.byBase[va]
 	if !ok || !e.ranges[ri].live {
 		return 0, false
 	}
-	return e.ranges[ri].size, true
+	return e.ranges[ri].asked, true
 }
+
+// slack is how much larger than n bytes a freed range handed back whole
+// may be: a sixteenth, in whole granules. Handing back a range costs no
+// driver call, where placing a new one costs a map per handle, a
+// set-access and, most often, a create.
+func (e *vmmEngine) slack(n uint64) uint64 { return (n / reviveSlack) &^ (e.gran - 1) }
 
 func (e *vmmEngine) event() (Event, error) {
 	if k := len(e.events); k > 0 {
