@@ -256,3 +256,196 @@ func TestVMMRandomOps(t *testing.T) {
 		})
 	}
 }
+
+// engineOnly makes an engine over a fake driver on a manual Sim.
+func engineOnly(t *testing.T, capacity, limit uint64) (*vmmEngine, *FakePhys, *Sim) {
+	sim := NewSim(0, capacity)
+	sim.SetManual(true)
+	phys := NewFakePhys(sim, capacity, simVMMGranule)
+	e, err := newVMMEngine(phys, 2*capacity, limit)
+	require.NoError(t, err)
+	return e, phys, sim
+}
+
+func calls(f *FakePhys) int {
+	n := 0
+	for k, v := range f.Calls {
+		if k != "cuMemAddressReserve" {
+			n += v
+		}
+	}
+	return n
+}
+
+func TestVMMSameSizeReuseCostsNoDriverCall(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 0)
+	p, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, 1, phys.Calls["cuMemCreate"], "one handle for the whole range")
+	assert.Equal(t, 1, phys.Calls["cuMemSetAccess"])
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := calls(phys)
+	q, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, q, "the same stream takes its freed range back at once")
+	assert.Equal(t, before, calls(phys), "and no driver call is made")
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestVMMOtherStreamWaitsForTheFree(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	q, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
+	assert.EqualValues(t, 16*mib, e.Held(), "stream 2 got new memory: stream 1 may still use the old")
+	assert.Zero(t, phys.Calls["cuMemUnmap"], "nothing is unmapped before the free completes")
+	sim.Complete(1)
+	require.NoError(t, e.Free(q, 2, true))
+	r, err := e.Alloc(16*mib, 3)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held(), "both completed ranges back the new one: held does not grow")
+	assert.Equal(t, 2, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 2, phys.Calls["cuMemUnmap"])
+	_ = r
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A stream's freed range backs its next, larger request before the free has
+// completed: its handles are mapped at the new VA too, and the old mapping
+// goes only once the free completes.
+func TestVMMSameStreamTakesOverPendingHandles(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 0)
+	p, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	q, err := e.Alloc(10*mib, 1)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
+	assert.EqualValues(t, 10*mib, e.Held(), "4 MiB taken over, 6 MiB created")
+	assert.Zero(t, phys.Calls["cuMemUnmap"])
+	hp, _ := phys.HandleAt(p)
+	hq, _ := phys.HandleAt(q)
+	assert.Equal(t, hp, hq, "the handle is mapped at both addresses")
+	require.NoError(t, e.CheckInvariants())
+	require.NoError(t, e.poll())
+	assert.Zero(t, phys.Calls["cuMemUnmap"], "the free has not completed")
+	sim.Complete(1)
+	require.NoError(t, e.poll())
+	assert.Equal(t, 1, phys.Calls["cuMemUnmap"], "the old mapping goes once it completed")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Many small free handles are not gathered one by one: past maxGather, the
+// spare ones are released and what is missing is made as one handle.
+func TestVMMSmallHandlesCoalesce(t *testing.T) {
+	e, phys, _ := engineOnly(t, 1<<30, 0)
+	var ps []uintptr
+	for i := 0; i < 20; i++ {
+		p, err := e.Alloc(2*mib, 1)
+		require.NoError(t, err)
+		ps = append(ps, p)
+	}
+	for _, p := range ps {
+		require.NoError(t, e.Free(p, 1, true))
+	}
+	p, err := e.Alloc(40*mib, 2)
+	require.NoError(t, err)
+	ri := e.byBase[p]
+	assert.LessOrEqual(t, len(e.ranges[ri].handles), maxGather+1)
+	assert.EqualValues(t, 40*mib, e.Held(), "held did not grow")
+	assert.LessOrEqual(t, phys.Handles(), maxGather+1)
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestVMMCapOOMLeavesStateClean(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 32*mib)
+	p, err := e.Alloc(20*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := calls(phys)
+	_, err = e.Alloc(20*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory, "stream 1's free has not completed and the cap leaves 12 MiB")
+	assert.Equal(t, before, calls(phys), "a refused request calls no driver")
+	require.NoError(t, e.CheckInvariants())
+	sim.Complete(1) // what the layer above's synchronise does
+	q, err := e.Alloc(20*mib, 2)
+	require.NoError(t, err)
+	assert.Equal(t, p, q)
+	_, err = e.Alloc(14*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.EqualValues(t, 20*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestVMMDeviceOOMFromTheDriver(t *testing.T) {
+	e, _, _ := engineOnly(t, 16*mib, 0)
+	_, err := e.Alloc(18*mib, 1)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.Zero(t, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Memory taken outside a capture is for any stream: a pending free of the
+// same size is not handed to it.
+func TestVMMUncapturedNeverTakesPendingMemory(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	d.SetManual(true)
+	p, err := d.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	d.Launch(1)
+	require.NoError(t, d.Free(p, 4*mib, 1))
+	q, err := d.AllocUncaptured(4 * mib)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
+	small, err := d.AllocUncaptured(4096)
+	require.NoError(t, err)
+	require.NoError(t, d.Free(small, 4096, 2))
+	d.Complete(1)
+	require.NoError(t, d.CheckInvariants())
+}
+
+func TestVMMBadFrees(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	p, err := d.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	assert.ErrorContains(t, d.Free(p+4096, 4*mib, 1), "did not allocate")
+	assert.ErrorContains(t, d.Free(p, 8*mib, 1), "allocated with")
+	s, err := d.Alloc(1000, 1)
+	require.NoError(t, err)
+	assert.ErrorContains(t, d.Free(s, 5000, 1), "allocated with")
+	require.NoError(t, d.Free(s, 1000, 1))
+	assert.ErrorContains(t, d.Free(s, 1000, 1), "did not allocate")
+	require.NoError(t, d.Free(p, 4*mib, 1))
+	assert.ErrorContains(t, d.Free(p, 4*mib, 1), "did not allocate")
+	require.NoError(t, d.CheckInvariants())
+	require.NoError(t, d.Close())
+	_, err = d.Alloc(1, 1)
+	assert.Error(t, err)
+}
+
+// Small requests share pages: 16 of 100 KiB hold one granule.
+func TestVMMSmallRequestsSharePages(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	for i := 0; i < 16; i++ {
+		_, err := d.Alloc(100<<10, 1)
+		require.NoError(t, err)
+	}
+	u, err := d.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, u.ReservedCurrent)
+	assert.EqualValues(t, 1600<<10, u.UsedCurrent)
+	free, total, err := d.MemInfo()
+	require.NoError(t, err)
+	assert.EqualValues(t, total-2*mib, free)
+	require.NoError(t, d.CheckInvariants())
+}

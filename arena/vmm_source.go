@@ -260,10 +260,16 @@ func (v *vmmSource) resetHigh() {
 	v.eng.heldHigh, v.usedHigh = v.eng.held, v.used
 }
 
+// setCap bounds held memory; when it is above the new cap, what is free
+// and complete is released at once (what is live, or freed and still in
+// use, stays until then: held then never grows until it is under the cap).
 func (v *vmmSource) setCap(limit uint64) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.eng.SetCap(limit)
+	if limit > 0 && v.eng.held > limit && !v.closed {
+		_ = v.eng.Trim(limit)
+	}
 }
 
 func (v *vmmSource) held() uint64 {
