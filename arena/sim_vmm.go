@@ -89,3 +89,14 @@ func (d *SimVMM) Close() error {
 type Capped interface {
 	SetCap(limit uint64)
 }
+
+// Calls counts the driver calls the device made so far, by driver function.
+func (d *SimVMM) Calls() map[string]int {
+	d.phys.mu.Lock()
+	defer d.phys.mu.Unlock()
+	out := make(map[string]int, len(d.phys.Calls))
+	for k, v := range d.phys.Calls {
+		out[k] = v
+	}
+	return out
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench] [vmm]
 #               [ddp] [multigpu] [mgbench] (these three need naming; the last two need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python replay bench} "
+what=" ${*:-probe core graphs torture sanitizer python replay bench vmm} "
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
@@ -84,6 +84,20 @@ if want mgbench; then
   step mgbench
   # MGBENCH_ROUNDS="FIRST LAST": which rounds of bench/multigpu.sh to run.
   timeout 580 bash bench/multigpu.sh "$OUT" ${MGBENCH_ROUNDS:-0 2} || status=1
+fi
+if want vmm; then
+  step vmm
+  # The VMM backend (backend:vmm): arena's CUDA tests of the VMM device
+  # (build/arena.test from `make gpubuild`; the peer test needs two GPUs),
+  # then training, the cap and reserved-vs-device figures inside PyTorch,
+  # against backend:async. About a minute.
+  if [[ -x build/arena.test ]]; then
+    (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDA' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+vmm_cuda_test)' | tail -30) || status=1
+  else
+    echo "build/arena.test missing: make gpubuild"; status=1
+  fi
+  timeout 300 python3 tests/gpu/vmm_check.py > "$OUT/vmm.json" || status=1
+  tail -c 3000 "$OUT/vmm.json"
 fi
 if want bench; then
   step bench
