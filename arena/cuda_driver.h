@@ -557,6 +557,20 @@ static inline gx_ret gx_is_capturing(uintptr_t ctx, uintptr_t stream) {
 
 // ---- Virtual memory management ----
 
+// The VMM calls are not stream-ordered, but a thread in the global capture
+// mode may be refused calls the driver deems unsafe during a capture: each
+// wrapper below runs its call in the relaxed mode and puts the thread's
+// mode back, in the same C call (the mode belongs to the OS thread), as
+// gx_alloc_uncaptured does and as PyTorch's allocator does around cudaMalloc.
+#define GX_RELAXED_BEGIN                                               \
+	int gx_mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */              \
+	int gx_have_mode = p_cuThreadExchangeStreamCaptureMode != NULL &&  \
+		p_cuThreadExchangeStreamCaptureMode(&gx_mode) == 0;
+#define GX_RELAXED_END                                                 \
+	if (gx_have_mode) {                                                \
+		p_cuThreadExchangeStreamCaptureMode(&gx_mode);                 \
+	}
+
 // gx_vmm_available is 1 when the driver has every VMM entry point.
 static inline int gx_vmm_available(void) {
 	return p_cuMemGetAllocationGranularity != NULL && p_cuMemCreate != NULL && p_cuMemRelease != NULL &&
@@ -619,14 +633,18 @@ static inline gx_ret gx_vmm_peers(uintptr_t ctx, int ordinal, int count) {
 static inline gx_ret gx_vmm_reserve(uintptr_t ctx, size_t size, size_t align) {
 	GX_BEGIN(ctx)
 	CUdeviceptr p = 0;
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemAddressReserve(&p, size, align, 0, 0);
+	GX_RELAXED_END
 	out.v[0] = p;
 	GX_END()
 }
 
 static inline gx_ret gx_vmm_address_free(uintptr_t ctx, unsigned long long ptr, size_t size) {
 	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemAddressFree((CUdeviceptr)ptr, size);
+	GX_RELAXED_END
 	GX_END()
 }
 
@@ -635,27 +653,35 @@ static inline gx_ret gx_vmm_create(uintptr_t ctx, int ordinal, size_t size) {
 	GX_BEGIN(ctx)
 	CUmemAllocationProp prop = gx_vmm_prop(ordinal);
 	CUmemGenericAllocationHandle h = 0;
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemCreate(&h, size, &prop, 0);
+	GX_RELAXED_END
 	out.v[0] = h;
 	GX_END()
 }
 
 static inline gx_ret gx_vmm_release(uintptr_t ctx, unsigned long long h) {
 	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemRelease((CUmemGenericAllocationHandle)h);
+	GX_RELAXED_END
 	GX_END()
 }
 
 // gx_vmm_map maps all of handle h (size bytes; offset 0) at va.
 static inline gx_ret gx_vmm_map(uintptr_t ctx, unsigned long long va, size_t size, unsigned long long h) {
 	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0);
+	GX_RELAXED_END
 	GX_END()
 }
 
 static inline gx_ret gx_vmm_unmap(uintptr_t ctx, unsigned long long va, size_t size) {
 	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemUnmap((CUdeviceptr)va, size);
+	GX_RELAXED_END
 	GX_END()
 }
 
@@ -678,7 +704,9 @@ static inline gx_ret gx_vmm_set_access(uintptr_t ctx, unsigned long long va, siz
 			n++;
 		}
 	}
+	GX_RELAXED_BEGIN
 	out.res = p_cuMemSetAccess((CUdeviceptr)va, size, desc, n);
+	GX_RELAXED_END
 	GX_END()
 }
 
