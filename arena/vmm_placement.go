@@ -42,9 +42,9 @@
 // granule) gets a fresh VA range, backed by whatever physical memory is
 // available, wherever it came from:
 //
-//  1. A freed range of exactly S bytes whose free has completed, or was
-//     made on the requesting stream, is handed back as it is: no driver
-//     call. On the same stream this is safe before the free completes,
+//  1. A freed range of S bytes (or up to 1/reviveSlack more) whose free
+//     has completed, or was made on the requesting stream, is handed back
+//     as it is: no driver call. On the same stream this is safe before the free completes,
 //     because the stream's later work is ordered after its earlier work
 //     (the stream-ordered pool's own rule).
 //  2. Otherwise handles are gathered: free handles first, the largest that
@@ -54,14 +54,16 @@
 //     dropped once the free completes); then freed ranges of other streams
 //     whose frees have completed, unmapped now.
 //  3. What is still missing is created as one new handle. Before that, free
-//     handles not used for this request are released, smallest first, until
-//     they pay for the new one: held memory grows only when nothing held is
-//     free, and a request never gathers more than maxGather handles, so
+//     memory not used for this request (free handles, and completed freed
+//     ranges, unmapped) is released, smallest first, until it pays for the
+//     new handle: held memory grows only when nothing held is free and
+//     complete, and a request never gathers more than maxGather handles, so
 //     many small handles coalesce into one large handle at the next miss.
-//  4. When the cap (or the device) still says no, Alloc fails with
-//     ErrOutOfMemory having changed nothing. The layer above then
-//     synchronises the device, as its last resort, which completes every
-//     freed range, and asks again.
+//  4. When the cap still says no, Alloc fails with ErrOutOfMemory before
+//     any driver call; when the device says no (cuMemCreate), after
+//     releasing what step 3 paid with, which leaves a consistent state. The
+//     layer above then synchronises the device, as its last resort, which
+//     completes every freed range, and asks again.
 //
 // # Invariants
 //
@@ -69,10 +71,12 @@
 // drives it after every step) verifies all of them. In short: no two
 // ranges share VA; a live or freed range is mapped over its whole size by
 // the handles it lists; every handle is owned by exactly one live or freed
-// range, or is free; held is the sum of the handles' sizes and never
-// exceeds the cap; a mapping is dropped only once the work that may use it
-// has completed (an event) or once the stream that used it has moved on to
-// the range's next user (step 1 and 2 above).
+// range, or is free; held is the sum of the handles' sizes and never grows
+// above the cap (lowering the cap releases what is free at once; what is in
+// use stays until freed); a mapping is dropped, and a handle mapped for
+// another stream, only once the work queued before its free has completed
+// (an event): only the stream of the free gets the memory earlier (steps 1
+// and 2).
 //
 // # What it costs
 //
@@ -206,11 +210,11 @@ type vmmEngine struct {
 
 	events []Event // spare events
 
-	held, live     uint64 // bytes of all handles; bytes of live ranges
-	heldHigh       uint64
-	nCreate, nMap  uint64 // driver calls made, for tests and stats
-	nUnmap, nRel   uint64
-	nAccess, nSync uint64
+	held, live    uint64 // bytes of all handles; bytes of live ranges
+	heldHigh      uint64
+	nCreate, nMap uint64 // driver calls made, for tests
+	nUnmap, nRel  uint64
+	nAccess       uint64
 }
 
 type vaSpan struct {
@@ -522,7 +526,7 @@ func (e *vmmEngine) place(n uint64, s Stream) (uintptr, error) {
 	for _, hi := range pick {
 		e.handles[hi].owner = ri
 	}
-	e.dropFree(pick)
+	e.dropOwned()
 	for _, fi := range steal {
 		e.ranges[fi].taken = true
 		for _, hi := range e.ranges[fi].handles {
@@ -608,8 +612,8 @@ func (e *vmmEngine) removeFreed(ri int32) {
 	}
 }
 
-// dropFree removes the given handles from the free list.
-func (e *vmmEngine) dropFree(hs []int32) {
+// dropOwned removes handles that a range now owns from the free list.
+func (e *vmmEngine) dropOwned() {
 	keep := e.freeHandle[:0]
 	for _, hi := range e.freeHandle {
 		if e.handles[hi].owner == -1 {
@@ -617,7 +621,6 @@ func (e *vmmEngine) dropFree(hs []int32) {
 		}
 	}
 	e.freeHandle = keep
-	_ = hs
 }
 
 func (e *vmmEngine) createHandle(size uint64) (int32, error) {
