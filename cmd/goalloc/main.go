@@ -291,10 +291,10 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 	return nil
 }
 
-// newDevice makes the device to replay on, with the backend --conf names
-// (backend:vmm; the stream-ordered pool otherwise), for every policy.
 func newDevice(f *replayFlags) (arena.Device, error) {
-	cfg, _ := caching.ParseConfig(f.conf) // checked by parseReplayFlags
+	// The backend --conf names (backend:vmm; the stream-ordered pool
+	// otherwise) serves every policy. The conf was checked by parseReplayFlags.
+	cfg, _ := caching.ParseConfig(f.conf)
 	if f.device == "sim" && cfg.Backend == "vmm" {
 		return arena.NewSimVMM(0, f.simMemory)
 	}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
-#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench] [vmm]
+#   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [replay] [bench]
 #               [ddp] [multigpu] [mgbench] (these three need naming; the last two need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export GOALLOC_LIBRARY=$PWD/build/libgoalloc.so GOALLOC_GPU_OUT=$OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
-what=" ${*:-probe core graphs torture sanitizer python replay bench vmm} "
+what=" ${*:-probe core graphs torture sanitizer python replay bench} "
 want() { [[ $what == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
@@ -87,7 +87,7 @@ if want mgbench; then
 fi
 if want vmm; then
   step vmm
-  # The VMM backend (backend:vmm): arena's CUDA tests of the VMM device
+  # Named only (bash tests/gpu/run_gpu.sh vmm): the VMM backend (backend:vmm): arena's CUDA tests of the VMM device
   # (build/arena.test from `make gpubuild`; the peer test needs two GPUs),
   # then training, the cap and reserved-vs-device figures inside PyTorch,
   # against backend:async. About a minute.
