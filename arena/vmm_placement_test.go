@@ -23,6 +23,9 @@ type vmmHarness struct {
 	// freed block there; lastPhys: the same per (handle, granule offset).
 	lastVA   map[uintptr]use
 	lastPhys map[physCell]use
+	// lastCell: the last use of each cell cells() lists, checked when the
+	// cell is handed out again (a range handed back whole maps nothing).
+	lastCell map[physCell]use
 	// shadow: who owns each 512-byte cell of physical memory now.
 	shadow map[physCell]uint64
 	// mapping: the stream the running Alloc is for.
@@ -53,7 +56,7 @@ func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
 	d.SetManual(true)
 	d.SetCap(limit)
 	h := &vmmHarness{t: t, d: d, live: map[uintptr]vmmBlock{}, lastVA: map[uintptr]use{},
-		lastPhys: map[physCell]use{}, shadow: map[physCell]uint64{}}
+		lastPhys: map[physCell]use{}, lastCell: map[physCell]use{}, shadow: map[physCell]uint64{}}
 	d.phys.OnUnmap = func(va uintptr, size uint64) error {
 		for p := va; p < va+uintptr(size); p += simVMMGranule {
 			if u, ok := h.lastVA[p]; ok && !h.completed(u) {
@@ -142,6 +145,9 @@ func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) {
 	h.live[p] = vmmBlock{size: size, stream: s, cookie: h.cookie}
 	for _, c := range h.cells(p, max(size, 1)) {
 		h.shadow[c] = h.cookie
+		if u, ok := h.lastCell[c]; ok && !h.completed(u) && (u.s != s || s == anyStream) {
+			h.violations = append(h.violations, fmt.Sprintf("%#x handed to stream %d before stream %d reached %d", p, s, u.s, u.seq))
+		}
 	}
 	return p, nil
 }
@@ -153,6 +159,7 @@ func (h *vmmHarness) free(p uintptr, s Stream) {
 	u := use{s, h.position(s)}
 	for _, c := range h.cells(p, max(b.size, 1)) {
 		h.lastPhys[physCell{c.h, c.off &^ (simVMMGranule - 1)}] = u
+		h.lastCell[c] = u
 		delete(h.shadow, c)
 	}
 	for a := p &^ (simVMMGranule - 1); a < p+uintptr(b.size); a += simVMMGranule {
