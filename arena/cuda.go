@@ -120,24 +120,15 @@ func check(op string, r C.gx_ret) error {
 
 var errCUDAClosed = errors.New("arena: CUDA device is closed")
 
-// CUDA is one GPU, with memory from a private stream-ordered pool. Create it
-// with NewCUDA; it is safe for concurrent use. It must not be used after
-// Close.
-type CUDA struct {
+// cudaRuntime is what every CUDA device has whatever its memory comes from:
+// the device's retained primary context, events (with their stand-ins in
+// other contexts), capture status, synchronisation and memory info. CUDA
+// (the stream-ordered pool) and VMM (handles goalloc maps) embed it.
+type cudaRuntime struct {
 	ordinal int
 	dev     C.int       // CUdevice
 	ctx     C.uintptr_t // the device's primary CUcontext, retained
-	pool    C.uintptr_t // CUmemoryPool
-	// side is a non-blocking stream of goalloc's own, never captured, on
-	// which AllocUncaptured allocates.
-	side   C.uintptr_t
-	closed atomic.Bool
-
-	// peers has bit i set for each device i that was given read-write
-	// access to the pool when it was created (every device that can access
-	// this one's memory); peerErr is why granting stopped early, if it did.
-	peers   uint64
-	peerErr error
+	closed  atomic.Bool
 
 	// standIns maps an event of this device that was last recorded on a
 	// stream of another context (Tensor.record_stream with another device's
@@ -148,6 +139,23 @@ type CUDA struct {
 	standInMu sync.Mutex
 	standIns  map[Event]standIn
 	nStandIns atomic.Int32
+}
+
+// CUDA is one GPU, with memory from a private stream-ordered pool. Create it
+// with NewCUDA; it is safe for concurrent use. It must not be used after
+// Close.
+type CUDA struct {
+	cudaRuntime
+	pool C.uintptr_t // CUmemoryPool
+	// side is a non-blocking stream of goalloc's own, never captured, on
+	// which AllocUncaptured allocates.
+	side C.uintptr_t
+
+	// peers has bit i set for each device i that was given read-write
+	// access to the pool when it was created (every device that can access
+	// this one's memory); peerErr is why granting stopped early, if it did.
+	peers   uint64
+	peerErr error
 }
 
 // standIn is an event made in another device's context, ctx.
@@ -178,19 +186,12 @@ func CUDADeviceCount() (int, error) {
 // threshold to releaseThreshold bytes (^uint64(0): never release memory at
 // synchronisation points).
 func NewCUDA(ordinal int, releaseThreshold uint64) (*CUDA, error) {
-	n, err := CUDADeviceCount()
-	if err != nil {
+	d := &CUDA{}
+	if err := d.retain(ordinal); err != nil {
 		return nil, err
 	}
-	if ordinal < 0 || ordinal >= n {
-		return nil, fmt.Errorf("arena: no CUDA device %d (the driver sees %d)", ordinal, n)
-	}
-	r := C.gx_retain(C.int(ordinal))
-	if err := check("cuDevicePrimaryCtxRetain", r); err != nil {
-		return nil, err
-	}
-	d := &CUDA{ordinal: ordinal, dev: C.int(r.v[0]), ctx: C.uintptr_t(r.v[1])}
-	r = C.gx_pool_create(d.ctx, C.int(ordinal), C.ulonglong(releaseThreshold))
+	n, _ := CUDADeviceCount()
+	r := C.gx_pool_create(d.ctx, C.int(ordinal), C.ulonglong(releaseThreshold))
 	if err := check("cuMemPoolCreate", r); err != nil {
 		C.gx_primary_release(d.dev)
 		return nil, err
@@ -211,6 +212,38 @@ func NewCUDA(ordinal int, releaseThreshold uint64) (*CUDA, error) {
 		}
 	}
 	return d, nil
+}
+
+// retain opens device ordinal for d: it retains the device's primary
+// context, making it current on the calling thread if that thread has none.
+func (d *cudaRuntime) retain(ordinal int) error {
+	n, err := CUDADeviceCount()
+	if err != nil {
+		return err
+	}
+	if ordinal < 0 || ordinal >= n {
+		return fmt.Errorf("arena: no CUDA device %d (the driver sees %d)", ordinal, n)
+	}
+	r := C.gx_retain(C.int(ordinal))
+	if err := check("cuDevicePrimaryCtxRetain", r); err != nil {
+		return err
+	}
+	d.ordinal, d.dev, d.ctx = ordinal, C.int(r.v[0]), C.uintptr_t(r.v[1])
+	return nil
+}
+
+// release destroys the stand-in events and releases the primary context.
+func (d *cudaRuntime) release() error {
+	d.standInMu.Lock()
+	var err error
+	for e, si := range d.standIns {
+		err = errors.Join(err, d.destroyStandInLocked(e, si))
+	}
+	d.standInMu.Unlock()
+	if r := C.gx_primary_release(d.dev); r != 0 {
+		err = errors.Join(err, driverError("cuDevicePrimaryCtxRelease_v2", r))
+	}
+	return err
 }
 
 // PeersGranted lists the devices that were given access to this device's
@@ -256,7 +289,7 @@ func (d *CUDA) AllocUncaptured(size uint64) (uintptr, error) {
 }
 
 // Ordinal is the device index.
-func (d *CUDA) Ordinal() int { return d.ordinal }
+func (d *cudaRuntime) Ordinal() int { return d.ordinal }
 
 // Alloc is cuMemAllocFromPoolAsync on the device's pool, ordered on s.
 func (d *CUDA) Alloc(size uint64, s Stream) (uintptr, error) {
@@ -323,7 +356,7 @@ func (d *CUDA) ResetPoolHigh() error {
 }
 
 // MemInfo is cuMemGetInfo_v2, run in this device's context.
-func (d *CUDA) MemInfo() (free, total uint64, err error) {
+func (d *cudaRuntime) MemInfo() (free, total uint64, err error) {
 	if d.closed.Load() {
 		return 0, 0, errCUDAClosed
 	}
@@ -335,7 +368,7 @@ func (d *CUDA) MemInfo() (free, total uint64, err error) {
 }
 
 // NewEvent is cuEventCreate with CU_EVENT_DISABLE_TIMING.
-func (d *CUDA) NewEvent() (Event, error) {
+func (d *cudaRuntime) NewEvent() (Event, error) {
 	if d.closed.Load() {
 		return 0, errCUDAClosed
 	}
@@ -348,7 +381,7 @@ func (d *CUDA) NewEvent() (Event, error) {
 
 // RecordEvent is cuEventRecord. When s belongs to another device's context,
 // e is stood in for by an event made in that context (see standIns).
-func (d *CUDA) RecordEvent(e Event, s Stream) error {
+func (d *cudaRuntime) RecordEvent(e Event, s Stream) error {
 	if d.closed.Load() {
 		return errCUDAClosed
 	}
@@ -367,7 +400,7 @@ func (d *CUDA) RecordEvent(e Event, s Stream) error {
 
 // recordStandIn records, for e, an event made in ctx (the context of s),
 // reusing e's stand-in when it was made there too.
-func (d *CUDA) recordStandIn(e Event, ctx C.uintptr_t, s Stream) error {
+func (d *cudaRuntime) recordStandIn(e Event, ctx C.uintptr_t, s Stream) error {
 	d.standInMu.Lock()
 	defer d.standInMu.Unlock()
 	si, ok := d.standIns[e]
@@ -400,7 +433,7 @@ func (d *CUDA) recordStandIn(e Event, ctx C.uintptr_t, s Stream) error {
 }
 
 // dropStandIn destroys e's stand-in, if it has one.
-func (d *CUDA) dropStandIn(e Event) error {
+func (d *cudaRuntime) dropStandIn(e Event) error {
 	d.standInMu.Lock()
 	defer d.standInMu.Unlock()
 	if si, ok := d.standIns[e]; ok {
@@ -409,14 +442,14 @@ func (d *CUDA) dropStandIn(e Event) error {
 	return nil
 }
 
-func (d *CUDA) destroyStandInLocked(e Event, si standIn) error {
+func (d *cudaRuntime) destroyStandInLocked(e Event, si standIn) error {
 	delete(d.standIns, e)
 	d.nStandIns.Add(-1)
 	return check("cuEventDestroy_v2", C.gx_event_destroy(si.ctx, si.ev))
 }
 
 // lookupStandIn returns the event to query for e and its context.
-func (d *CUDA) lookupStandIn(e Event) (C.uintptr_t, C.uintptr_t) {
+func (d *cudaRuntime) lookupStandIn(e Event) (C.uintptr_t, C.uintptr_t) {
 	if d.nStandIns.Load() != 0 {
 		d.standInMu.Lock()
 		si, ok := d.standIns[e]
@@ -430,7 +463,7 @@ func (d *CUDA) lookupStandIn(e Event) (C.uintptr_t, C.uintptr_t) {
 
 // EventDone is cuEventQuery: true when e (or its stand-in) has completed,
 // false while CUDA_ERROR_NOT_READY.
-func (d *CUDA) EventDone(e Event) (bool, error) {
+func (d *cudaRuntime) EventDone(e Event) (bool, error) {
 	if d.closed.Load() {
 		return false, errCUDAClosed
 	}
@@ -446,7 +479,7 @@ func (d *CUDA) EventDone(e Event) (bool, error) {
 }
 
 // DestroyEvent is cuEventDestroy_v2, of e and of its stand-in.
-func (d *CUDA) DestroyEvent(e Event) error {
+func (d *cudaRuntime) DestroyEvent(e Event) error {
 	if d.closed.Load() {
 		return errCUDAClosed
 	}
@@ -458,7 +491,7 @@ func (d *CUDA) DestroyEvent(e Event) error {
 }
 
 // Synchronize is cuCtxSynchronize on the device's primary context.
-func (d *CUDA) Synchronize() error {
+func (d *cudaRuntime) Synchronize() error {
 	if d.closed.Load() {
 		return errCUDAClosed
 	}
@@ -466,7 +499,7 @@ func (d *CUDA) Synchronize() error {
 }
 
 // CaptureStatus is cuStreamIsCapturing.
-func (d *CUDA) CaptureStatus(s Stream) (CaptureStatus, error) {
+func (d *cudaRuntime) CaptureStatus(s Stream) (CaptureStatus, error) {
 	if d.closed.Load() {
 		return CaptureNone, errCUDAClosed
 	}
@@ -484,16 +517,7 @@ func (d *CUDA) Close() error {
 	if !d.closed.CompareAndSwap(false, true) {
 		return nil
 	}
-	d.standInMu.Lock()
-	var err error
-	for e, si := range d.standIns {
-		err = errors.Join(err, d.destroyStandInLocked(e, si))
-	}
-	d.standInMu.Unlock()
-	err = errors.Join(err, check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, d.side)))
+	err := check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, d.side))
 	err = errors.Join(err, check("cuMemPoolDestroy", C.gx_pool_destroy(d.ctx, d.pool)))
-	if r := C.gx_primary_release(d.dev); r != 0 {
-		err = errors.Join(err, driverError("cuDevicePrimaryCtxRelease_v2", r))
-	}
-	return err
+	return errors.Join(err, d.release())
 }

@@ -41,6 +41,15 @@ CUresult (*p_cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice);
 CUresult (*p_cuMemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
 CUresult (*p_cuMemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
 CUresult (*p_cuStreamGetCtx)(CUstream, CUcontext *);
+// Optional: without them there is no VMM device.
+CUresult (*p_cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+CUresult (*p_cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+CUresult (*p_cuMemRelease)(CUmemGenericAllocationHandle);
+CUresult (*p_cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult (*p_cuMemAddressFree)(CUdeviceptr, size_t);
+CUresult (*p_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult (*p_cuMemUnmap)(CUdeviceptr, size_t);
+CUresult (*p_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
 
 static char gx_loaderr[512];
 static void *gx_lib;
@@ -80,6 +89,14 @@ int gx_load(void) {
 		{ (void **)&p_cuMemPoolSetAccess, "cuMemPoolSetAccess", 0 },
 		{ (void **)&p_cuMemPoolGetAccess, "cuMemPoolGetAccess", 0 },
 		{ (void **)&p_cuStreamGetCtx, "cuStreamGetCtx", 0 },
+		{ (void **)&p_cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", 0 },
+		{ (void **)&p_cuMemCreate, "cuMemCreate", 0 },
+		{ (void **)&p_cuMemRelease, "cuMemRelease", 0 },
+		{ (void **)&p_cuMemAddressReserve, "cuMemAddressReserve", 0 },
+		{ (void **)&p_cuMemAddressFree, "cuMemAddressFree", 0 },
+		{ (void **)&p_cuMemMap, "cuMemMap", 0 },
+		{ (void **)&p_cuMemUnmap, "cuMemUnmap", 0 },
+		{ (void **)&p_cuMemSetAccess, "cuMemSetAccess", 0 },
 	};
 	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
 	if (lib == NULL) {

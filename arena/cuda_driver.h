@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -87,6 +88,28 @@ typedef struct {
 } CUmemAccessDesc;
 
 _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc must be 12 bytes, as in cuda.h");
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation must be 8 bytes, as in cuda.h");
+
+// Virtual memory management (the VMM device, vmm_cuda.go).
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+typedef struct {
+	int type;                 // CU_MEM_ALLOCATION_TYPE_PINNED = 1
+	int requestedHandleTypes; // 0: none (no sharing with other processes)
+	CUmemLocation location;   // { CU_MEM_LOCATION_TYPE_DEVICE, ordinal }
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp must be 32 bytes, as in cuda.h");
+_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location offset");
+_Static_assert(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16, "CUmemAllocationProp.win32HandleMetaData offset");
+_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags offset");
 
 extern CUresult (*p_cuInit)(unsigned int);
 extern CUresult (*p_cuDeviceGet)(CUdevice *, int);
@@ -121,6 +144,15 @@ extern CUresult (*p_cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice);
 extern CUresult (*p_cuMemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
 extern CUresult (*p_cuMemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
 extern CUresult (*p_cuStreamGetCtx)(CUstream, CUcontext *);
+// Optional: without them there is no VMM device (gx_vmm_available says so).
+extern CUresult (*p_cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+extern CUresult (*p_cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+extern CUresult (*p_cuMemRelease)(CUmemGenericAllocationHandle);
+extern CUresult (*p_cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+extern CUresult (*p_cuMemAddressFree)(CUdeviceptr, size_t);
+extern CUresult (*p_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+extern CUresult (*p_cuMemUnmap)(CUdeviceptr, size_t);
+extern CUresult (*p_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
 
 // gx_load opens libcuda.so.1 and resolves every symbol. It returns 0 on
 // success, 1 when the library cannot be opened and 2 when a required symbol
@@ -520,6 +552,161 @@ static inline gx_ret gx_is_capturing(uintptr_t ctx, uintptr_t stream) {
 	int status = 0;
 	out.res = p_cuStreamIsCapturing((CUstream)stream, &status);
 	out.v[0] = (unsigned long long)status;
+	GX_END()
+}
+
+// ---- Virtual memory management ----
+
+// The VMM calls are not stream-ordered, but a thread in the global capture
+// mode may be refused calls the driver deems unsafe during a capture: each
+// wrapper below runs its call in the relaxed mode and puts the thread's
+// mode back, in the same C call (the mode belongs to the OS thread), as
+// gx_alloc_uncaptured does and as PyTorch's allocator does around cudaMalloc.
+#define GX_RELAXED_BEGIN                                               \
+	int gx_mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */              \
+	int gx_have_mode = p_cuThreadExchangeStreamCaptureMode != NULL &&  \
+		p_cuThreadExchangeStreamCaptureMode(&gx_mode) == 0;
+#define GX_RELAXED_END                                                 \
+	if (gx_have_mode) {                                                \
+		p_cuThreadExchangeStreamCaptureMode(&gx_mode);                 \
+	}
+
+// gx_vmm_available is 1 when the driver has every VMM entry point.
+static inline int gx_vmm_available(void) {
+	return p_cuMemGetAllocationGranularity != NULL && p_cuMemCreate != NULL && p_cuMemRelease != NULL &&
+		p_cuMemAddressReserve != NULL && p_cuMemAddressFree != NULL && p_cuMemMap != NULL &&
+		p_cuMemUnmap != NULL && p_cuMemSetAccess != NULL;
+}
+
+static inline CUmemAllocationProp gx_vmm_prop(int ordinal) {
+	CUmemAllocationProp prop;
+	memset(&prop, 0, sizeof prop);
+	prop.type = GX_MEM_ALLOCATION_TYPE_PINNED;
+	prop.location.type = GX_MEM_LOCATION_TYPE_DEVICE;
+	prop.location.id = ordinal;
+	return prop;
+}
+
+// gx_vmm_granularity: v[0] = the recommended allocation granularity of
+// pinned memory on device ordinal.
+static inline gx_ret gx_vmm_granularity(uintptr_t ctx, int ordinal) {
+	GX_BEGIN(ctx)
+	CUmemAllocationProp prop = gx_vmm_prop(ordinal);
+	size_t g = 0;
+	out.res = p_cuMemGetAllocationGranularity(&g, &prop, 1); // CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+	out.v[0] = g;
+	GX_END()
+}
+
+// gx_vmm_peers: v[0] = bit i set for each device i other than ordinal that
+// can access ordinal's memory (cuDeviceCanAccessPeer); 0 when the driver
+// cannot say.
+static inline gx_ret gx_vmm_peers(uintptr_t ctx, int ordinal, int count) {
+	if (p_cuDeviceCanAccessPeer == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, 0, GX_MAIN };
+		return none;
+	}
+	GX_BEGIN(ctx)
+	for (int peer = 0; peer < count && peer < 64 && out.res == 0; peer++) {
+		int can = 0;
+		CUdevice self = 0, other = 0;
+		if (peer == ordinal) {
+			continue;
+		}
+		if ((out.res = p_cuDeviceGet(&self, ordinal)) != 0 || (out.res = p_cuDeviceGet(&other, peer)) != 0) {
+			out.stage = GX_DEVICE_GET;
+			break;
+		}
+		if ((out.res = p_cuDeviceCanAccessPeer(&can, other, self)) != 0) {
+			out.stage = GX_CAN_ACCESS_PEER;
+			break;
+		}
+		if (can) {
+			out.v[0] |= 1ull << peer;
+		}
+	}
+	GX_END()
+}
+
+// gx_vmm_reserve: v[0] = the base of size bytes of reserved virtual
+// addresses, aligned to align.
+static inline gx_ret gx_vmm_reserve(uintptr_t ctx, size_t size, size_t align) {
+	GX_BEGIN(ctx)
+	CUdeviceptr p = 0;
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemAddressReserve(&p, size, align, 0, 0);
+	GX_RELAXED_END
+	out.v[0] = p;
+	GX_END()
+}
+
+static inline gx_ret gx_vmm_address_free(uintptr_t ctx, unsigned long long ptr, size_t size) {
+	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemAddressFree((CUdeviceptr)ptr, size);
+	GX_RELAXED_END
+	GX_END()
+}
+
+// gx_vmm_create: v[0] = a handle to size bytes of pinned memory on ordinal.
+static inline gx_ret gx_vmm_create(uintptr_t ctx, int ordinal, size_t size) {
+	GX_BEGIN(ctx)
+	CUmemAllocationProp prop = gx_vmm_prop(ordinal);
+	CUmemGenericAllocationHandle h = 0;
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemCreate(&h, size, &prop, 0);
+	GX_RELAXED_END
+	out.v[0] = h;
+	GX_END()
+}
+
+static inline gx_ret gx_vmm_release(uintptr_t ctx, unsigned long long h) {
+	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemRelease((CUmemGenericAllocationHandle)h);
+	GX_RELAXED_END
+	GX_END()
+}
+
+// gx_vmm_map maps all of handle h (size bytes; offset 0) at va.
+static inline gx_ret gx_vmm_map(uintptr_t ctx, unsigned long long va, size_t size, unsigned long long h) {
+	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemMap((CUdeviceptr)va, size, 0, (CUmemGenericAllocationHandle)h, 0);
+	GX_RELAXED_END
+	GX_END()
+}
+
+static inline gx_ret gx_vmm_unmap(uintptr_t ctx, unsigned long long va, size_t size) {
+	GX_BEGIN(ctx)
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemUnmap((CUdeviceptr)va, size);
+	GX_RELAXED_END
+	GX_END()
+}
+
+// gx_vmm_set_access grants read-write access to [va, va+size) to device
+// ordinal and to every device whose bit is set in peers, in one call.
+static inline gx_ret gx_vmm_set_access(uintptr_t ctx, unsigned long long va, size_t size, int ordinal,
+	unsigned long long peers) {
+	GX_BEGIN(ctx)
+	CUmemAccessDesc desc[65];
+	size_t n = 0;
+	desc[n].location.type = GX_MEM_LOCATION_TYPE_DEVICE;
+	desc[n].location.id = ordinal;
+	desc[n].flags = GX_MEM_ACCESS_READWRITE;
+	n++;
+	for (int i = 0; i < 64; i++) {
+		if (peers & (1ull << i)) {
+			desc[n].location.type = GX_MEM_LOCATION_TYPE_DEVICE;
+			desc[n].location.id = i;
+			desc[n].flags = GX_MEM_ACCESS_READWRITE;
+			n++;
+		}
+	}
+	GX_RELAXED_BEGIN
+	out.res = p_cuMemSetAccess((CUdeviceptr)va, size, desc, n);
+	GX_RELAXED_END
 	GX_END()
 }
 

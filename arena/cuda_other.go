@@ -43,3 +43,32 @@ func (d *CUDA) PeersGranted() ([]int, error) { return nil, errNoCUDA }
 
 // PeerAccess always fails in this build.
 func (d *CUDA) PeerAccess(peer int) (bool, error) { return false, errNoCUDA }
+
+// VMM is unavailable in this build; see vmm_cuda.go for the real device.
+type VMM struct{}
+
+var _ Device = (*VMM)(nil)
+
+// NewVMM always fails in this build.
+func NewVMM(ordinal int) (*VMM, error) { return nil, errNoCUDA }
+
+func (d *VMM) Ordinal() int                                  { return 0 }
+func (d *VMM) Alloc(size uint64, s Stream) (uintptr, error)  { return 0, errNoCUDA }
+func (d *VMM) Free(ptr uintptr, size uint64, s Stream) error { return errNoCUDA }
+func (d *VMM) AllocUncaptured(size uint64) (uintptr, error)  { return 0, errNoCUDA }
+func (d *VMM) Trim(keep uint64) error                        { return errNoCUDA }
+func (d *VMM) SetReleaseThreshold(bytes uint64) error        { return errNoCUDA }
+func (d *VMM) PoolUsage() (PoolUsage, error)                 { return PoolUsage{}, errNoCUDA }
+func (d *VMM) ResetPoolHigh() error                          { return errNoCUDA }
+func (d *VMM) MemInfo() (free, total uint64, err error)      { return 0, 0, errNoCUDA }
+func (d *VMM) NewEvent() (Event, error)                      { return 0, errNoCUDA }
+func (d *VMM) RecordEvent(e Event, s Stream) error           { return errNoCUDA }
+func (d *VMM) EventDone(e Event) (bool, error)               { return false, errNoCUDA }
+func (d *VMM) DestroyEvent(e Event) error                    { return errNoCUDA }
+func (d *VMM) Synchronize() error                            { return errNoCUDA }
+func (d *VMM) CaptureStatus(s Stream) (CaptureStatus, error) { return CaptureNone, errNoCUDA }
+func (d *VMM) Close() error                                  { return nil }
+func (d *VMM) SetCap(limit uint64)                           {}
+
+// PeersGranted lists no device in this build.
+func (d *VMM) PeersGranted() ([]int, error) { return nil, errNoCUDA }

@@ -82,10 +82,111 @@ static inline CUresult gx_test_ctx_destroy(uintptr_t ctx) {
 	CUresult (*p_cuCtxDestroy)(CUcontext) = gx_sym("cuCtxDestroy_v2");
 	return p_cuCtxDestroy == NULL ? -1 : p_cuCtxDestroy((CUcontext)ctx);
 }
+
+// Device memory from the host side, for the VMM tests: fill (stream-ordered,
+// so a test can keep a stream busy), copy to the host, copy between devices.
+// res is -1 when the driver lacks the entry point.
+static inline gx_ret gx_test_memset(uintptr_t ctx, unsigned long long p, unsigned char v, size_t n, uintptr_t stream) {
+	CUresult (*fn)(CUdeviceptr, unsigned char, size_t, CUstream) = gx_sym("cuMemsetD8Async");
+	if (fn == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, -1, GX_MAIN };
+		return none;
+	}
+	GX_BEGIN(ctx)
+	out.res = fn((CUdeviceptr)p, v, n, (CUstream)stream);
+	GX_END()
+}
+
+static inline gx_ret gx_test_dtoh(uintptr_t ctx, void *dst, unsigned long long src, size_t n) {
+	CUresult (*fn)(void *, CUdeviceptr, size_t) = gx_sym("cuMemcpyDtoH_v2");
+	if (fn == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, -1, GX_MAIN };
+		return none;
+	}
+	GX_BEGIN(ctx)
+	out.res = fn(dst, (CUdeviceptr)src, n);
+	GX_END()
+}
+
+static inline gx_ret gx_test_dtod(uintptr_t ctx, unsigned long long dst, unsigned long long src, size_t n) {
+	CUresult (*fn)(CUdeviceptr, CUdeviceptr, size_t) = gx_sym("cuMemcpyDtoD_v2");
+	if (fn == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, -1, GX_MAIN };
+		return none;
+	}
+	GX_BEGIN(ctx)
+	out.res = fn((CUdeviceptr)dst, (CUdeviceptr)src, n);
+	GX_END()
+}
+
+static inline gx_ret gx_test_stream_sync(uintptr_t ctx, uintptr_t stream) {
+	GX_BEGIN(ctx)
+	out.res = p_cuStreamSynchronize((CUstream)stream);
+	GX_END()
+}
 */
 import "C"
 
-import "errors"
+import (
+	"errors"
+	"unsafe"
+)
+
+var errNoTestEntry = errors.New("arena: libcuda.so.1 lacks an entry point this test needs")
+
+// memset fills n bytes at p with v, ordered on s (cuMemsetD8Async).
+func (d *cudaRuntime) memset(p uintptr, v byte, n uint64, s Stream) error {
+	r := C.gx_test_memset(d.ctx, C.ulonglong(p), C.uchar(v), C.size_t(n), C.uintptr_t(s))
+	if r.res == -1 {
+		return errNoTestEntry
+	}
+	return check("cuMemsetD8Async", r)
+}
+
+// copyToHost copies len(dst) bytes from p (cuMemcpyDtoH_v2, synchronous).
+func (d *cudaRuntime) copyToHost(dst []byte, p uintptr) error {
+	r := C.gx_test_dtoh(d.ctx, unsafe.Pointer(&dst[0]), C.ulonglong(p), C.size_t(len(dst)))
+	if r.res == -1 {
+		return errNoTestEntry
+	}
+	return check("cuMemcpyDtoH_v2", r)
+}
+
+// copyDevice copies n bytes from src to dst, which may lie on another
+// device (cuMemcpyDtoD_v2 in this device's context).
+func (d *cudaRuntime) copyDevice(dst, src uintptr, n uint64) error {
+	r := C.gx_test_dtod(d.ctx, C.ulonglong(dst), C.ulonglong(src), C.size_t(n))
+	if r.res == -1 {
+		return errNoTestEntry
+	}
+	return check("cuMemcpyDtoD_v2", r)
+}
+
+// newStream makes a non-blocking stream on the device; streamSync waits
+// for one; destroyStream frees it.
+func (d *cudaRuntime) newStream() (Stream, error) {
+	r := C.gx_stream_create(d.ctx)
+	if err := check("cuStreamCreate", r); err != nil {
+		return 0, err
+	}
+	return Stream(r.v[0]), nil
+}
+
+func (d *cudaRuntime) streamSync(s Stream) error {
+	return check("cuStreamSynchronize", C.gx_test_stream_sync(d.ctx, C.uintptr_t(s)))
+}
+
+func (d *cudaRuntime) destroyStream(s Stream) error {
+	return check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, C.uintptr_t(s)))
+}
+
+// engineCounts reads the VMM engine's driver-call counters.
+func (d *VMM) engineCounts() (create, mapped, unmapped, released, access uint64) {
+	d.src.mu.Lock()
+	defer d.src.mu.Unlock()
+	e := d.src.eng
+	return e.nCreate, e.nMap, e.nUnmap, e.nRel, e.nAccess
+}
 
 // CaptureID is cuStreamGetCaptureInfo_v3 (or _v2 on a driver without it):
 // the capture status of s and, while a capture is active, its unique id.

@@ -4,7 +4,7 @@
 // usage and high-water marks) and a Runtime (events, capture status,
 // synchronisation, memory info). A Device is both, for one GPU.
 //
-// Two implementations live here and nowhere else:
+// The implementations live here and nowhere else:
 //
 //   - CUDA (cuda.go; the C wrappers in cuda_driver.h/.c; test hooks in
 //     cuda_testhooks.go behind the goalloc_cudatest build tag): libcuda.so.1 opened with dlopen at run time, so the
@@ -15,6 +15,14 @@
 //     current when the calling thread has none: PyTorch's autograd thread
 //     arrives with no context (a stream-ordered call there returns
 //     CUDA_ERROR_INVALID_CONTEXT).
+//   - VMM (vmm_cuda.go, over the placement engine of vmm_placement.go and
+//     vmm_source.go): the same driver, but physical memory comes as handles
+//     (cuMemCreate) that goalloc maps where it likes, so what the device
+//     holds is exactly what goalloc says it holds. Chosen with
+//     GOALLOC_CONF=backend:vmm; it shares the CUDA device's runtime half
+//     (cudaRuntime).
+//   - SimVMM (sim_vmm.go): the simulated device with the VMM backend, the
+//     same engine over an in-memory driver (vmm_fake.go).
 //   - Sim (sim.go, simpool.go): a simulated device for tests and the replay
 //     tool. Addresses are fake, non-overlapping and 512-byte aligned; streams
 //     and events complete when a test says so (or at once in auto mode); the

@@ -89,6 +89,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	if cfg.Fraction > 0 {
 		a.limit = fractionLimit(cfg.Fraction, total)
 	}
+	a.capDevice()
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
 	}
@@ -904,10 +905,20 @@ func (a *Allocator) SetLimit(limit uint64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.limit = limit
+	a.capDevice()
 	if limit > 0 && a.reserved() > limit {
 		return a.releaseAll()
 	}
 	return nil
+}
+
+// capDevice passes the cap to a device that holds physical memory itself
+// (the VMM backend), so that the cap bounds what the device holds, which
+// rounding makes a little more than goalloc's own reserved count.
+func (a *Allocator) capDevice() {
+	if c, ok := a.dev.(arena.Capped); ok {
+		c.SetCap(a.limit)
+	}
 }
 
 // Limit is the cap on reserved bytes, 0 if none.

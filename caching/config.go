@@ -36,6 +36,10 @@ type Config struct {
 	LargeSlack float64
 	// Quiet turns off goalloc's own warnings on stderr (OOM lines still print).
 	Quiet bool
+	// Backend is where device memory comes from: "async", a private
+	// stream-ordered pool per device (the default), or "vmm", physical
+	// handles goalloc maps itself (arena's VMM device).
+	Backend string
 }
 
 // DefaultConfig is the configuration with no GOALLOC_CONF.
@@ -45,6 +49,7 @@ func DefaultConfig() Config {
 		LargeCache:       256 << 20,
 		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
+		Backend:          "async",
 	}
 }
 
@@ -57,6 +62,7 @@ var confKeys = map[string]string{
 	"miss_release":      "true to give cached memory back to the pool before a cache miss asks it for more",
 	"large_slack":       "how much larger than a request a cached large block may be, in [0, 1)",
 	"quiet":             "true to silence warnings (OOM lines still print)",
+	"backend":           "where memory comes from: async (a stream-ordered pool) or vmm (handles goalloc maps)",
 }
 
 // ConfigKeys lists the keys GOALLOC_CONF takes with what each means.
@@ -108,6 +114,12 @@ func ParseConfig(s string) (Config, error) {
 			c.Quiet, err = strconv.ParseBool(v)
 		case "miss_release":
 			c.MissRelease, err = strconv.ParseBool(v)
+		case "backend":
+			if v != "async" && v != "vmm" {
+				err = fmt.Errorf("%q is neither async nor vmm", v)
+			} else {
+				c.Backend = v
+			}
 		}
 		if err != nil {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
@@ -210,6 +222,6 @@ func (c Config) String() string {
 	if c.ReleaseThreshold != math.MaxUint64 {
 		rt = strconv.FormatUint(c.ReleaseThreshold, 10)
 	}
-	return fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t",
-		c.Fraction, c.Reserve, rt, c.LargeCache, c.MissRelease, c.LargeSlack, c.Quiet)
+	return fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t,backend:%s",
+		c.Fraction, c.Reserve, rt, c.LargeCache, c.MissRelease, c.LargeSlack, c.Quiet, c.Backend)
 }

@@ -120,6 +120,17 @@
 //   - Small segments must be small: a segment pins the pool's 32 MiB
 //     physical chunk it lies in while one slot is live.
 //
+// # Backends
+//
+// "The pool" above is the device's MemorySource, of which there are two
+// (Config.Backend). async, the default, is the driver's stream-ordered pool:
+// the driver places memory and keeps what it likes, so the device may hold
+// more than goalloc's reserved figure says. vmm is goalloc's own placement
+// over physical handles (arena/vmm_placement.go): the device holds exactly
+// the backend's reserved figure, the cap is passed down to bound it
+// (arena.Capped), and every miss costs driver calls of tens of
+// microseconds, so the cache above matters more there.
+//
 // # CUDA graphs
 //
 // See graphs.go. A capture allocates from a private pool, with memory taken

@@ -182,8 +182,20 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 		return a, nil
 	}
 	var dev arena.Device
-	if l.kind == "sim" {
+	if l.kind == "sim" && l.cfg.Backend == "vmm" {
+		sv, err := arena.NewSimVMM(d, l.simMemory)
+		if err != nil {
+			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
+		}
+		dev = sv
+	} else if l.kind == "sim" {
 		dev = arena.NewSim(d, l.simMemory)
+	} else if l.cfg.Backend == "vmm" {
+		vm, err := arena.NewVMM(d)
+		if err != nil {
+			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
+		}
+		dev = vm
 	} else {
 		cu, err := arena.NewCUDA(d, l.cfg.ReleaseThreshold)
 		if err != nil {

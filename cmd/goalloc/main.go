@@ -328,8 +328,21 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 var errOOM = errors.New("allocations failed for lack of memory")
 
 func newDevice(f *replayFlags) (arena.Device, error) {
+	// The backend --conf names (backend:vmm; the stream-ordered pool
+	// otherwise) serves every policy. The conf was checked by parseReplayFlags.
+	cfg, _ := caching.ParseConfig(f.conf)
+	if f.device == "sim" && cfg.Backend == "vmm" {
+		return arena.NewSimVMM(0, f.simMemory)
+	}
 	if f.device == "sim" {
 		return arena.NewSim(0, f.simMemory), nil
+	}
+	if cfg.Backend == "vmm" {
+		d, err := arena.NewVMM(0)
+		if err != nil {
+			return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
+		}
+		return d, nil
 	}
 	d, err := arena.NewCUDA(0, math.MaxUint64)
 	if err != nil {

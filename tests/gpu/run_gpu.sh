@@ -133,6 +133,29 @@ if want mgbench; then
   # MGBENCH_ROUNDS="FIRST LAST": which rounds of bench/multigpu.sh to run.
   timeout 580 bash bench/multigpu.sh "$OUT" ${MGBENCH_ROUNDS:-0 2} || status=1
 fi
+if want vmm; then
+  step vmm
+  # Named only (bash tests/gpu/run_gpu.sh vmm): the VMM backend (backend:vmm): arena's CUDA tests of the VMM device
+  # (build/arena.test from `make gpubuild`; the peer test needs two GPUs),
+  # then training, the cap and reserved-vs-device figures inside PyTorch,
+  # against backend:async, and the bundled traces replayed with each
+  # backend. About two minutes.
+  if [[ -x build/arena.test ]]; then
+    (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDA' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+vmm_cuda_test)' | tail -30) || status=1
+  else
+    echo "build/arena.test missing: make gpubuild"; status=1
+  fi
+  timeout 300 python3 tests/gpu/vmm_check.py > "$OUT/vmm.json" || status=1
+  tail -c 3000 "$OUT/vmm.json"
+  # Replays: the ratio (peak reserved: for
+  # vmm the physical memory held) and the time per event (driver calls).
+  for t in gpt2 resnet50; do
+    for b in async vmm; do
+      timeout 120 build/goalloc replay traces/$t-train.jsonl.gz --device cuda --conf backend:$b --json \
+        > "$OUT/replay-$t-backend-$b.json" || status=1
+    done
+  done
+fi
 if want bench; then
   step bench
   [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }

@@ -1,0 +1,102 @@
+package arena
+
+import "fmt"
+
+// SimVMM is the simulated device with the VMM backend: a Sim for streams,
+// events and capture, and the very placement engine and page packing the
+// CUDA VMM device runs (vmm_source.go), over an in-memory driver (FakePhys)
+// with a 2 MiB granule, as on an H200. Its reserved figure is the physical
+// bytes its handles hold, page for page what the real device would hold.
+type SimVMM struct {
+	*Sim
+	phys     *FakePhys
+	src      *vmmSource
+	capacity uint64
+}
+
+var _ Device = (*SimVMM)(nil)
+
+// simVMMGranule is the simulated allocation granularity.
+const simVMMGranule = 2 << 20
+
+// NewSimVMM makes a simulated VMM device with capacity bytes of memory.
+func NewSimVMM(ordinal int, capacity uint64) (*SimVMM, error) {
+	if capacity == 0 {
+		capacity = DefaultSimMemory
+	}
+	sim := NewSim(ordinal, capacity)
+	phys := NewFakePhys(sim, capacity, simVMMGranule)
+	src, err := newVMMSource(phys, 2*capacity, 0)
+	if err != nil {
+		return nil, err
+	}
+	return &SimVMM{Sim: sim, phys: phys, src: src, capacity: capacity}, nil
+}
+
+// Phys is the fake driver under the device, for tests.
+func (d *SimVMM) Phys() *FakePhys { return d.phys }
+
+func (d *SimVMM) refuseCapture(op string, s Stream) error {
+	if st, _ := d.Sim.CaptureStatus(s); st != CaptureNone {
+		return fmt.Errorf("sim: %s on stream %#x, which is being captured", op, s)
+	}
+	return nil
+}
+
+func (d *SimVMM) Alloc(size uint64, s Stream) (uintptr, error) {
+	if err := d.refuseCapture("VMM alloc", s); err != nil {
+		return 0, err
+	}
+	return d.src.alloc(size, s)
+}
+
+// AllocUncaptured places memory any stream may use at once: VMM calls are
+// not stream-ordered, so nothing is added to a graph.
+func (d *SimVMM) AllocUncaptured(size uint64) (uintptr, error) { return d.src.alloc(size, anyStream) }
+
+// Free is ordered on s by an event recorded there, which would be a graph
+// node during a capture: refused then, as the caching layer never does it.
+func (d *SimVMM) Free(ptr uintptr, size uint64, s Stream) error {
+	if err := d.refuseCapture("VMM free", s); err != nil {
+		return err
+	}
+	return d.src.free(ptr, size, s)
+}
+
+func (d *SimVMM) Trim(keep uint64) error           { return d.src.trim(keep) }
+func (d *SimVMM) SetReleaseThreshold(uint64) error { return nil }
+func (d *SimVMM) PoolUsage() (PoolUsage, error)    { return d.src.usage(), nil }
+func (d *SimVMM) ResetPoolHigh() error             { d.src.resetHigh(); return nil }
+func (d *SimVMM) SetCap(limit uint64)              { d.src.setCap(limit) }
+func (d *SimVMM) CheckInvariants() error           { return d.src.checkInvariants() }
+
+// MemInfo is what cuMemGetInfo would say: the device less the physical
+// memory held.
+func (d *SimVMM) MemInfo() (free, total uint64, err error) {
+	return d.capacity - d.phys.Used(), d.capacity, nil
+}
+
+func (d *SimVMM) Close() error {
+	err := d.src.close()
+	_ = d.Sim.Close()
+	return err
+}
+
+// Capped is a device whose physical memory can be capped: the VMM devices.
+// The caching layer sets the cap with its own (set_per_process_memory_fraction),
+// so that the cap bounds the bytes the device holds, not only goalloc's
+// own count of them.
+type Capped interface {
+	SetCap(limit uint64)
+}
+
+// Calls counts the driver calls the device made so far, by driver function.
+func (d *SimVMM) Calls() map[string]int {
+	d.phys.mu.Lock()
+	defer d.phys.mu.Unlock()
+	out := make(map[string]int, len(d.phys.Calls))
+	for k, v := range d.phys.Calls {
+		out[k] = v
+	}
+	return out
+}

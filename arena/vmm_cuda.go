@@ -1,0 +1,207 @@
+//go:build linux && cgo
+
+// The VMM device: physical memory from cuMemCreate, mapped by goalloc where
+// it likes (the placement engine, vmm_placement.go), instead of a
+// stream-ordered pool. The runtime half (context, events, capture status,
+// synchronisation, memory info) is the CUDA device's own (cudaRuntime); the
+// C wrappers are the gx_vmm_* ones in cuda_driver.h.
+//
+// Layouts, as cuda.h of CUDA 13 has them and cuda_driver.h asserts:
+// CUmemAllocationProp is 32 bytes (type, requestedHandleTypes, location,
+// win32HandleMetaData, allocFlags), CUmemAccessDesc 12 (location, flags),
+// CUmemLocation 8 (type, id). The VMM entry points are plain exports of the
+// 580 driver (no _v2 names); each is looked up optionally, so a driver
+// without them still loads and only NewVMM fails.
+
+package arena
+
+/*
+#include "cuda_driver.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+)
+
+// VMM is one GPU whose memory goalloc places itself: a vmmSource over the
+// CUDA driver. Create it with NewVMM; it is safe for concurrent use.
+type VMM struct {
+	cudaRuntime
+	src   *vmmSource
+	peers uint64 // bit i: device i can access this device's memory, and was granted it
+}
+
+var _ Device = (*VMM)(nil)
+
+// cudaPhys is the PhysDriver of a VMM device: one gx_vmm_* call per method.
+type cudaPhys struct {
+	rt    *cudaRuntime
+	gran  uint64
+	peers uint64
+}
+
+func (p *cudaPhys) Granularity() uint64 { return p.gran }
+
+func (p *cudaPhys) ReserveVA(size uint64) (uintptr, error) {
+	r := C.gx_vmm_reserve(p.rt.ctx, C.size_t(size), C.size_t(p.gran))
+	if err := check("cuMemAddressReserve", r); err != nil {
+		return 0, err
+	}
+	return uintptr(r.v[0]), nil
+}
+
+func (p *cudaPhys) FreeVA(base uintptr, size uint64) error {
+	return check("cuMemAddressFree", C.gx_vmm_address_free(p.rt.ctx, C.ulonglong(base), C.size_t(size)))
+}
+
+func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
+	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size))
+	if err := check("cuMemCreate", r); err != nil {
+		return 0, err
+	}
+	return PhysHandle(r.v[0]), nil
+}
+
+func (p *cudaPhys) ReleaseHandle(h PhysHandle) error {
+	return check("cuMemRelease", C.gx_vmm_release(p.rt.ctx, C.ulonglong(h)))
+}
+
+func (p *cudaPhys) Map(va uintptr, size uint64, h PhysHandle) error {
+	return check("cuMemMap", C.gx_vmm_map(p.rt.ctx, C.ulonglong(va), C.size_t(size), C.ulonglong(h)))
+}
+
+func (p *cudaPhys) Unmap(va uintptr, size uint64) error {
+	return check("cuMemUnmap", C.gx_vmm_unmap(p.rt.ctx, C.ulonglong(va), C.size_t(size)))
+}
+
+func (p *cudaPhys) SetAccess(va uintptr, size uint64) error {
+	return check("cuMemSetAccess", C.gx_vmm_set_access(p.rt.ctx, C.ulonglong(va), C.size_t(size),
+		C.int(p.rt.ordinal), C.ulonglong(p.peers)))
+}
+
+func (p *cudaPhys) NewEvent() (Event, error)            { return p.rt.NewEvent() }
+func (p *cudaPhys) RecordEvent(e Event, s Stream) error { return p.rt.RecordEvent(e, s) }
+func (p *cudaPhys) EventDone(e Event) (bool, error)     { return p.rt.EventDone(e) }
+func (p *cudaPhys) DestroyEvent(e Event) error          { return p.rt.DestroyEvent(e) }
+
+// NewVMM opens device ordinal with the VMM backend: it retains the
+// device's primary context, reads the allocation granularity, finds the
+// peer devices that can access this one (each range is opened to all of
+// them), and reserves virtual addresses for twice the device's memory.
+func NewVMM(ordinal int) (*VMM, error) {
+	d := &VMM{}
+	if err := d.retain(ordinal); err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*VMM, error) {
+		_ = d.release()
+		return nil, fmt.Errorf("arena: device %d: VMM backend: %w", ordinal, err)
+	}
+	if C.gx_vmm_available() == 0 {
+		return fail(errors.New("libcuda.so.1 lacks the virtual memory management entry points (cuMemCreate, cuMemMap, ...); use backend:async"))
+	}
+	r := C.gx_vmm_granularity(d.ctx, C.int(ordinal))
+	if err := check("cuMemGetAllocationGranularity", r); err != nil {
+		return fail(err)
+	}
+	gran := uint64(r.v[0])
+	n, _ := CUDADeviceCount()
+	r = C.gx_vmm_peers(d.ctx, C.int(ordinal), C.int(n))
+	if err := check("cuDeviceCanAccessPeer", r); err != nil {
+		return fail(err)
+	}
+	d.peers = uint64(r.v[0])
+	_, total, err := d.MemInfo()
+	if err != nil {
+		return fail(err)
+	}
+	phys := &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
+	d.src, err = newVMMSource(phys, 2*total, 0)
+	if err != nil {
+		return fail(err)
+	}
+	return d, nil
+}
+
+// PeersGranted lists the devices every range of this device is opened to.
+func (d *VMM) PeersGranted() ([]int, error) {
+	var out []int
+	for i := 0; i < 64; i++ {
+		if d.peers&(1<<i) != 0 {
+			out = append(out, i)
+		}
+	}
+	return out, nil
+}
+
+// Granularity is the driver's allocation granularity for this device.
+func (d *VMM) Granularity() uint64 { return d.src.gran }
+
+func (d *VMM) Alloc(size uint64, s Stream) (uintptr, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	return d.src.alloc(size, s)
+}
+
+// AllocUncaptured places memory any stream may use at once. VMM calls are
+// not stream-ordered, so nothing is added to a graph being captured; only
+// memory whose frees have completed is used.
+func (d *VMM) AllocUncaptured(size uint64) (uintptr, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	return d.src.alloc(size, anyStream)
+}
+
+// Free gives ptr back, ordered on s by an event recorded there.
+func (d *VMM) Free(ptr uintptr, size uint64, s Stream) error {
+	if d.closed.Load() {
+		return errCUDAClosed
+	}
+	return d.src.free(ptr, size, s)
+}
+
+// Trim unmaps completed frees and releases free physical memory until at
+// most keep bytes are held.
+func (d *VMM) Trim(keep uint64) error {
+	if d.closed.Load() {
+		return errCUDAClosed
+	}
+	return d.src.trim(keep)
+}
+
+// SetReleaseThreshold does nothing: the VMM backend gives memory back only
+// when trimmed, never behind goalloc's back.
+func (d *VMM) SetReleaseThreshold(uint64) error { return nil }
+
+// PoolUsage: reserved is the physical memory held (mapped and free
+// handles), used the bytes of live allocations (rounded as placed).
+func (d *VMM) PoolUsage() (PoolUsage, error) {
+	if d.closed.Load() {
+		return PoolUsage{}, errCUDAClosed
+	}
+	return d.src.usage(), nil
+}
+
+func (d *VMM) ResetPoolHigh() error {
+	if d.closed.Load() {
+		return errCUDAClosed
+	}
+	d.src.resetHigh()
+	return nil
+}
+
+// SetCap bounds the physical memory held (0: no bound but the device).
+func (d *VMM) SetCap(limit uint64) { d.src.setCap(limit) }
+
+// Close unmaps and releases everything (memory still allocated is lost)
+// and releases the primary context.
+func (d *VMM) Close() error {
+	if !d.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	return errors.Join(d.src.close(), d.release())
+}

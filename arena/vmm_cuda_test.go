@@ -1,0 +1,256 @@
+//go:build linux && cgo && goalloc_cudatest
+
+package arena
+
+import (
+	"bytes"
+	"testing"
+	"time"
+)
+
+var _ Device = (*VMM)(nil)
+
+func openVMM(t *testing.T, ordinal int) *VMM {
+	t.Helper()
+	d, err := NewVMM(ordinal)
+	if err != nil {
+		t.Fatalf("NewVMM(%d): %v", ordinal, err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+// expectBytes copies n bytes at p to the host and checks they are all v.
+func expectBytes(t *testing.T, d *VMM, p uintptr, n uint64, v byte, what string) {
+	t.Helper()
+	buf := make([]byte, n)
+	if err := d.copyToHost(buf, p); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	if i := bytes.IndexFunc(buf, func(r rune) bool { return byte(r) != v }); i >= 0 {
+		t.Fatalf("%s: byte %d is %#x, want %#x", what, i, buf[i], v)
+	}
+}
+
+func TestVMMCUDAAllocFreeReuse(t *testing.T) {
+	needCUDA(t, 1)
+	d := openVMM(t, 0)
+	if g := d.Granularity(); g == 0 || g&(g-1) != 0 {
+		t.Fatalf("granularity %d", g)
+	}
+	t.Logf("granularity %d, peers %v", d.Granularity(), d.peers)
+	free0, total, err := d.MemInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const big = 64 << 20
+	p, err := d.Alloc(big, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	small, err := d.Alloc(4096, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.memset(p, 0xab, big, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.memset(small, 0xcd, 4096, 0); err != nil {
+		t.Fatal(err)
+	}
+	expectBytes(t, d, p, big, 0xab, "large range")
+	expectBytes(t, d, small, 4096, 0xcd, "small piece")
+	u, _ := d.PoolUsage()
+	free1, _, _ := d.MemInfo()
+	t.Logf("usage %+v; device free %d -> %d of %d", u, free0, free1, total)
+	if u.ReservedCurrent != big+d.Granularity() {
+		t.Errorf("reserved %d, want %d (the range and one page)", u.ReservedCurrent, big+d.Granularity())
+	}
+	if free0-free1 < u.ReservedCurrent {
+		t.Errorf("the device lost %d bytes, less than the %d held", free0-free1, u.ReservedCurrent)
+	}
+	if err := d.Free(p, big, 0); err != nil {
+		t.Fatal(err)
+	}
+	c0, m0, _, _, _ := d.engineCounts()
+	q, err := d.Alloc(big, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c1, m1, _, _, _ := d.engineCounts()
+	if q != p || c1 != c0 || m1 != m0 {
+		t.Errorf("same size on the same stream: got %#x (had %#x), %d creates and %d maps more", q, p, c1-c0, m1-m0)
+	}
+	expectBytes(t, d, q, big, 0xab, "range handed back")
+	for _, f := range []struct {
+		p uintptr
+		n uint64
+	}{{q, big}, {small, 4096}} {
+		if err := d.Free(f.p, f.n, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Trim(0); err != nil {
+		t.Fatal(err)
+	}
+	u, _ = d.PoolUsage()
+	free2, _, _ := d.MemInfo()
+	t.Logf("after trim: usage %+v, device free %d", u, free2)
+	if u.ReservedCurrent != 0 {
+		t.Errorf("reserved %d after freeing everything and trimming", u.ReservedCurrent)
+	}
+	if free2+(8<<20) < free0 {
+		t.Errorf("device free %d after trim, %d before anything", free2, free0)
+	}
+}
+
+// A range whose handles are reused elsewhere is unmapped, and the data of
+// every other range survives the remapping.
+func TestVMMCUDADataSurvivesRemap(t *testing.T) {
+	needCUDA(t, 1)
+	d := openVMM(t, 0)
+	const n = 8 << 20
+	a, _ := d.Alloc(n, 0)
+	b, err := d.Alloc(n, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.memset(a, 0x11, n, 0)
+	d.memset(b, 0x22, n, 0)
+	if err := d.Free(a, n, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	c, err := d.Alloc(3*n, 0) // takes a's handle, creates the rest
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.memset(c, 0x33, 3*n, 0); err != nil {
+		t.Fatal(err)
+	}
+	expectBytes(t, d, b, n, 0x22, "b after c was mapped over a's memory")
+	expectBytes(t, d, c, 3*n, 0x33, "c")
+	u, _ := d.PoolUsage()
+	if u.ReservedCurrent != 4*n {
+		t.Errorf("reserved %d, want %d: a's memory backs c", u.ReservedCurrent, 4*n)
+	}
+}
+
+// A range freed on a busy stream is neither unmapped nor given to another
+// stream until the stream has done the work queued before the free.
+func TestVMMCUDAEventOrderedReuse(t *testing.T) {
+	needCUDA(t, 1)
+	d := openVMM(t, 0)
+	s1, err := d.newStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.destroyStream(s1)
+	s2, _ := d.newStream()
+	defer d.destroyStream(s2)
+	const n = 1 << 30
+	p, err := d.Alloc(n, s1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 200; i++ { // some 50 ms or more of fills queued on s1
+		if err := d.memset(p, byte(i), n, s1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Free(p, n, s1); err != nil {
+		t.Fatal(err)
+	}
+	_, _, un0, _, _ := d.engineCounts()
+	q, err := d.Alloc(n, s2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, un1, _, _ := d.engineCounts()
+	if q == p || un1 != un0 {
+		t.Fatalf("stream 2 got %#x (freed %#x on busy stream 1), %d unmaps", q, p, un1-un0)
+	}
+	d.src.mu.Lock()
+	ev := d.src.eng.ranges[d.src.eng.byBase[p]].event
+	d.src.mu.Unlock()
+	if done, _ := d.EventDone(ev); ev == 0 || done {
+		t.Log("stream 1 finished its fills before the check; the ordering was not exercised")
+	}
+	start := time.Now()
+	if err := d.streamSync(s1); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("stream 1 finished %v after the free", time.Since(start))
+	if err := d.Free(q, n, s2); err != nil {
+		t.Fatal(err)
+	}
+	r, err := d.Alloc(n, s2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r != p && r != q {
+		t.Errorf("after stream 1 completed, a freed range should be handed back whole")
+	}
+	expectBytes(t, d, p, 1<<20, 199, "the last fill of stream 1, before its free")
+}
+
+// Every range is opened to each peer that can access the device: a copy
+// from device 0's memory by device 1 works.
+func TestVMMCUDAPeerAccess(t *testing.T) {
+	needCUDA(t, 2)
+	d0, d1 := openVMM(t, 0), openVMM(t, 1)
+	peers, _ := d0.PeersGranted()
+	t.Logf("device 0 is opened to %v", peers)
+	if len(peers) == 0 {
+		t.Skip("device 1 cannot access device 0 here")
+	}
+	const n = 16 << 20
+	src, err := d0.Alloc(n, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst, err := d1.Alloc(n, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d0.memset(src, 0x5a, n, 0)
+	d0.Synchronize()
+	if err := d1.copyDevice(dst, src, n); err != nil {
+		t.Fatalf("device 1 copying from device 0's VMM memory: %v", err)
+	}
+	expectBytes(t, d1, dst, n, 0x5a, "copied to device 1")
+}
+
+// Driver cost per miss, for the record: ranges of one and of many handles.
+func TestVMMCUDAMissCost(t *testing.T) {
+	needCUDA(t, 1)
+	d := openVMM(t, 0)
+	start := time.Now()
+	var ps []uintptr
+	for i := 1; i <= 50; i++ {
+		p, err := d.Alloc(uint64(i)*(2<<20), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	t.Logf("50 new ranges of 2..100 MiB: %v per miss", time.Since(start)/50)
+	for i, p := range ps {
+		d.Free(p, uint64(i+1)*(2<<20), 0)
+	}
+	d.Synchronize()
+	start = time.Now()
+	p, err := d.Alloc(1<<30, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, m, u, r, a := d.engineCounts()
+	t.Logf("1 GiB from freed ranges: %v (totals: %d creates, %d maps, %d unmaps, %d releases, %d set-access)",
+		time.Since(start), c, m, u, r, a)
+	d.Free(p, 1<<30, 0)
+}

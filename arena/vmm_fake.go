@@ -1,0 +1,232 @@
+package arena
+
+import (
+	"fmt"
+	"sync"
+)
+
+// FakePhys is a PhysDriver in memory: the simulated device's VMM backend
+// and the placement engine's tests run on it. It checks what the real
+// driver would refuse (a map over mapped VA or outside a reservation, an
+// unmap that is not one whole mapping, access set on unmapped VA, a handle
+// released while mapped, more physical memory than the device has) and
+// fails the call. Events come from a Runtime (a Sim's).
+type FakePhys struct {
+	mu       sync.Mutex
+	rt       Runtime
+	gran     uint64
+	capacity uint64
+	used     uint64 // bytes of live handles
+
+	nextVA  uintptr
+	res     map[uintptr]uint64     // reservations by base
+	page    map[uintptr]PhysHandle // granule-aligned VA -> the handle mapped there
+	mapping map[uintptr]uint64     // mapping start -> its size
+	handles map[PhysHandle]*fakeHandle
+	nextH   PhysHandle
+
+	// OnUnmap and OnMap, when set, are called (without the lock) before a
+	// mapping is dropped or made; a non-nil return fails the call. Tests
+	// check stream order there.
+	OnUnmap func(va uintptr, size uint64) error
+	OnMap   func(va uintptr, size uint64, h PhysHandle) error
+	// FailCreate, when set, is asked before each CreateHandle.
+	FailCreate func(size uint64) error
+
+	// Calls counts every driver call by name.
+	Calls map[string]int
+}
+
+type fakeHandle struct {
+	size uint64
+	maps int
+}
+
+// NewFakePhys makes a fake driver with capacity bytes of physical memory and
+// a granularity of gran bytes, taking events from rt.
+func NewFakePhys(rt Runtime, capacity, gran uint64) *FakePhys {
+	return &FakePhys{
+		rt: rt, gran: gran, capacity: capacity, nextVA: 0x7f0000000000,
+		res: map[uintptr]uint64{}, page: map[uintptr]PhysHandle{}, mapping: map[uintptr]uint64{},
+		handles: map[PhysHandle]*fakeHandle{}, Calls: map[string]int{},
+	}
+}
+
+// Used is the physical memory held in handles.
+func (f *FakePhys) Used() uint64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.used
+}
+
+// Handles is how many handles exist.
+func (f *FakePhys) Handles() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.handles)
+}
+
+// HandleAt is the handle mapped at va, if any.
+func (f *FakePhys) HandleAt(va uintptr) (PhysHandle, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	h, ok := f.page[va&^uintptr(f.gran-1)]
+	return h, ok
+}
+
+func (f *FakePhys) Granularity() uint64 { return f.gran }
+
+func (f *FakePhys) aligned(va uintptr, size uint64) error {
+	if uint64(va)%f.gran != 0 || size == 0 || size%f.gran != 0 {
+		return fmt.Errorf("fakephys: %#x+%d is not granule-aligned", va, size)
+	}
+	return nil
+}
+
+func (f *FakePhys) ReserveVA(size uint64) (uintptr, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemAddressReserve"]++
+	if size == 0 || size%f.gran != 0 {
+		return 0, fmt.Errorf("fakephys: reserve of %d bytes", size)
+	}
+	base := f.nextVA
+	f.nextVA += uintptr(size) + uintptr(f.gran) // a gap between reservations
+	f.res[base] = size
+	return base, nil
+}
+
+func (f *FakePhys) FreeVA(base uintptr, size uint64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemAddressFree"]++
+	if f.res[base] != size {
+		return fmt.Errorf("fakephys: free of VA %#x+%d, not a reservation", base, size)
+	}
+	for p := base; p < base+uintptr(size); p += uintptr(f.gran) {
+		if _, ok := f.page[p]; ok {
+			return fmt.Errorf("fakephys: free of VA %#x+%d while %#x is mapped", base, size, p)
+		}
+	}
+	delete(f.res, base)
+	return nil
+}
+
+func (f *FakePhys) reserved(va uintptr, size uint64) bool {
+	for b, s := range f.res {
+		if va >= b && va+uintptr(size) <= b+uintptr(s) {
+			return true
+		}
+	}
+	return false
+}
+
+func (f *FakePhys) CreateHandle(size uint64) (PhysHandle, error) {
+	if f.FailCreate != nil {
+		if err := f.FailCreate(size); err != nil {
+			return 0, err
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemCreate"]++
+	if size == 0 || size%f.gran != 0 {
+		return 0, fmt.Errorf("fakephys: handle of %d bytes", size)
+	}
+	if f.used+size > f.capacity {
+		return 0, fmt.Errorf("fakephys: cuMemCreate of %d bytes with %d of %d used: %w", size, f.used, f.capacity, ErrOutOfMemory)
+	}
+	f.nextH++
+	f.handles[f.nextH] = &fakeHandle{size: size}
+	f.used += size
+	return f.nextH, nil
+}
+
+func (f *FakePhys) ReleaseHandle(h PhysHandle) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemRelease"]++
+	fh, ok := f.handles[h]
+	if !ok {
+		return fmt.Errorf("fakephys: release of unknown handle %d", h)
+	}
+	if fh.maps != 0 {
+		return fmt.Errorf("fakephys: release of handle %d, still mapped %d times", h, fh.maps)
+	}
+	delete(f.handles, h)
+	f.used -= fh.size
+	return nil
+}
+
+func (f *FakePhys) Map(va uintptr, size uint64, h PhysHandle) error {
+	if f.OnMap != nil {
+		if err := f.OnMap(va, size, h); err != nil {
+			return err
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemMap"]++
+	if err := f.aligned(va, size); err != nil {
+		return err
+	}
+	fh, ok := f.handles[h]
+	if !ok || fh.size != size {
+		return fmt.Errorf("fakephys: map of handle %d with size %d (a handle is mapped whole)", h, size)
+	}
+	if !f.reserved(va, size) {
+		return fmt.Errorf("fakephys: map at %#x+%d outside every reservation", va, size)
+	}
+	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
+		if _, ok := f.page[p]; ok {
+			return fmt.Errorf("fakephys: map at %#x over mapped VA", p)
+		}
+	}
+	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
+		f.page[p] = h
+	}
+	f.mapping[va] = size
+	fh.maps++
+	return nil
+}
+
+func (f *FakePhys) Unmap(va uintptr, size uint64) error {
+	if f.OnUnmap != nil {
+		if err := f.OnUnmap(va, size); err != nil {
+			return err
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemUnmap"]++
+	if f.mapping[va] != size {
+		return fmt.Errorf("fakephys: unmap of %#x+%d, not one whole mapping", va, size)
+	}
+	h := f.page[va]
+	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
+		delete(f.page, p)
+	}
+	delete(f.mapping, va)
+	f.handles[h].maps--
+	return nil
+}
+
+func (f *FakePhys) SetAccess(va uintptr, size uint64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Calls["cuMemSetAccess"]++
+	if err := f.aligned(va, size); err != nil {
+		return err
+	}
+	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
+		if _, ok := f.page[p]; !ok {
+			return fmt.Errorf("fakephys: access set on unmapped %#x", p)
+		}
+	}
+	return nil
+}
+
+func (f *FakePhys) NewEvent() (Event, error)            { return f.rt.NewEvent() }
+func (f *FakePhys) RecordEvent(e Event, s Stream) error { return f.rt.RecordEvent(e, s) }
+func (f *FakePhys) EventDone(e Event) (bool, error)     { return f.rt.EventDone(e) }
+func (f *FakePhys) DestroyEvent(e Event) error          { return f.rt.DestroyEvent(e) }

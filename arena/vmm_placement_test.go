@@ -1,0 +1,458 @@
+package arena
+
+import (
+	"errors"
+	"fmt"
+	"math/rand"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+const mib = 1 << 20
+
+// vmmHarness runs a SimVMM in manual mode and checks, through the fake
+// driver's hooks, that no mapping is made or dropped before the work that
+// may use its memory has completed.
+type vmmHarness struct {
+	t    *testing.T
+	d    *SimVMM
+	live map[uintptr]vmmBlock
+	// lastVA: per granule of VA, the last use (stream, position) of a
+	// freed block there; lastPhys: the same per (handle, granule offset).
+	lastVA   map[uintptr]use
+	lastPhys map[physCell]use
+	// lastCell: the last use of each cell cells() lists, checked when the
+	// cell is handed out again (a range handed back whole maps nothing).
+	lastCell map[physCell]use
+	// shadow: who owns each 512-byte cell of physical memory now.
+	shadow map[physCell]uint64
+	// mapping: the stream the running Alloc is for.
+	allocStream Stream
+	violations  []string
+	cookie      uint64
+}
+
+type vmmBlock struct {
+	size   uint64
+	stream Stream
+	cookie uint64
+}
+
+type use struct {
+	s   Stream
+	seq uint64
+}
+
+type physCell struct {
+	h   PhysHandle
+	off uint64
+}
+
+func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
+	d, err := NewSimVMM(0, capacity)
+	require.NoError(t, err)
+	d.SetManual(true)
+	d.SetCap(limit)
+	h := &vmmHarness{t: t, d: d, live: map[uintptr]vmmBlock{}, lastVA: map[uintptr]use{},
+		lastPhys: map[physCell]use{}, lastCell: map[physCell]use{}, shadow: map[physCell]uint64{}}
+	d.phys.OnUnmap = func(va uintptr, size uint64) error {
+		for p := va; p < va+uintptr(size); p += simVMMGranule {
+			if u, ok := h.lastVA[p]; ok && !h.completed(u) {
+				h.violations = append(h.violations, fmt.Sprintf("unmap of %#x before stream %d reached %d", p, u.s, u.seq))
+			}
+		}
+		return nil
+	}
+	d.phys.OnMap = func(va uintptr, size uint64, ph PhysHandle) error {
+		for off := uint64(0); off < size; off += simVMMGranule {
+			u, ok := h.lastPhys[physCell{ph, off}]
+			if ok && !h.completed(u) && (u.s != h.allocStream || h.allocStream == anyStream) {
+				h.violations = append(h.violations, fmt.Sprintf("handle %d+%d mapped for stream %d before stream %d reached %d",
+					ph, off, h.allocStream, u.s, u.seq))
+			}
+		}
+		return nil
+	}
+	return h
+}
+
+func (h *vmmHarness) completed(u use) bool {
+	h.d.mu.Lock()
+	defer h.d.mu.Unlock()
+	return h.d.completed(u.s) >= u.seq
+}
+
+func (h *vmmHarness) position(s Stream) uint64 {
+	h.d.mu.Lock()
+	defer h.d.mu.Unlock()
+	return h.d.stream(s).enqueued
+}
+
+// cells lists the physical 512-byte cells behind [p, p+size).
+func (h *vmmHarness) cells(p uintptr, size uint64) []physCell {
+	var out []physCell
+	f := h.d.phys
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var addrs []uintptr
+	if size < simVMMGranule {
+		for a := p; a < p+uintptr(size); a += pieceAlign {
+			addrs = append(addrs, a)
+		}
+	} else {
+		// Large blocks are whole granules: the first and last cell of
+		// each granule meet any other block that shares it.
+		for a := p; a < p+uintptr(size); a += simVMMGranule {
+			addrs = append(addrs, a, a+simVMMGranule-pieceAlign)
+		}
+	}
+	for _, a := range addrs {
+		page := a &^ (simVMMGranule - 1)
+		ph, ok := f.page[page]
+		if !ok {
+			h.t.Fatalf("%#x is not mapped", a)
+		}
+		// Find the mapping start: walk back while the same handle is mapped.
+		start := page
+		for {
+			if _, ok := f.mapping[start]; ok {
+				break
+			}
+			start -= simVMMGranule
+		}
+		out = append(out, physCell{ph, uint64(a - start)})
+	}
+	return out
+}
+
+func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) {
+	h.allocStream = s
+	var p uintptr
+	var err error
+	if s == anyStream {
+		p, err = h.d.AllocUncaptured(size)
+	} else {
+		p, err = h.d.Alloc(size, s)
+	}
+	if err != nil {
+		return 0, err
+	}
+	_, dup := h.live[p]
+	require.False(h.t, dup, "%#x handed out twice", p)
+	h.cookie++
+	h.live[p] = vmmBlock{size: size, stream: s, cookie: h.cookie}
+	for _, c := range h.cells(p, max(size, 1)) {
+		h.shadow[c] = h.cookie
+		if u, ok := h.lastCell[c]; ok && !h.completed(u) && (u.s != s || s == anyStream) {
+			h.violations = append(h.violations, fmt.Sprintf("%#x handed to stream %d before stream %d reached %d", p, s, u.s, u.seq))
+		}
+	}
+	return p, nil
+}
+
+func (h *vmmHarness) free(p uintptr, s Stream) {
+	b := h.live[p]
+	// The block was used on s up to here.
+	h.d.Launch(s)
+	u := use{s, h.position(s)}
+	for _, c := range h.cells(p, max(b.size, 1)) {
+		h.lastPhys[physCell{c.h, c.off &^ (simVMMGranule - 1)}] = u
+		h.lastCell[c] = u
+		delete(h.shadow, c)
+	}
+	for a := p &^ (simVMMGranule - 1); a < p+uintptr(b.size); a += simVMMGranule {
+		h.lastVA[a] = u
+	}
+	require.NoError(h.t, h.d.Free(p, b.size, s))
+	delete(h.live, p)
+}
+
+// check verifies the engine's invariants, the cookies, and the hooks.
+func (h *vmmHarness) check() {
+	require.NoError(h.t, h.d.CheckInvariants())
+	require.Empty(h.t, h.violations)
+	for p, b := range h.live {
+		for _, c := range h.cells(p, max(b.size, 1)) {
+			if h.shadow[c] != b.cookie {
+				h.t.Fatalf("block %#x lost cell %v to cookie %d", p, c, h.shadow[c])
+			}
+		}
+	}
+	e := h.d.src.eng
+	assert.Equal(h.t, e.held, h.d.phys.Used(), "held is the physical memory")
+	if e.cap > 0 {
+		assert.LessOrEqual(h.t, e.held, e.cap)
+	}
+	ranges := len(e.byBase) + len(e.freed)
+	assert.LessOrEqual(h.t, h.d.phys.Handles(), (maxGather+1)*ranges+maxFree+len(e.freeHandle))
+}
+
+func TestVMMRandomOps(t *testing.T) {
+	for seed := int64(1); seed <= 12; seed++ {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			rng := rand.New(rand.NewSource(seed))
+			capacity := uint64(256 * mib)
+			limit := uint64(0)
+			if seed%2 == 0 {
+				limit = 160 * mib
+			}
+			h := newVMMHarness(t, capacity, limit)
+			streams := []Stream{1, 2, 3, anyStream}
+			sizes := []uint64{0, 512, 3000, 64 << 10, 300 << 10, mib, 2 * mib, 2*mib + 1, 6 * mib, 10 * mib, 31 * mib}
+			for step := 0; step < 800; step++ {
+				switch r := rng.Intn(10); {
+				case r < 5:
+					s := streams[rng.Intn(len(streams))]
+					size := sizes[rng.Intn(len(sizes))]
+					_, err := h.alloc(size, s)
+					if err != nil {
+						require.True(t, errors.Is(err, ErrOutOfMemory), "%v", err)
+						h.check()
+						// After the layer above synchronises, what is
+						// live is all that holds memory.
+						require.NoError(t, h.d.Synchronize())
+						if _, err := h.alloc(size, s); err != nil {
+							require.True(t, errors.Is(err, ErrOutOfMemory), "%v", err)
+							e := h.d.src.eng
+							bound := capacity
+							if limit > 0 {
+								bound = limit
+							}
+							assert.Greater(t, e.live+e.round(size), bound-e.gran*uint64(len(h.d.src.pages)),
+								"OOM with %d live of %d after a synchronise", e.live, bound)
+						}
+					}
+				case r < 9 && len(h.live) > 0:
+					var p uintptr
+					k := rng.Intn(len(h.live))
+					for q := range h.live {
+						if k == 0 {
+							p = q
+							break
+						}
+						k--
+					}
+					s := h.live[p].stream
+					if s == anyStream || rng.Intn(8) == 0 {
+						s = streams[rng.Intn(3)]
+					}
+					h.free(p, s)
+				default:
+					switch rng.Intn(3) {
+					case 0:
+						h.d.Complete(streams[rng.Intn(3)])
+					case 1:
+						require.NoError(t, h.d.Trim(uint64(rng.Intn(64))*mib))
+					default:
+						require.NoError(t, h.d.Synchronize())
+					}
+				}
+				h.check()
+			}
+			for p, b := range h.live {
+				h.free(p, b.stream%4)
+			}
+			require.NoError(t, h.d.Synchronize())
+			require.NoError(t, h.d.Trim(0))
+			h.check()
+			assert.Zero(t, h.d.phys.Used(), "everything freed and trimmed")
+			require.NoError(t, h.d.Close())
+			assert.Zero(t, h.d.Sim.Events(), "events leaked")
+		})
+	}
+}
+
+// engineOnly makes an engine over a fake driver on a manual Sim.
+func engineOnly(t *testing.T, capacity, limit uint64) (*vmmEngine, *FakePhys, *Sim) {
+	sim := NewSim(0, capacity)
+	sim.SetManual(true)
+	phys := NewFakePhys(sim, capacity, simVMMGranule)
+	e, err := newVMMEngine(phys, 2*capacity, limit)
+	require.NoError(t, err)
+	return e, phys, sim
+}
+
+func calls(f *FakePhys) int {
+	n := 0
+	for k, v := range f.Calls {
+		if k != "cuMemAddressReserve" {
+			n += v
+		}
+	}
+	return n
+}
+
+func TestVMMSameSizeReuseCostsNoDriverCall(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 0)
+	p, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, 1, phys.Calls["cuMemCreate"], "one handle for the whole range")
+	assert.Equal(t, 1, phys.Calls["cuMemSetAccess"])
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := calls(phys)
+	q, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, q, "the same stream takes its freed range back at once")
+	assert.Equal(t, before, calls(phys), "and no driver call is made")
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestVMMOtherStreamWaitsForTheFree(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	q, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
+	assert.EqualValues(t, 16*mib, e.Held(), "stream 2 got new memory: stream 1 may still use the old")
+	assert.Zero(t, phys.Calls["cuMemUnmap"], "nothing is unmapped before the free completes")
+	sim.Complete(1)
+	require.NoError(t, e.Free(q, 2, true))
+	r, err := e.Alloc(16*mib, 3)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held(), "both completed ranges back the new one: held does not grow")
+	assert.Equal(t, 2, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 2, phys.Calls["cuMemUnmap"])
+	_ = r
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A stream's freed range backs its next, larger request before the free has
+// completed: its handles are mapped at the new VA too, and the old mapping
+// goes only once the free completes.
+func TestVMMSameStreamTakesOverPendingHandles(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 0)
+	p, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	q, err := e.Alloc(10*mib, 1)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
+	assert.EqualValues(t, 10*mib, e.Held(), "4 MiB taken over, 6 MiB created")
+	assert.Zero(t, phys.Calls["cuMemUnmap"])
+	hp, _ := phys.HandleAt(p)
+	hq, _ := phys.HandleAt(q)
+	assert.Equal(t, hp, hq, "the handle is mapped at both addresses")
+	require.NoError(t, e.CheckInvariants())
+	require.NoError(t, e.poll())
+	assert.Zero(t, phys.Calls["cuMemUnmap"], "the free has not completed")
+	sim.Complete(1)
+	require.NoError(t, e.poll())
+	assert.Equal(t, 1, phys.Calls["cuMemUnmap"], "the old mapping goes once it completed")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Many small free handles are not gathered one by one: past maxGather, the
+// spare ones are released and what is missing is made as one handle.
+func TestVMMSmallHandlesCoalesce(t *testing.T) {
+	e, phys, _ := engineOnly(t, 1<<30, 0)
+	var ps []uintptr
+	for i := 0; i < 20; i++ {
+		p, err := e.Alloc(2*mib, 1)
+		require.NoError(t, err)
+		ps = append(ps, p)
+	}
+	for _, p := range ps {
+		require.NoError(t, e.Free(p, 1, true))
+	}
+	p, err := e.Alloc(40*mib, 2)
+	require.NoError(t, err)
+	ri := e.byBase[p]
+	assert.LessOrEqual(t, len(e.ranges[ri].handles), maxGather+1)
+	assert.EqualValues(t, 40*mib, e.Held(), "held did not grow")
+	assert.LessOrEqual(t, phys.Handles(), maxGather+1)
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestVMMCapOOMLeavesStateClean(t *testing.T) {
+	e, phys, sim := engineOnly(t, 1<<30, 32*mib)
+	p, err := e.Alloc(20*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := calls(phys)
+	_, err = e.Alloc(20*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory, "stream 1's free has not completed and the cap leaves 12 MiB")
+	assert.Equal(t, before, calls(phys), "a refused request calls no driver")
+	require.NoError(t, e.CheckInvariants())
+	sim.Complete(1) // what the layer above's synchronise does
+	q, err := e.Alloc(20*mib, 2)
+	require.NoError(t, err)
+	assert.Equal(t, p, q)
+	_, err = e.Alloc(14*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.EqualValues(t, 20*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestVMMDeviceOOMFromTheDriver(t *testing.T) {
+	e, _, _ := engineOnly(t, 16*mib, 0)
+	_, err := e.Alloc(18*mib, 1)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.Zero(t, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Memory taken outside a capture is for any stream: a pending free of the
+// same size is not handed to it.
+func TestVMMUncapturedNeverTakesPendingMemory(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	d.SetManual(true)
+	p, err := d.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	d.Launch(1)
+	require.NoError(t, d.Free(p, 4*mib, 1))
+	q, err := d.AllocUncaptured(4 * mib)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
+	small, err := d.AllocUncaptured(4096)
+	require.NoError(t, err)
+	require.NoError(t, d.Free(small, 4096, 2))
+	d.Complete(1)
+	require.NoError(t, d.CheckInvariants())
+}
+
+func TestVMMBadFrees(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	p, err := d.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	assert.ErrorContains(t, d.Free(p+4096, 4*mib, 1), "did not allocate")
+	assert.ErrorContains(t, d.Free(p, 8*mib, 1), "allocated with")
+	s, err := d.Alloc(1000, 1)
+	require.NoError(t, err)
+	assert.ErrorContains(t, d.Free(s, 5000, 1), "allocated with")
+	require.NoError(t, d.Free(s, 1000, 1))
+	assert.ErrorContains(t, d.Free(s, 1000, 1), "did not allocate")
+	require.NoError(t, d.Free(p, 4*mib, 1))
+	assert.ErrorContains(t, d.Free(p, 4*mib, 1), "did not allocate")
+	require.NoError(t, d.CheckInvariants())
+	require.NoError(t, d.Close())
+	_, err = d.Alloc(1, 1)
+	assert.Error(t, err)
+}
+
+// Small requests share pages: 16 of 100 KiB hold one granule.
+func TestVMMSmallRequestsSharePages(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	for i := 0; i < 16; i++ {
+		_, err := d.Alloc(100<<10, 1)
+		require.NoError(t, err)
+	}
+	u, err := d.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, u.ReservedCurrent)
+	assert.EqualValues(t, 1600<<10, u.UsedCurrent)
+	free, total, err := d.MemInfo()
+	require.NoError(t, err)
+	assert.EqualValues(t, total-2*mib, free)
+	require.NoError(t, d.CheckInvariants())
+}

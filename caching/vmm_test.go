@@ -1,0 +1,92 @@
+package caching
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/goalloc/goalloc/arena"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestParseConfigBackend(t *testing.T) {
+	c, err := ParseConfig("")
+	require.NoError(t, err)
+	assert.Equal(t, "async", c.Backend, "the stream-ordered pool stays the default")
+	c, err = ParseConfig("fraction:0.5,backend:vmm")
+	require.NoError(t, err)
+	assert.Equal(t, "vmm", c.Backend)
+	again, err := ParseConfig(c.String())
+	require.NoError(t, err)
+	assert.Equal(t, c, again)
+	_, err = ParseConfig("backend:cudaMalloc")
+	require.ErrorContains(t, err, "backend")
+}
+
+// The allocator passes its cap to a VMM device, so the cap bounds physical
+// memory: a block of 2.5 MiB holds 4 MiB there (two 2 MiB granules), so a
+// 20 MiB cap fits 5 of them, not the 8 goalloc's own count would allow.
+func TestVMMCapBoundsPhysicalMemory(t *testing.T) {
+	dev, err := arena.NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	cfg := DefaultConfig()
+	cfg.LargeCache = 0
+	a, err := New(dev, cfg)
+	require.NoError(t, err)
+	require.NoError(t, a.SetLimit(20<<20))
+	n := 0
+	for ; n < 8; n++ {
+		if _, err := a.Malloc(5<<19, 0); err != nil {
+			require.True(t, errors.Is(err, arena.ErrOutOfMemory), "%v", err)
+			break
+		}
+	}
+	assert.Equal(t, 5, n)
+	u, err := dev.PoolUsage()
+	require.NoError(t, err)
+	assert.LessOrEqual(t, u.ReservedCurrent, uint64(20<<20))
+	require.NoError(t, a.CheckInvariants())
+	require.NoError(t, dev.CheckInvariants())
+}
+
+// The model's random operations (model_test.go) on the VMM backend: the
+// caching layer's invariants and stream order hold on it too, the device's
+// own invariants hold after every step, and empty_cache gives every byte
+// of physical memory back.
+func TestPropertyRandomOpsVMM(t *testing.T) {
+	steps := 3000
+	if testing.Short() {
+		steps = 600
+	}
+	for seed := uint64(1); seed <= 4; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.LargeCache = []uint64{0, 64 << 20, 1 << 30, 1 << 40}[seed%4]
+			dev, err := arena.NewSimVMM(0, 8<<30)
+			require.NoError(t, err)
+			m := newModel(t, seed, cfg, 8<<30)
+			dev.SetManual(true)
+			m.sim = dev.Sim
+			m.a, err = New(dev, cfg)
+			require.NoError(t, err)
+			var prev uint64
+			for i := 0; i < steps; i++ {
+				m.step()
+				m.check()
+				require.NoError(t, dev.CheckInvariants(), "op %d", m.ops)
+				u, err := dev.PoolUsage()
+				require.NoError(t, err)
+				if lim := m.a.Limit(); lim > 0 && u.ReservedCurrent > lim {
+					require.LessOrEqual(t, u.ReservedCurrent, prev, "op %d: physical memory grew above the cap", m.ops)
+				}
+				prev = u.ReservedCurrent
+			}
+			m.drain()
+			u, err := dev.PoolUsage()
+			require.NoError(t, err)
+			assert.Zero(t, u.ReservedCurrent, "physical memory held after empty_cache")
+			assert.Zero(t, dev.Phys().Used())
+		})
+	}
+}

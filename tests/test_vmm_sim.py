@@ -1,0 +1,44 @@
+"""backend:vmm through the Python package on the simulated device: the
+configuration reaches the library, allocations work, the backend's reserved
+figure is the physical memory held (whole 2 MiB granules), and the cap bounds
+it. Each scenario runs in a fresh interpreter (the library reads its
+configuration once)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from goalloc_testing import run_python
+
+BODY = """
+import json, goalloc
+from goalloc import _lib
+L = _lib.lib()
+# goalloc_malloc returns NULL on an out-of-memory where the library has it
+# (my_malloc then raises, as torch wants); before it, my_malloc returned NULL.
+malloc = getattr(L, "goalloc_malloc", None) or L.my_malloc
+STREAM = 0x1000
+MiB = 1 << 20
+goalloc.configure("backend:vmm,quiet:true")
+N = 5 * MiB // 2                           # 2.5 MiB: two granules on the device
+p = malloc(N, 0, STREAM)
+f = goalloc.fragmentation(0)
+held = f.pool_reserved_bytes
+goalloc.set_memory_fraction(0.001, 0)       # 8.2 MiB of the 8 GiB simulated device
+L.my_free(p, N, 0, STREAM)
+# goalloc's own count allows three (7.5 MiB); the device holds 4 MiB each
+ok = [malloc(N, 0, STREAM) for _ in range(3)]
+print(json.dumps({"backend": goalloc.config()["conf"], "held": held,
+                  "got": [bool(x) for x in ok],
+                  "after": goalloc.fragmentation(0).pool_reserved_bytes}))
+"""
+
+
+def test_vmm_backend_holds_whole_granules_and_the_cap_bounds_them():
+    proc = run_python(textwrap.dedent(BODY))
+    out = json.loads(proc.stdout)
+    assert "backend:vmm" in out["backend"]
+    assert out["held"] == 4 << 20  # 2.5 MiB is two 2 MiB granules
+    assert out["got"] == [True, True, False]
+    assert out["after"] <= int(0.001 * 8 * (1 << 30))
