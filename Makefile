@@ -50,7 +50,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 pytest: $(VENV)/bin/python
-	$(VENV)/bin/python -m pip install -q pytest build
+	$(VENV)/bin/python -m pip install -q pytest build "setuptools>=70.1"
 	env -u GOALLOC_LIBRARY $(VENV)/bin/python -m pip install -q --force-reinstall --no-deps .
 	$(SIM_ENV) $(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
 

@@ -133,6 +133,7 @@ class BuildPyWithNativeFiles(build_py):
             dest = self._package_dir() / native.name
             if native.build(dest):
                 self._built.append(str(dest))
+        build_cxx_class(self._package_dir())
 
     def _package_dir(self) -> Path:
         if self.editable_mode:
@@ -144,7 +145,32 @@ class BuildPyWithNativeFiles(build_py):
         if not self.editable_mode:
             outputs += [str(self._package_dir() / n.name) for n in NATIVE_FILES
                         if (self._package_dir() / n.name).is_file()]
+            outputs += [str(p) for p in sorted((self._package_dir() / "cxxbuild").glob("*/*.so"))]
         return outputs
+
+
+def build_cxx_class(package_dir: Path) -> bool:
+    """Where torch is importable while the package is built (`pip install
+    --no-build-isolation .` beside torch), build goalloc's C++ allocator class
+    into the package now (goalloc/cxxbuild/<torch version>/), so that the
+    first goalloc.install() finds it instead of compiling for a minute.
+    Otherwise, or if that build fails, the class is built at the first
+    install(), cached per torch version: this never fails the package's
+    build. GOALLOC_CXX=0 skips it, as it skips the class at run time."""
+    if os.environ.get("GOALLOC_CXX") == "0":
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True)
+    if probe.returncode != 0:
+        return False  # no torch here: the first install() builds the class
+    env = dict(os.environ, GOALLOC_LIBRARY=str(package_dir / "libgoalloc.so"),
+               PYTHONPATH=os.pathsep.join([str(package_dir.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    print("goalloc: torch is importable here: building the C++ allocator class into the package")
+    r = subprocess.run([sys.executable, "-m", "goalloc._cxx", "--into-package"], env=env, cwd=ROOT)
+    if r.returncode != 0:
+        print("goalloc: the C++ allocator class could not be built now; the first goalloc.install() "
+              "will try again (and say what is missing)")
+        return False
+    return True
 
 
 class BinaryDistribution(Distribution):
