@@ -323,6 +323,32 @@ static inline gx_ret gx_pool_destroy(uintptr_t ctx, uintptr_t pool) {
 	GX_END()
 }
 
+// gx_peers_of: bit i set for each device i (below count, other than
+// ordinal) that can access ordinal's memory (cuDeviceCanAccessPeer). A
+// failed call sets out's res and stage and ends the scan.
+static inline unsigned long long gx_peers_of(int ordinal, int count, gx_ret *out) {
+	unsigned long long mask = 0;
+	for (int peer = 0; peer < count && peer < 64; peer++) {
+		int can = 0;
+		CUdevice self = 0, other = 0;
+		if (peer == ordinal) {
+			continue;
+		}
+		if ((out->res = p_cuDeviceGet(&self, ordinal)) != 0 || (out->res = p_cuDeviceGet(&other, peer)) != 0) {
+			out->stage = GX_DEVICE_GET;
+			break;
+		}
+		if ((out->res = p_cuDeviceCanAccessPeer(&can, other, self)) != 0) {
+			out->stage = GX_CAN_ACCESS_PEER;
+			break;
+		}
+		if (can) {
+			mask |= 1ull << peer;
+		}
+	}
+	return mask;
+}
+
 // gx_pool_open_to_peers gives every other device that can access this
 // device's memory read-write access to the pool (cuMemPoolSetAccess). Memory
 // of a private pool is reachable from its own device only until then, even
@@ -337,21 +363,9 @@ static inline gx_ret gx_pool_open_to_peers(uintptr_t ctx, uintptr_t pool, int or
 		return none;
 	}
 	GX_BEGIN(ctx)
-	for (int peer = 0; peer < count && peer < 64 && out.res == 0; peer++) {
-		int can = 0;
-		CUdevice self = 0, other = 0;
-		if (peer == ordinal) {
-			continue;
-		}
-		if ((out.res = p_cuDeviceGet(&self, ordinal)) != 0 || (out.res = p_cuDeviceGet(&other, peer)) != 0) {
-			out.stage = GX_DEVICE_GET;
-			break;
-		}
-		if ((out.res = p_cuDeviceCanAccessPeer(&can, other, self)) != 0) {
-			out.stage = GX_CAN_ACCESS_PEER;
-			break;
-		}
-		if (!can) {
+	unsigned long long peers = gx_peers_of(ordinal, count, &out);
+	for (int peer = 0; peer < 64 && out.res == 0; peer++) {
+		if (!(peers & (1ull << peer))) {
 			continue;
 		}
 		CUmemAccessDesc desc = { { GX_MEM_LOCATION_TYPE_DEVICE, peer }, GX_MEM_ACCESS_READWRITE };
@@ -607,24 +621,7 @@ static inline gx_ret gx_vmm_peers(uintptr_t ctx, int ordinal, int count) {
 		return none;
 	}
 	GX_BEGIN(ctx)
-	for (int peer = 0; peer < count && peer < 64 && out.res == 0; peer++) {
-		int can = 0;
-		CUdevice self = 0, other = 0;
-		if (peer == ordinal) {
-			continue;
-		}
-		if ((out.res = p_cuDeviceGet(&self, ordinal)) != 0 || (out.res = p_cuDeviceGet(&other, peer)) != 0) {
-			out.stage = GX_DEVICE_GET;
-			break;
-		}
-		if ((out.res = p_cuDeviceCanAccessPeer(&can, other, self)) != 0) {
-			out.stage = GX_CAN_ACCESS_PEER;
-			break;
-		}
-		if (can) {
-			out.v[0] |= 1ull << peer;
-		}
-	}
+	out.v[0] = gx_peers_of(ordinal, count, &out);
 	GX_END()
 }
 
