@@ -46,13 +46,17 @@ int main(int argc, char **argv) {
 	char *(*restore)(int, ull, ull, const ull *, int) =
 		(char *(*)(int, ull, ull, const ull *, int))dlsym(lib, "goalloc_restore_pool");
 	void (*sfree)(char *) = (void (*)(char *))dlsym(lib, "goalloc_string_free");
+	int (*capture)(int) = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
+	char *(*take)(void) = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
 	if (!init || !cmalloc || !pm || !fp || !dstats || !largest || !incref || !users || !begin || !end ||
-	    !release || !live || !restore || !sfree) {
+	    !release || !live || !restore || !sfree || !capture || !take) {
 		fprintf(stderr, "cxx_abi_test: missing symbol\n");
 		return 1;
 	}
 	init(1);
 	void *const S = (void *)0x10;
+	/* The bad calls below warn: queued and checked at the end, not printed. */
+	capture(1);
 
 	/* goalloc_malloc: NULL for a refusal, never an exception. */
 	EXPECT(cmalloc(-5, 0, S) == NULL, "negative size");
@@ -111,6 +115,11 @@ int main(int argc, char **argv) {
 	release(0, 0, 7);
 	EXPECT(users(0, 0, 7) == 0, "released");
 
+	char *warned = take();
+	EXPECT(warned && strstr(warned, "\"kind\":\"double_free\"") && strstr(warned, "\"kind\":\"invalid_argument\""),
+	       "the expected warnings: %s", warned ? warned : "(none)");
+	sfree(warned);
+	capture(0);
 	printf("cxx_abi_test: %d failures\n", failures);
 	return failures ? 1 : 0;
 }
