@@ -17,10 +17,7 @@ func (l *library) checkDevice(d int) error {
 	if err := l.initLocked(0); err != nil {
 		return err
 	}
-	if d < 0 || d >= l.count {
-		return l.badLocked("bad_device", fmt.Sprintf("goalloc: device %d does not exist (%d %s devices)", d, l.count, l.kind))
-	}
-	return nil
+	return l.noDeviceLocked(d)
 }
 
 // statsJSON is memory_stats(d) with torch's keys, plus goalloc's own.
@@ -112,6 +109,7 @@ func (l *library) configJSON() ([]byte, error) {
 		"fractions":    fractions,
 		"history":      l.historyEntries,
 		"max_history":  caching.MaxHistoryEntries,
+		"error_kinds":  errorKindNames,
 		"keys":         caching.ConfigKeys(),
 	})
 }

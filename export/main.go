@@ -25,7 +25,8 @@
 // C callers allocate with goalloc_malloc, which returns NULL on failure.
 // Control functions return 0 on success and -1 on error, or a string that
 // the caller frees with goalloc_string_free (NULL on error); either way
-// goalloc_last_error says what went wrong. See the README's C ABI table.
+// goalloc_last_error says what went wrong and goalloc_last_error_kind what
+// kind of failure it was (errkind.go). See the README's C ABI table.
 package main
 
 /*
@@ -207,6 +208,14 @@ func goalloc_check_invariants(device C.int) C.int { return status(lib.checkInvar
 //
 //export goalloc_last_error
 func goalloc_last_error() *C.char { return threadError() }
+
+// goalloc_last_error_kind is the kind of the last call that failed on the
+// calling OS thread, set together with goalloc_last_error's message: 0
+// none, 1 bad argument, 2 bad configuration, 3 out of memory, 4 the driver,
+// the device or the allocator failed, 5 too late (errkind.go).
+//
+//export goalloc_last_error_kind
+func goalloc_last_error_kind() C.int { return C.int(threadErrorKind()) }
 
 //export goalloc_string_free
 func goalloc_string_free(s *C.char) { C.free(unsafe.Pointer(s)) }

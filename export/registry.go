@@ -54,18 +54,20 @@ type library struct {
 	// badInput counts bad calls caught here, before any device is involved.
 	badInput map[string]int64
 
-	// setLastError records the message of a failed call for the calling
-	// thread's goalloc_last_error. The library of the C ABI (main.go) keeps
-	// it per OS thread in C; a library made by a Go test keeps it in
-	// lastErr, one for the process.
-	setLastError func(msg string)
+	// setLastError records the kind and message of a failed call for the
+	// calling thread's goalloc_last_error_kind and goalloc_last_error. The
+	// library of the C ABI (main.go) keeps them per OS thread in C; a
+	// library made by a Go test keeps them in lastKind and lastErr, one
+	// pair for the process.
+	setLastError func(kind errorKind, msg string)
+	lastKind     errorKind
 	lastErr      string
-
 }
 
 func newLibrary() *library {
 	l := &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}}
-	l.setLastError = func(msg string) { l.lastErr = msg } // callers hold l.mu or are alone
+	// Callers hold l.mu or are alone.
+	l.setLastError = func(kind errorKind, msg string) { l.lastKind, l.lastErr = kind, msg }
 	return l
 }
 
@@ -74,13 +76,13 @@ func newLibrary() *library {
 func (l *library) configure(conf string) error {
 	cfg, err := caching.ParseConfig(conf)
 	if err != nil {
-		return l.fail(err)
+		return l.fail(withKind(errBadConfig, err))
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for i := range l.devices {
 		if l.devices[i].Load() != nil {
-			return l.failLocked(errors.New("goalloc: configure after the first allocation; set the configuration before any tensor is made"))
+			return l.failLocked(withKind(errTooLate, errors.New("goalloc: configure after the first allocation; set the configuration before any tensor is made")))
 		}
 	}
 	l.cfg, l.configured = cfg, true
@@ -112,7 +114,7 @@ func (l *library) initLocked(torchCount int) error {
 	}
 	if l.initErr != nil {
 		// Every call that fails for it says why, on whatever thread.
-		l.setLastError(l.initErr.Error())
+		l.setLastError(kindOf(l.initErr), l.initErr.Error())
 	}
 	return l.initErr
 }
@@ -121,7 +123,7 @@ func (l *library) setup(torchCount int) error {
 	if !l.configured {
 		cfg, err := caching.ParseConfig(getenv("GOALLOC_CONF"))
 		if err != nil {
-			return fmt.Errorf("goalloc: not initialised: %v", err)
+			return withKind(errBadConfig, fmt.Errorf("goalloc: not initialised: %v", err))
 		}
 		l.cfg = cfg
 	}
@@ -131,7 +133,7 @@ func (l *library) setup(torchCount int) error {
 		l.kind = "cuda"
 		n, err := arena.CUDADeviceCount()
 		if err != nil {
-			return fmt.Errorf("goalloc: not initialised: no CUDA device: %v (set GOALLOC_DEVICE=sim to run on the simulated device)", err)
+			return withKind(errFailed, fmt.Errorf("goalloc: not initialised: no CUDA device: %v (set GOALLOC_DEVICE=sim to run on the simulated device)", err))
 		}
 		l.count = n
 	case "sim":
@@ -139,7 +141,7 @@ func (l *library) setup(torchCount int) error {
 		if v := getenv("GOALLOC_SIM_DEVICES"); v != "" {
 			n, err := strconv.Atoi(v)
 			if err != nil || n < 1 || n > maxDevices {
-				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_DEVICES=%q is not a device count in [1, %d]", v, maxDevices)
+				return withKind(errBadConfig, fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_DEVICES=%q is not a device count in [1, %d]", v, maxDevices))
 			}
 			l.count = n
 		}
@@ -150,12 +152,12 @@ func (l *library) setup(torchCount int) error {
 				err = arena.CheckSimMemory(n)
 			}
 			if err != nil {
-				return fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q: %v", v, err)
+				return withKind(errBadConfig, fmt.Errorf("goalloc: not initialised: GOALLOC_SIM_MEMORY=%q: %v", v, err))
 			}
 			l.simMemory = n
 		}
 	default:
-		return fmt.Errorf("goalloc: not initialised: GOALLOC_DEVICE=%q; use cuda or sim", l.kind)
+		return withKind(errBadConfig, fmt.Errorf("goalloc: not initialised: GOALLOC_DEVICE=%q; use cuda or sim", l.kind))
 	}
 	if torchCount > 0 && torchCount < l.count {
 		l.count = torchCount // torch may see fewer (CUDA_VISIBLE_DEVICES)
@@ -175,8 +177,8 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	if err := l.initLocked(0); err != nil {
 		return nil, err
 	}
-	if d < 0 || d >= l.count {
-		return nil, l.badLocked("bad_device", fmt.Sprintf("goalloc: device %d does not exist (%d %s devices)", d, l.count, l.kind))
+	if err := l.noDeviceLocked(d); err != nil {
+		return nil, err
 	}
 	if a := l.devices[d].Load(); a != nil {
 		return a, nil
@@ -229,6 +231,15 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 func (l *library) setupFailedLocked(err error) error {
 	warnings.print(fmt.Sprintf("%v (the device is not set up; the call fails)", err))
 	return l.failLocked(err)
+}
+
+// noDeviceLocked is the one check that device d exists: nil if it does,
+// else the refusal, counted as bad input. The library is initialised.
+func (l *library) noDeviceLocked(d int) error {
+	if d >= 0 && d < l.count {
+		return nil
+	}
+	return l.badLocked("bad_device", fmt.Sprintf("goalloc: device %d does not exist (%d %s devices: 0 to %d)", d, l.count, l.kind, l.count-1))
 }
 
 // existing returns the allocators made so far, by device.
@@ -323,9 +334,9 @@ func (l *library) setFraction(f float64, d int) error {
 		l.mu.Unlock()
 		return err
 	}
-	if d < 0 || d >= l.count {
-		defer l.mu.Unlock()
-		return l.badLocked("bad_device", fmt.Sprintf("goalloc: set_memory_fraction for device %d, which does not exist (%d %s devices)", d, l.count, l.kind))
+	if err := l.noDeviceLocked(d); err != nil {
+		l.mu.Unlock()
+		return err
 	}
 	l.fractions[d] = f
 	a := l.devices[d].Load()
@@ -340,7 +351,7 @@ func (l *library) setFraction(f float64, d int) error {
 // device, present and future.
 func (l *library) recordHistory(entries int) error {
 	if entries < 0 || entries > caching.MaxHistoryEntries {
-		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries; give 0 (off) to %d", entries, caching.MaxHistoryEntries))
+		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries (max_entries); give 0 (off) to %d", entries, caching.MaxHistoryEntries))
 	}
 	l.mu.Lock()
 	l.historyEntries = entries
@@ -374,7 +385,7 @@ func (l *library) report(err error) {
 			}
 		}
 		if refused != "" {
-			l.setLastError(refused)
+			l.setLastError(errBadArgument, refused)
 		}
 		return
 	}
@@ -393,7 +404,7 @@ func (l *library) bad(kind, msg string) error {
 func (l *library) badLocked(kind, msg string) error {
 	l.badInput[kind]++
 	l.warnLocked(kind, msg)
-	l.setLastError(msg)
+	l.setLastError(errBadArgument, msg)
 	return &caching.InputError{Kind: kind, Msg: strings.TrimPrefix(msg, "goalloc: ")}
 }
 
@@ -425,7 +436,7 @@ func (l *library) fail(err error) error {
 }
 
 func (l *library) failLocked(err error) error {
-	l.setLastError(err.Error())
+	l.setLastError(kindOf(err), err.Error())
 	return err
 }
 
@@ -435,6 +446,13 @@ func (l *library) lastError() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.lastErr
+}
+
+// lastErrorKind is the kind of lastError.
+func (l *library) lastErrorKind() errorKind {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lastKind
 }
 
 // badInputCounts is a copy of the library-level counters.
