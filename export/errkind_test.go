@@ -21,6 +21,7 @@ func TestEveryFailureSetsItsKind(t *testing.T) {
 		{"negative size", nil, func(l *library) error { l.malloc(-1, 0, 0); return nil }, errBadArgument},
 		{"device that does not exist", nil, func(l *library) error { _, err := l.statsJSON(7); return err }, errBadArgument},
 		{"malloc on a device that does not exist", nil, func(l *library) error { l.malloc(1, 7, 0); return nil }, errBadArgument},
+		{"asking for a device that does not exist", nil, func(l *library) error { return l.deviceExists(2) }, errBadArgument},
 		{"fraction outside (0, 1]", nil, func(l *library) error { return l.setFraction(1.5, 0) }, errBadArgument},
 		{"fraction for a device that does not exist", nil, func(l *library) error { return l.setFraction(0.5, 9) }, errBadArgument},
 		{"statistic that does not exist", nil, func(l *library) error { _, err := l.stat(0, 99); return err }, errBadArgument},
@@ -120,4 +121,21 @@ func TestErrorKindsAreNamed(t *testing.T) {
 	}
 	assert.Len(t, errorKindNames, int(errTooLate)+1)
 	assert.Equal(t, errNone, kindOf(nil))
+}
+
+// Asking whether a device exists is the same rule and message as using it,
+// but it is a question: not counted or warned of as bad input.
+func TestCheckDeviceIsAQuestion(t *testing.T) {
+	out := captureLibraryOutput(t)
+	l := simLibrary(t, "2")
+	require.NoError(t, l.configure("")) // not quiet: a warning would show
+	require.NoError(t, l.deviceExists(1))
+	err := l.deviceExists(2)
+	require.EqualError(t, err, "goalloc: device 2 does not exist (2 sim devices: 0 to 1)")
+	assert.Zero(t, stats(t, l, 0)["goalloc.bad_input.bad_device"])
+	assert.Empty(t, out.b.String())
+	_, used := l.statsJSON(2)
+	assert.Equal(t, err.Error(), used.Error(), "one rule, one message")
+	assert.EqualValues(t, 1, stats(t, l, 0)["goalloc.bad_input.bad_device"])
+	assert.Contains(t, out.b.String(), "device 2 does not exist", "the use is warned of")
 }

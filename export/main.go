@@ -153,6 +153,13 @@ func goalloc_configure(conf *C.char) C.int {
 //export goalloc_init_checked
 func goalloc_init_checked(deviceCount C.int) C.int { return status(lib.init(int(deviceCount))) }
 
+// goalloc_check_device is 0 if device exists, else -1 (bad argument, and
+// goalloc_last_error names the devices there are); a question, not counted
+// as bad input.
+//
+//export goalloc_check_device
+func goalloc_check_device(device C.int) C.int { return status(lib.deviceExists(int(device))) }
+
 //export goalloc_device_count
 func goalloc_device_count() C.int {
 	if lib.checkDevice(0) != nil {

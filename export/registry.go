@@ -233,13 +233,39 @@ func (l *library) setupFailedLocked(err error) error {
 	return l.failLocked(err)
 }
 
-// noDeviceLocked is the one check that device d exists: nil if it does,
-// else the refusal, counted as bad input. The library is initialised.
-func (l *library) noDeviceLocked(d int) error {
+// missingDeviceLocked is the one rule of which devices exist: nil if
+// device d does, else the error that says it does not. The library is
+// initialised.
+func (l *library) missingDeviceLocked(d int) *caching.InputError {
 	if d >= 0 && d < l.count {
 		return nil
 	}
-	return l.badLocked("bad_device", fmt.Sprintf("goalloc: device %d does not exist (%d %s devices: 0 to %d)", d, l.count, l.kind, l.count-1))
+	return &caching.InputError{Kind: "bad_device", Msg: fmt.Sprintf("device %d does not exist (%d %s devices: 0 to %d)", d, l.count, l.kind, l.count-1)}
+}
+
+// noDeviceLocked refuses a call on a device that does not exist, counting
+// it as bad input; nil if the device exists.
+func (l *library) noDeviceLocked(d int) error {
+	if e := l.missingDeviceLocked(d); e != nil {
+		return l.badLocked(e.Kind, e.Error())
+	}
+	return nil
+}
+
+// deviceExists is goalloc_check_device: whether device d exists, as a
+// question rather than a use, so not counted or warned of as bad input.
+// The Python package asks it before it uses a device, so that the rule
+// has one home and a user's mistake is an exception, not also a warning.
+func (l *library) deviceExists(d int) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.initLocked(0); err != nil {
+		return err
+	}
+	if e := l.missingDeviceLocked(d); e != nil {
+		return l.failLocked(e)
+	}
+	return nil
 }
 
 // existing returns the allocators made so far, by device.

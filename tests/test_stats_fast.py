@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 
 import goalloc
-from goalloc import GoallocError, _lib, _torch
+from goalloc import _lib, _torch
 from goalloc_testing import OTHER_STREAM, STREAM
 
 LARGE = 3_000_000
@@ -109,13 +109,14 @@ def test_bad_devices_are_caught_before_the_library(device):
 
 @pytest.mark.filterwarnings("ignore::goalloc.GoallocWarning")  # the library also warns of them: expected
 def test_library_refusals_carry_its_message():
-    """goalloc_stat's -1 becomes the library's own message (the calls above
-    check devices in Python first; a C caller or a bad key reaches this)."""
-    with pytest.raises(GoallocError, match="device 10000 does not exist"):
+    """goalloc_stat's -1 becomes the library's own message, and its kind
+    (bad_argument) a ValueError (the calls above ask the library about the
+    device first, without using it; a C caller or a bad key reaches this)."""
+    with pytest.raises(ValueError, match="device 10000 does not exist"):
         _lib.stat(10_000, _lib.ALLOCATED)
-    with pytest.raises(GoallocError, match="statistic 4 does not exist"):
+    with pytest.raises(ValueError, match="statistic 4 does not exist"):
         _lib.stat(0, len(_lib.STAT_KEYS))
-    with pytest.raises(GoallocError, match="device -1 does not exist"):
+    with pytest.raises(ValueError, match="device -1 does not exist"):
         _lib.stat_scalars(-1)
 
 

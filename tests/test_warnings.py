@@ -49,13 +49,13 @@ def test_bad_input_from_the_c_abi_is_a_goalloc_warning_not_a_stderr_line():
 
 def test_a_control_call_issues_its_warning_before_it_returns():
     """The library refuses a history of -5 entries as bad input: the
-    GoallocError and the warning come from the same call, the warning
-    pointing at the caller's line."""
+    ValueError (its kind is bad_argument) and the warning come from the same
+    call, the warning pointing at the caller's line."""
     proc = run_python(recording("""
     L.goalloc_warnings_notify(_warnings._NOTIFY())  # the call's own drain only, not the notifier's thread
     try:
         _lib.record_history(-5)
-    except goalloc.GoallocError as e:
+    except ValueError as e:
         error = str(e)
     print(json.dumps([caught, error, __file__ if "__file__" in dir() else "<string>"]))
     """))

@@ -70,7 +70,9 @@ DEFAULT_HISTORY_ENTRIES = 100_000
 # --- devices and arguments ----------------------------------------------------
 
 def _device_index(device: Device) -> int:
-    """Turn a torch-style device into an index goalloc has, or raise ValueError."""
+    """Turn a torch-style device into an index goalloc has, or raise
+    TypeError or ValueError. Whether the device exists is the library's rule
+    (_lib.check_device)."""
     if device is None:
         index = _torch.current_device()
     elif isinstance(device, bool):
@@ -90,26 +92,25 @@ def _device_index(device: Device) -> int:
             raise TypeError(
                 f"goalloc: device must be an int, a torch.device or 'cuda:N', not {device!r}"
             ) from None
-    count = _lib.device_count()
-    if not 0 <= index < count:
-        kind = _lib.config().get("device", "")
-        raise ValueError(f"goalloc: device {index} does not exist ({count} {kind} devices: 0 to {count - 1})")
-    return index
+    return _c_device(index)
+
+
+def _c_device(index: int) -> int:
+    """index, if the library says the device exists. An index beyond a C int
+    cannot be passed to ask (ctypes refuses it, with its own message) and
+    names no device either."""
+    if not _lib.fits_c_int(index):
+        raise ValueError(f"goalloc: device {index} does not exist (a device is a C int)")
+    return _lib.check_device(index)
 
 
 def _stat_device(device: Device) -> int:
-    """_device_index, without a call into the library for an int or None once
-    the device count is known: the per-step statistics cost about a
-    microsecond, and a training loop may call them every step."""
-    if device is None:
-        index = _torch.current_device()
-    elif type(device) is int:
-        index = device
-    else:
-        return _device_index(device)
-    if 0 <= index < _lib.device_count():
-        return index
-    return _device_index(index)  # raises, naming the devices there are
+    """_device_index, with the shortest path for an int the library has
+    already said exists: the per-step statistics cost about a microsecond,
+    and a training loop may call them every step."""
+    if type(device) is int and device in _lib._existing_devices:
+        return device
+    return _device_index(device)
 
 
 def _parse_device(device: Any) -> tuple[str, Optional[int]]:
@@ -329,11 +330,19 @@ def record_history(enabled: bool = True, max_entries: int = DEFAULT_HISTORY_ENTR
     if not enabled:
         _lib.record_history(0)
         return
+    _lib.record_history(_history_entries(max_entries))
+
+
+def _history_entries(max_entries: Any) -> int:
+    """max_entries as a C int for a history that is on. Its upper bound is
+    the library's rule, checked there; 0 is refused here because the C ABI
+    reads it as "off", which record_history(True) does not mean."""
     if isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral):
         raise TypeError(f"goalloc: max_entries must be an int, not {max_entries!r}")
-    if not 1 <= max_entries <= _lib.MAX_HISTORY_ENTRIES:
-        raise ValueError(f"goalloc: max_entries={max_entries} is outside [1, {_lib.MAX_HISTORY_ENTRIES}]")
-    _lib.record_history(int(max_entries))
+    n = int(max_entries)
+    if n == 0 or not _lib.fits_c_int(n):
+        raise ValueError(f"goalloc: max_entries={n} is outside [1, {_lib.MAX_HISTORY_ENTRIES}]")
+    return n
 
 
 def snapshot() -> dict[str, Any]:
@@ -374,10 +383,7 @@ def record_trace(path: Union[str, os.PathLike[str]], device: Device = 0,
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"goalloc: path must be a str or os.PathLike, not {type(path).__name__}")
-    if isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral):
-        raise TypeError(f"goalloc: max_entries must be an int, not {max_entries!r}")
-    if not 1 <= max_entries <= _lib.MAX_HISTORY_ENTRIES:
-        raise ValueError(f"goalloc: max_entries={max_entries} is outside [1, {_lib.MAX_HISTORY_ENTRIES}]")
+    entries = _history_entries(max_entries)
     if workload is not None and not isinstance(workload, str):
         raise TypeError(f"goalloc: workload must be a str, not {type(workload).__name__}")
-    return _trace.TraceRecorder(path, _device_index(device), int(max_entries), workload)
+    return _trace.TraceRecorder(path, _device_index(device), entries, workload)

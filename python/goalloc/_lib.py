@@ -1,13 +1,16 @@
 """ctypes binding of libgoalloc.so: finding it, loading it once, typed calls.
 
 Every control function of the C ABI returns -1 (or NULL) on failure and
-leaves the reason in goalloc_last_error(); the wrappers here turn that into a
-Python exception carrying the library's own message, so that what a user
-reads is what the allocator knows. Argument checks that Python can do
-(types, ranges, device numbers) are done by the callers in __init__.py before
-any call, so bad input never reaches the library's once-per-kind warnings;
-the one exception is a memory fraction's range, whose rule lives in the
-library alone (caching.CheckFraction).
+leaves the reason in goalloc_last_error() and its kind in
+goalloc_last_error_kind(); the wrappers here turn that into a Python
+exception carrying the library's own message, so that what a user reads is
+what the allocator knows. The kind alone chooses the exception (ERROR_KINDS):
+the message is for people and is never parsed. Every argument rule (ranges,
+which devices exist) lives in the library alone; Python checks only what it
+must before a value can be passed to C at all (its type, and that an int
+fits a C int), and asks the library whether a device exists before it uses
+one (check_device), so that a user's mistake is an exception and not also
+one of the library's once-per-kind warnings.
 
 The library holds process-global state (one allocator per device). A process
 can load it only once: a second copy of a Go runtime in one process would
@@ -36,6 +39,21 @@ MAX_HISTORY_ENTRIES = 1 << 20
 
 class GoallocError(RuntimeError):
     """The library refused a call; the message is goalloc_last_error()."""
+
+
+# The library's error kinds, by number (export/errkind.go has the table;
+# config()["error_kinds"] is the library's own list, which a test keeps equal),
+# and the exception each becomes: the caller's mistakes, a bad argument or a
+# bad setting, are ValueError; out of memory, a failed driver or device, and
+# a call made too late are GoallocError, as is a failure of no kind (none).
+ERROR_KINDS = ("none", "bad_argument", "bad_config", "out_of_memory", "failed", "too_late")
+_EXCEPTION_OF_KIND: dict[str, Callable[[str], Exception]] = {
+    "bad_argument": ValueError,
+    "bad_config": ValueError,
+}
+
+# The range of a C int, which ctypes refuses to go beyond with its own error.
+C_INT_MIN, C_INT_MAX = -(1 << 31), (1 << 31) - 1
 
 
 _lock = threading.Lock()
@@ -94,6 +112,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "goalloc_configure": (c_int, [c_char_p]),
         "goalloc_init_checked": (c_int, [c_int]),
         "goalloc_device_count": (c_int, []),
+        "goalloc_check_device": (c_int, [c_int]),
         "goalloc_stats_json": (c_void_p, [c_int]),
         "goalloc_fragmentation_json": (c_void_p, [c_int]),
         "goalloc_snapshot_json": (c_void_p, [c_int]),
@@ -106,12 +125,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         # The per-step figures (STAT_KEYS): a number, -1 on error. No
         # argtypes: converting each argument through c_int.from_param
         # tripled the cost of the call (about 0.4 us without, 1.2 us with,
-        # on a 2-core x86-64 machine); stat()'s callers pass ints in range.
+        # on a 2-core x86-64 machine); stat()'s callers pass ints that fit
+        # a C int.
         "goalloc_stat": (ctypes.c_longlong, None),
         "goalloc_stat_scalars": (c_int, [c_int, ctypes.POINTER(ctypes.c_int64), c_int]),
         "goalloc_stat_keys_json": (c_void_p, []),
         # Returns a malloc'd copy; kept as a void* so that it can be freed.
         "goalloc_last_error": (c_void_p, []),
+        "goalloc_last_error_kind": (c_int, []),
         "goalloc_string_free": (None, [c_void_p]),
     }
     for name, (restype, argtypes) in sigs.items():
@@ -175,19 +196,24 @@ def last_error() -> str:
     return _take_string(lib().goalloc_last_error()) or ""
 
 
-def _error(what: str, exc: Callable[[str], Exception] = GoallocError) -> Exception:
+def last_error_kind() -> str:
+    """The kind of the last failed call (ERROR_KINDS), read with last_error()."""
+    k = lib().goalloc_last_error_kind()
+    return ERROR_KINDS[k] if 0 <= k < len(ERROR_KINDS) else f"kind {k}"
+
+
+def _error(what: str) -> Exception:
+    """The exception for the call that just failed: its kind chooses the type,
+    its message is the library's."""
+    kind = last_error_kind()
     msg = last_error() or f"goalloc: {what} failed, and the library gave no reason"
     _warnings.drain()  # a refused call's warnings, too, come before it raises
-    return exc(msg)
+    return _EXCEPTION_OF_KIND.get(kind, GoallocError)(msg)
 
 
-def _config_error(msg: str) -> Exception:
-    """A bad setting (GOALLOC_CONF, GOALLOC_DEVICE, GOALLOC_SIM_*) is a
-    ValueError; anything else (no driver, too late to configure) is GoallocError."""
-    cause = msg.removeprefix("goalloc: not initialised: ")
-    if cause.startswith(("GOALLOC_CONF", "GOALLOC_SIM_", "GOALLOC_DEVICE=")):
-        return ValueError(msg)
-    return GoallocError(msg)
+def fits_c_int(value: int) -> bool:
+    """Whether an int can be passed as a C int (ctypes raises otherwise)."""
+    return C_INT_MIN <= value <= C_INT_MAX
 
 
 def _check(rc: int, what: str) -> None:
@@ -204,12 +230,13 @@ def _json(ptr: Optional[int], what: str) -> Any:
     return json.loads(text)
 
 
-# Thin wrappers, one per control function. Devices are ints checked by the caller.
+# Thin wrappers, one per control function. Devices are ints the caller has
+# passed through check_device.
 
 def configure(conf: str) -> None:
     """goalloc_configure: replace GOALLOC_CONF; only before the first allocation."""
     if lib().goalloc_configure(conf.encode("utf-8")) != 0:
-        raise _error("configure", _config_error)
+        raise _error("configure")
 
 
 _device_count: Optional[int] = None
@@ -224,15 +251,31 @@ def device_count() -> int:
     if _device_count is None:
         n = lib().goalloc_device_count()
         if n < 0:
-            raise _error("device_count", _config_error)
+            raise _error("device_count")
         _device_count = n
     return _device_count
+
+
+# The devices the library has said exist: its count is fixed once it has
+# initialised, so an answer holds for the life of the process.
+_existing_devices: set[int] = set()
+
+
+def check_device(device: int) -> int:
+    """device, if the library says it exists (goalloc_check_device: its rule,
+    asked as a question, so neither warned of nor counted as bad input);
+    else ValueError with the library's message. device must fit a C int."""
+    if device not in _existing_devices:
+        if lib().goalloc_check_device(device) != 0:
+            raise _error("device check")
+        _existing_devices.add(device)
+    return device
 
 
 def init(torch_device_count: int) -> None:
     """goalloc_init_checked: what torch's init hook does, with errors reported."""
     if lib().goalloc_init_checked(torch_device_count) != 0:
-        raise _error("init", _config_error)
+        raise _error("init")
 
 
 def config() -> dict[str, Any]:
@@ -292,14 +335,9 @@ def reset_accumulated(device: int) -> None:
     _check(lib().goalloc_reset_accumulated_stats(device), "reset_accumulated_memory_stats")
 
 
-def _fraction_error(msg: str) -> Exception:
-    """A fraction the library refused (outside (0, 1]) is a ValueError."""
-    return ValueError(msg) if "memory fraction" in msg else GoallocError(msg)
-
-
 def set_fraction(device: int, fraction: float) -> None:
     if lib().goalloc_set_fraction(device, fraction) != 0:
-        raise _error("set_memory_fraction", _fraction_error)
+        raise _error("set_memory_fraction")
 
 
 def empty_cache_device(device: int) -> None:
