@@ -106,23 +106,29 @@ static void *worker(void *arg) {
 
 /* Each thread's refusals are its own: goalloc_last_error on a thread reads
  * the message of that thread's last failed call, never another thread's,
- * and a warning (a free with the wrong size, done all the same) does not
- * replace it. Four threads, each with its own kind of refusal. */
+ * and goalloc_last_error_kind its kind (export/errkind.go: 1 bad argument,
+ * 2 bad configuration, 5 too late); a warning (a free with the wrong size,
+ * done all the same) replaces neither. Six threads, each with its own
+ * refusal. */
 static int (*set_fraction)(int, double);
+static int (*configure)(const char *);
+static int (*last_error_kind)(void);
 static long long (*stat_one)(int, int);
 static int (*stat_scalars)(int, int64_t *, int);
 static volatile int workers_done;
 #define ERROR_ITERS 20000
 
-struct refusal { const char *want; int kind; };
+struct refusal { const char *want; int kind; int error_kind; };
 static const struct refusal refusals[] = {
-	{"malloc of a negative size", 0},
-	{"free of a NULL pointer", 1},
-	{"device 99 does not exist", 2},
-	{"memory fraction 2 is outside", 3},
+	{"malloc of a negative size", 0, 1},
+	{"free of a NULL pointer", 1, 1},
+	{"device 99 does not exist", 2, 1},
+	{"memory fraction 2 is outside", 3, 1},
+	{"GOALLOC_CONF", 4, 2},
+	{"configure after the first allocation", 5, 5},
 };
 #define NREFUSALS (int)(sizeof refusals / sizeof refusals[0])
-static int wrong_messages;
+static int wrong_messages, wrong_kinds;
 
 static void *refuser(void *arg) {
 	const struct refusal *r = &refusals[(intptr_t)arg];
@@ -133,6 +139,8 @@ static void *refuser(void *arg) {
 		case 1: my_free(NULL, 0, 0, stream); break;
 		case 2: if (my_malloc(1, 99, stream)) fail("unknown device gave a pointer", 99); break;
 		case 3: if (set_fraction(0, 2.0) != -1) fail("fraction 2 accepted", 2); break;
+		case 4: if (configure("bogus:1") != -1) fail("bogus configuration accepted", 0); break;
+		case 5: if (configure("fraction:0.9") != -1) fail("configuration after use accepted", 0); break;
 		}
 		if (i % 100 == 0) { /* a warning in between */
 			void *p = my_malloc(1000, 0, stream);
@@ -144,17 +152,37 @@ static void *refuser(void *arg) {
 				fprintf(stderr, "harness: thread of \"%s\" read \"%s\"\n", r->want, e ? e : "(NULL)");
 		}
 		free(e); /* goalloc_string_free is free(3) */
+		int k = last_error_kind();
+		if (k != r->error_kind && __sync_fetch_and_add(&wrong_kinds, 1) < 3)
+			fprintf(stderr, "harness: thread of \"%s\" read kind %d, not %d\n", r->want, k, r->error_kind);
 	}
 	return NULL;
 }
 
+/* fresh_kind is the kind a thread reads before any call of its own has
+ * failed: 0, whatever other threads did. */
+static void *fresh_kind(void *arg) {
+	*(int *)arg = last_error_kind();
+	return NULL;
+}
+
 static void check_last_error_per_thread(void) {
+	int fresh = -1;
+	pthread_t ft;
+	pthread_create(&ft, NULL, fresh_kind, &fresh);
+	pthread_join(ft, NULL);
+	if (fresh != 0) fail("a fresh thread read an error kind", (uintptr_t)fresh);
 	pthread_t th[NREFUSALS];
 	for (int t = 0; t < NREFUSALS; t++) pthread_create(&th[t], NULL, refuser, (void *)(intptr_t)t);
 	for (int t = 0; t < NREFUSALS; t++) pthread_join(th[t], NULL);
 	if (wrong_messages) {
 		fprintf(stderr, "harness: FAIL: %d of %d refusals read another thread's last error or a warning\n",
 			wrong_messages, NREFUSALS * ERROR_ITERS);
+		failures++;
+	}
+	if (wrong_kinds) {
+		fprintf(stderr, "harness: FAIL: %d of %d refusals read another thread's error kind or a warning's\n",
+			wrong_kinds, NREFUSALS * ERROR_ITERS);
 		failures++;
 	}
 }
@@ -194,8 +222,10 @@ int main(int argc, char **argv) {
 	set_fraction = (int (*)(int, double))dlsym(lib, "goalloc_set_fraction");
 	stat_one = (long long (*)(int, int))dlsym(lib, "goalloc_stat");
 	stat_scalars = (int (*)(int, int64_t *, int))dlsym(lib, "goalloc_stat_scalars");
+	configure = (int (*)(const char *))dlsym(lib, "goalloc_configure");
+	last_error_kind = (int (*)(void))dlsym(lib, "goalloc_last_error_kind");
 	if (!set_fraction || !last_error || !check_invariants || !my_malloc || !my_free || !init || !record || !stats || !strfree || !empty ||
-	    !stat_one || !stat_scalars) {
+	    !stat_one || !stat_scalars || !configure || !last_error_kind) {
 		fprintf(stderr, "harness: missing symbol\n");
 		return 1;
 	}
