@@ -74,3 +74,13 @@ def test_device_beyond_a_c_int_is_a_value_error(device):
 def test_history_size_beyond_a_c_int_is_a_value_error(entries):
     with pytest.raises(ValueError, match="max_entries"):
         goalloc.record_history(True, max_entries=entries)
+
+
+def test_readme_lists_the_librarys_kinds():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", readme, re.M)
+    assert [name for _, name in rows] == goalloc.config()["error_kinds"]
+    assert [int(n) for n, _ in rows] == list(range(len(rows)))

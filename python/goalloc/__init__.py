@@ -196,8 +196,9 @@ def config() -> dict[str, Any]:
     """The configuration in force, the device kind (cuda or sim) and count,
     per-device caps in bytes ("limits", devices made so far) and the
     fractions set_memory_fraction() set ("fractions", made or not), the
-    history size and its bound ("max_history"), and every GOALLOC_CONF key
-    with what it means."""
+    history size and its bound ("max_history"), every GOALLOC_CONF key
+    with what it means, and the names of the library's error kinds
+    ("error_kinds", by number)."""
     return _lib.config()
 
 
