@@ -99,6 +99,8 @@ def _c_device(index: int) -> int:
     """index, if the library says the device exists. An index beyond a C int
     cannot be passed to ask (ctypes refuses it, with its own message) and
     names no device either."""
+    if index in _lib._existing_devices:  # the library has said so: the per-step path
+        return index
     if not _lib.fits_c_int(index):
         raise ValueError(f"goalloc: device {index} does not exist (a device is a C int)")
     return _lib.check_device(index)
