@@ -34,6 +34,14 @@ func TestEveryFailureSetsItsKind(t *testing.T) {
 			return nil
 		}, errBadArgument},
 		{"graph pool goalloc does not hold", nil, func(l *library) error { return l.releasePool(0, [2]uint64{3, 4}) }, errBadArgument},
+		{"record_stream of a pointer goalloc did not allocate", nil, func(l *library) error { return l.recordStream(0x1234, 0) }, errBadArgument},
+		{"record_stream of a freed block", nil, func(l *library) error {
+			p := l.malloc(1000, 0, 0)
+			l.free(p, 1000, 0, 0)
+			return l.recordStream(p, 0x10)
+		}, errBadArgument},
+		{"end of a graph pool on a device never used", nil, func(l *library) error { return l.endAllocateToPool(1, [2]uint64{1, 1}) }, errBadArgument},
+		{"free of a pointer no device holds (the C++ class)", nil, func(l *library) error { return l.freeOwned(0x1234) }, errBadArgument},
 		{"bad configure string", nil, func(l *library) error { return l.configure("bogus:1") }, errBadConfig},
 		{"impossible configure string", nil, func(l *library) error { return l.configure("reserve:0.5,fraction:0.25") }, errBadConfig},
 		{"configure after the first allocation", nil, func(l *library) error {
