@@ -11,6 +11,7 @@ import (
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/caching"
+	"github.com/goalloc/goalloc/units"
 )
 
 // getenv reads the process environment. main.go points it at C's getenv:
@@ -60,7 +61,6 @@ type library struct {
 	// lastErr, one for the process.
 	setLastError func(msg string)
 	lastErr      string
-
 }
 
 func newLibrary() *library {
@@ -145,7 +145,7 @@ func (l *library) setup(torchCount int) error {
 		}
 		l.simMemory = arena.DefaultSimMemory
 		if v := getenv("GOALLOC_SIM_MEMORY"); v != "" {
-			n, err := caching.ParseBytes(v)
+			n, err := units.ParseBytes(v)
 			if err == nil {
 				err = arena.CheckSimMemory(n)
 			}

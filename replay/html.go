@@ -2,11 +2,12 @@ package replay
 
 import (
 	"fmt"
-	"github.com/goalloc/goalloc/caching"
 	"html/template"
 	"io"
 	"math"
 	"strings"
+
+	"github.com/goalloc/goalloc/units"
 )
 
 // The report is one HTML file with everything inline: the plots are SVG
@@ -205,7 +206,7 @@ func (p *svgPlot) marker(event int, bytes uint64, color, title string) {
 // the reader can see.
 func (p *svgPlot) setYMax(highest uint64) {
 	top := float64(max(highest, 1)) * 1.03
-	p.unit, p.unitStr = unitFor(uint64(top))
+	p.unit, p.unitStr = units.BinaryUnit(uint64(top))
 	p.ystep = niceStep(top/float64(p.unit), 6)
 	p.ymax = math.Ceil(top/float64(p.unit)/p.ystep) * p.ystep * float64(p.unit)
 }
@@ -412,19 +413,6 @@ func niceStep(span float64, n int) float64 {
 	return 10 * mag
 }
 
-// unitFor picks the byte unit the y axis counts in.
-func unitFor(max uint64) (uint64, string) {
-	switch {
-	case max >= 1<<30:
-		return 1 << 30, "GiB"
-	case max >= 1<<20:
-		return 1 << 20, "MiB"
-	case max >= 1<<10:
-		return 1 << 10, "KiB"
-	}
-	return 1, "B"
-}
-
 func trimFloat(v float64) string {
 	s := fmt.Sprintf("%.2f", v)
 	s = strings.TrimRight(strings.TrimRight(s, "0"), ".")
@@ -442,21 +430,11 @@ func fmtSI(v float64) string {
 	return trimFloat(v)
 }
 
-// fmtBytes writes n as goalloc does everywhere (caching.FormatBytes).
-var fmtBytes = caching.FormatBytes
-
-// FormatBytes writes n as the report does: in the largest binary unit it
-// reaches, with two decimals (23.64 GiB).
-var FormatBytes = caching.FormatBytes
-
-// fmtCount writes n with thousands separators.
-func fmtCount(n uint64) string {
-	s := fmt.Sprint(n)
-	for i := len(s) - 3; i > 0; i -= 3 {
-		s = s[:i] + "," + s[i:]
-	}
-	return s
-}
+// fmtBytes and fmtCount are the short names the report's code uses.
+var (
+	fmtBytes = units.FormatBytes
+	fmtCount = units.FormatCount
+)
 
 var reportFuncs = template.FuncMap{
 	"bytes": fmtBytes,

@@ -108,7 +108,7 @@ func (s *SnapshotInfo) Summary() []string {
 	var acts []string
 	for _, name := range snapshotActionNames {
 		if n := s.Actions[name]; n > 0 {
-			acts = append(acts, fmt.Sprintf("%s %s", FormatCount(n), name))
+			acts = append(acts, fmt.Sprintf("%s %s", fmtCount(uint64(n)), name))
 		}
 	}
 	who := "PyTorch's caching allocator"
@@ -123,27 +123,18 @@ func (s *SnapshotInfo) Summary() []string {
 		others = fmt.Sprintf(" (devices with events: %s)", joinInts(s.DevicesWithEvents))
 	}
 	lines := []string{
-		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, FormatCount(s.Entries), strings.Join(acts, ", ")),
+		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, fmtCount(uint64(s.Entries)), strings.Join(acts, ", ")),
 	}
 	start := "start    an empty allocator"
 	if s.InitialBlocks > 0 || s.InitialReservedBytes > 0 {
 		start = fmt.Sprintf("start    %s blocks (%s) live before the first event, replayed first; %s reserved then",
-			FormatCount(s.InitialBlocks), FormatBytes(s.InitialBlockBytes), FormatBytes(s.InitialReservedBytes))
+			fmtCount(uint64(s.InitialBlocks)), fmtBytes(s.InitialBlockBytes), fmtBytes(s.InitialReservedBytes))
 	}
 	lines = append(lines, start)
 	if s.RecordedPeakReservedBytes > 0 {
-		lines = append(lines, fmt.Sprintf("recorded peak reserved %s (the segments at the start and the segment events)", FormatBytes(s.RecordedPeakReservedBytes)))
+		lines = append(lines, fmt.Sprintf("recorded peak reserved %s (the segments at the start and the segment events)", fmtBytes(s.RecordedPeakReservedBytes)))
 	}
 	return lines
-}
-
-// FormatCount writes n with thousands separators, as the replay's tables do.
-func FormatCount(n int) string {
-	s := fmt.Sprint(n)
-	for i := len(s) - 3; i > 0; i -= 3 {
-		s = s[:i] + "," + s[i:]
-	}
-	return s
 }
 
 func joinInts(ns []int) string {
@@ -319,7 +310,7 @@ func noHistoryError(segments []*segment) error {
 	return fmt.Errorf("a memory snapshot without allocation history: every device_traces list is empty, so there is nothing to replay "+
 		"(it holds %d segments, %s reserved, %s in live blocks, at the moment it was taken). Record the history before the work: "+
 		"torch.cuda.memory._record_memory_history(max_entries=1000000), then torch.cuda.memory._dump_snapshot(PATH) "+
-		"(with enabled=\"state\", torch keeps no history)", len(segments), FormatBytes(reserved), FormatBytes(live))
+		"(with enabled=\"state\", torch keeps no history)", len(segments), fmtBytes(reserved), fmtBytes(live))
 }
 
 // segments reads the snapshot's segments (all devices).
@@ -642,10 +633,10 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 			"Recording began after they were allocated, or the ring buffer (max_entries) wrapped and dropped the oldest events; "+
 			"the replay allocates them first, in address order. What happened before the first event is not in the file, "+
 			"so where the recorded run had placed them (and so the recorded segments) cannot be reproduced exactly",
-			FormatCount(in.InitialBlocks), FormatBytes(in.InitialBlockBytes))
+			fmtCount(uint64(in.InitialBlocks)), fmtBytes(in.InitialBlockBytes))
 	}
 	if in.InitialReservedBytes > in.InitialBlockBytes && consistentReserved && in.InitialBlocks == 0 {
-		s.note("the recorded allocator held %s of cached segments at the first event, which the replay starts without", FormatBytes(in.InitialReservedBytes))
+		s.note("the recorded allocator held %s of cached segments at the first event, which the replay starts without", fmtBytes(in.InitialReservedBytes))
 	}
 	if in.Entries == 1 {
 		s.note("the history holds one event: torch keeps a ring of one when recording with enabled=\"state\"; " +
@@ -659,7 +650,7 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	}
 	if !consistentReserved {
 		s.note("the history takes %s more segment memory than the snapshot's segments hold: recorded figures are unknown (was the snapshot taken after recording stopped?)",
-			FormatBytes(grown))
+			fmtBytes(grown))
 	}
 	if in.ExpandableSegments {
 		s.note("recorded with expandable_segments: the recorded run's reserved memory grew and shrank by segment_map and segment_unmap, " +
@@ -678,10 +669,10 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	switch in.Recorder {
 	case "goalloc":
 		s.note("recorded by goalloc (through its allocator class in torch, settings %q): its alloc sizes are the slots and blocks goalloc handed out, "+
-			"not the requests, and its peak reserved, %s, is goalloc's", strings.TrimPrefix(in.AllocConf, "goalloc "), FormatBytes(in.RecordedPeakReservedBytes))
+			"not the requests, and its peak reserved, %s, is goalloc's", strings.TrimPrefix(in.AllocConf, "goalloc "), fmtBytes(in.RecordedPeakReservedBytes))
 	case "unknown":
 		s.note("no allocator_settings: not written by PyTorch's caching allocator (goalloc's snapshots have none). Its alloc sizes are what that allocator recorded "+
-			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", FormatBytes(in.RecordedPeakReservedBytes))
+			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", fmtBytes(in.RecordedPeakReservedBytes))
 	}
 }
 
