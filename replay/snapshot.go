@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/goalloc/goalloc/caching"
 )
 
 // This file reads the memory snapshots PyTorch writes,
@@ -106,9 +108,9 @@ type SnapshotInfo struct {
 // each, each starting with a label in a column of nine.
 func (s *SnapshotInfo) Summary() []string {
 	var acts []string
-	for _, name := range snapshotActionNames {
-		if n := s.Actions[name]; n > 0 {
-			acts = append(acts, fmt.Sprintf("%s %s", fmtCount(uint64(n)), name))
+	for a := range caching.NumActions {
+		if n := s.Actions[a.String()]; n > 0 {
+			acts = append(acts, fmt.Sprintf("%s %s", fmtCount(uint64(n)), a))
 		}
 	}
 	who := "PyTorch's caching allocator"
@@ -145,32 +147,18 @@ func joinInts(ns []int) string {
 	return strings.Join(s, ", ")
 }
 
-// snapAction is a device trace entry's action.
-type snapAction uint8
-
-const (
-	snapAlloc snapAction = iota
-	snapFreeRequested
-	snapFreeCompleted
-	snapSegmentAlloc
-	snapSegmentFree
-	snapSegmentMap
-	snapSegmentUnmap
-	snapOOM
-	snapSnapshot
-	numSnapActions
-)
-
-var snapshotActionNames = [numSnapActions]string{"alloc", "free_requested", "free_completed",
-	"segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom", "snapshot"}
-
-// parserAction is what the JSON lines parser calls the actions it shares.
-var parserAction = [numSnapActions]action{snapAlloc: actAlloc, snapFreeRequested: actFreeRequested,
-	snapFreeCompleted: actFreeCompleted, snapSegmentAlloc: actSegmentAlloc}
+// actionNames lists the actions PyTorch's snapshots name, in caching's order.
+func actionNames() []string {
+	names := make([]string, 0, caching.NumActions)
+	for a := range caching.NumActions {
+		names = append(names, a.String())
+	}
+	return names
+}
 
 // snapEvent is one device trace entry.
 type snapEvent struct {
-	act        snapAction
+	act        caching.Action
 	addr, size uint64
 	stream     uint64
 	timeUs     int64
@@ -438,18 +426,18 @@ func (s *snapshotReader) decodeEvents(entries []any, dev int) ([]snapEvent, erro
 		if !ok {
 			return nil, fmt.Errorf("%s: action is a %s, not a str", what, pyTypeName(av))
 		}
-		act := snapAction(slices.Index(snapshotActionNames[:], name))
-		if int(act) < 0 || act >= numSnapActions {
+		act, known := caching.ActionNamed(name)
+		if !known {
 			unknown[name]++
 			continue
 		}
 		e := snapEvent{act: act}
-		if act != snapOOM && act != snapSnapshot {
+		if act != caching.ActionOOM && act != caching.ActionSnapshot {
 			if e.addr, err = uintField(d, "addr", what); err != nil {
 				return nil, err
 			}
 		}
-		if act != snapSnapshot {
+		if act != caching.ActionSnapshot {
 			if e.size, err = uintField(d, "size", what); err != nil {
 				return nil, err
 			}
@@ -468,7 +456,7 @@ func (s *snapshotReader) decodeEvents(entries []any, dev int) ([]snapEvent, erro
 			names[i] = fmt.Sprintf("%s (%d)", n, unknown[n])
 		}
 		s.note("device_traces[%d] has events of actions this reader does not know, left out: %s (it knows %s)",
-			dev, strings.Join(names, ", "), strings.Join(snapshotActionNames[:], ", "))
+			dev, strings.Join(names, ", "), strings.Join(actionNames(), ", "))
 	}
 	return events, nil
 }
@@ -493,9 +481,9 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 	var grown, shrunk uint64 // segment bytes the history takes and gives back
 	s.info.Actions = map[string]int{}
 	for i, e := range events {
-		s.info.Actions[snapshotActionNames[e.act]]++
+		s.info.Actions[e.act.String()]++
 		switch e.act {
-		case snapAlloc:
+		case caching.ActionAlloc:
 			if b, ok := live[e.addr]; ok {
 				at := "before the history began"
 				if b.event >= 0 {
@@ -505,23 +493,23 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 			}
 			live[e.addr] = walkBlock{event: i}
 			touched[e.addr] = i
-		case snapFreeRequested, snapFreeCompleted:
+		case caching.ActionFreeRequested, caching.ActionFreeCompleted:
 			if _, ok := live[e.addr]; !ok {
 				if last, seen := touched[e.addr]; seen {
 					return nil, fmt.Errorf("%s: %s of address %#x, which %s already freed and did not allocate again: the history is inconsistent",
-						where(i), snapshotActionNames[e.act], e.addr, where(last))
+						where(i), e.act, e.addr, where(last))
 				}
 				// Freed, never allocated: live before the first event.
 				initial = append(initial, liveBlock{addr: e.addr, size: e.size, stream: e.stream})
 				live[e.addr] = walkBlock{event: -1}
 			}
 			touched[e.addr] = i
-			if e.act == snapFreeCompleted {
+			if e.act == caching.ActionFreeCompleted {
 				delete(live, e.addr)
 			}
-		case snapSegmentAlloc, snapSegmentMap:
+		case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
 			grown += e.size
-		case snapSegmentFree, snapSegmentUnmap:
+		case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
 			shrunk += e.size
 		}
 	}
@@ -569,9 +557,9 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 		r, peak := s.info.InitialReservedBytes, s.info.InitialReservedBytes
 		for _, e := range events {
 			switch e.act {
-			case snapSegmentAlloc, snapSegmentMap:
+			case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
 				r += e.size
-			case snapSegmentFree, snapSegmentUnmap:
+			case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
 				r -= e.size
 			}
 			peak = max(peak, r)
@@ -586,7 +574,7 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 	t.Events = make([]Event, 0, len(initial)+len(events))
 	for k, b := range initial {
 		p.line = -(k + 1)
-		if err := p.apply(&rawEvent{act: actAlloc, addr: b.addr, size: b.size, stream: b.stream}); err != nil {
+		if err := p.apply(&rawEvent{act: caching.ActionAlloc, addr: b.addr, size: b.size, stream: b.stream}); err != nil {
 			return nil, fmt.Errorf("initial block %d: %w", k+1, err)
 		}
 		s.info.InitialBlockBytes += b.size
@@ -595,12 +583,11 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 	for i, e := range events {
 		p.line = i + 1
 		t.Lines++
-		act := parserAction[e.act]
-		if act == actNone {
+		if !slices.Contains(lineActions[:], e.act) {
 			continue
 		}
-		t.Actions[act]++
-		if err := p.apply(&rawEvent{act: act, addr: e.addr, size: e.size, stream: e.stream}); err != nil {
+		t.Actions[e.act]++
+		if err := p.apply(&rawEvent{act: e.act, addr: e.addr, size: e.size, stream: e.stream}); err != nil {
 			return nil, fmt.Errorf("%s: %w", where(i), err)
 		}
 	}
