@@ -158,6 +158,9 @@ type CUDA struct {
 	peerErr error
 }
 
+// Name says what kind of device d is, as the replay tool's results do.
+func (d *CUDA) Name() string { return "cuda" }
+
 // standIn is an event made in another device's context, ctx.
 type standIn struct {
 	ev  C.uintptr_t

@@ -22,6 +22,7 @@ func CUDADeviceCount() (int, error) { return 0, errNoCUDA }
 func NewCUDA(ordinal int, releaseThreshold uint64) (*CUDA, error) { return nil, errNoCUDA }
 
 func (d *CUDA) Ordinal() int                                  { return 0 }
+func (d *CUDA) Name() string                                  { return "cuda" }
 func (d *CUDA) Alloc(size uint64, s Stream) (uintptr, error)  { return 0, errNoCUDA }
 func (d *CUDA) Free(ptr uintptr, size uint64, s Stream) error { return errNoCUDA }
 func (d *CUDA) AllocUncaptured(size uint64) (uintptr, error)  { return 0, errNoCUDA }
@@ -53,6 +54,7 @@ var _ Device = (*VMM)(nil)
 func NewVMM(ordinal int) (*VMM, error) { return nil, errNoCUDA }
 
 func (d *VMM) Ordinal() int                                  { return 0 }
+func (d *VMM) Name() string                                  { return "cuda" }
 func (d *VMM) Alloc(size uint64, s Stream) (uintptr, error)  { return 0, errNoCUDA }
 func (d *VMM) Free(ptr uintptr, size uint64, s Stream) error { return errNoCUDA }
 func (d *VMM) AllocUncaptured(size uint64) (uintptr, error)  { return 0, errNoCUDA }

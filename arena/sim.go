@@ -157,6 +157,9 @@ var errClosed = errors.New("sim: device is closed")
 
 func (d *Sim) Ordinal() int { return d.ordinal }
 
+// Name says what kind of device d is, as the replay tool's results do.
+func (d *Sim) Name() string { return "sim" }
+
 func (d *Sim) Alloc(size uint64, s Stream) (uintptr, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()

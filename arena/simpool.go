@@ -3,6 +3,8 @@ package arena
 import (
 	"fmt"
 	"sort"
+
+	"github.com/goalloc/goalloc/units"
 )
 
 // simPool models a CUDA stream-ordered memory pool (cuMemPool) closely
@@ -105,7 +107,7 @@ func CheckSimMemory(n uint64) error {
 // an allocation that would leave its range rather than reach into the next
 // device's.
 func simSpan(capacity uint64) uint64 {
-	return max(1<<40, roundUp(4*capacity, 1<<40))
+	return max(1<<40, units.RoundUp(4*capacity, 1<<40))
 }
 
 func newSimPool(ordinal int, capacity uint64) *simPool {
@@ -127,8 +129,6 @@ func newSimPool(ordinal int, capacity uint64) *simPool {
 		used:       map[uint64]*simRange{},
 	}
 }
-
-func roundUp(n, align uint64) uint64 { return (n + align - 1) / align * align }
 
 // settle moves every pending range whose free has completed into the free
 // index. completed(s) is how far stream s has run.
@@ -203,7 +203,7 @@ func (p *simPool) alloc(size uint64, s Stream, completed func(Stream) uint64) (u
 
 // roundSize is the bytes the pool sets aside for a request of size bytes.
 func (p *simPool) roundSize(size uint64) uint64 {
-	return roundUp(max(size, 1), p.allocAlign)
+	return units.RoundUp(max(size, 1), p.allocAlign)
 }
 
 // chunkRange returns the chunk indices [lo, hi) that [start, start+n) touches.
@@ -378,7 +378,7 @@ func (p *simPool) takePending(n uint64, s Stream) *simRange {
 // never below the chunks in use.
 func (p *simPool) trim(keep uint64, completed func(Stream) uint64) {
 	p.settle(completed)
-	p.reserved = max(p.inUse*p.chunkSize, min(p.reserved, roundUp(keep, p.chunkSize)))
+	p.reserved = max(p.inUse*p.chunkSize, min(p.reserved, units.RoundUp(keep, p.chunkSize)))
 	if keep == 0 {
 		p.reserved = p.inUse * p.chunkSize
 	}

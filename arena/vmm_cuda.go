@@ -35,6 +35,10 @@ type VMM struct {
 
 var _ Device = (*VMM)(nil)
 
+// Name says what kind of device d is, as the replay tool's results do: a
+// GPU, whichever backend serves its memory.
+func (d *VMM) Name() string { return "cuda" }
+
 // cudaPhys is the PhysDriver of a VMM device: one gx_vmm_* call per method.
 type cudaPhys struct {
 	rt    *cudaRuntime

@@ -7,6 +7,7 @@ import (
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/streams"
+	"github.com/goalloc/goalloc/units"
 )
 
 // MaxRequest is the largest size Malloc considers a request at all (256 TiB);
@@ -104,7 +105,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 // prewarm makes the pool reserve n bytes by allocating and freeing them, so
 // that the pool holds them (release threshold permitting) for later requests.
 func (a *Allocator) prewarm(n uint64) error {
-	n = roundUp(n, 2<<20)
+	n = units.RoundUp(n, 2<<20)
 	if a.limit > 0 && n > a.limit {
 		// ParseConfig keeps the reserve at or under the fraction; only the
 		// rounding up can pass the cap. Round down instead.
@@ -165,7 +166,7 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 		}
 		return a.mallocSmallSlow(l, c, size)
 	}
-	n := roundUp(size, classAlign)
+	n := units.RoundUp(size, classAlign)
 	if id, bucket := a.findCached(l, n); id != noBlock {
 		a.stats.CacheHits++
 		return a.takeBlock(id, bucket, size), nil
@@ -407,11 +408,11 @@ type OOMError struct {
 func (e *OOMError) Error() string {
 	limit := "no cap"
 	if e.Limit > 0 {
-		limit = fmt.Sprintf("cap %s", FormatBytes(e.Limit))
+		limit = fmt.Sprintf("cap %s", units.FormatBytes(e.Limit))
 	}
 	return fmt.Sprintf("goalloc: out of memory on device %d: %s requested; %s, device %s; reserved %s, allocated %s, cached free %s, largest free cached block %s (%v)",
-		e.Device, FormatBytes(e.Requested), limit, FormatBytes(e.Total), FormatBytes(e.Reserved),
-		FormatBytes(e.Allocated), FormatBytes(e.Cached), FormatBytes(e.LargestFree), e.Cause)
+		e.Device, units.FormatBytes(e.Requested), limit, units.FormatBytes(e.Total), units.FormatBytes(e.Reserved),
+		units.FormatBytes(e.Allocated), units.FormatBytes(e.Cached), units.FormatBytes(e.LargestFree), e.Cause)
 }
 
 func (e *OOMError) Unwrap() error { return arena.ErrOutOfMemory }
@@ -1053,19 +1054,3 @@ func (a *Allocator) warnInput(kind, msg string) error {
 	a.stats.BadInput[kind]++
 	return &InputError{Kind: kind, Msg: msg, Handled: true}
 }
-
-// FormatBytes writes n in the largest binary unit it reaches, with two
-// decimals (23.64 GiB), as goalloc's messages and reports do.
-func FormatBytes(n uint64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
-}
-
-func roundUp(n, align uint64) uint64 { return (n + align - 1) / align * align }

@@ -6,6 +6,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/goalloc/goalloc/units"
 )
 
 // Config is what GOALLOC_CONF sets. The zero Config is not valid; start from
@@ -104,10 +106,10 @@ func ParseConfig(s string) (Config, error) {
 			if v == "max" {
 				c.ReleaseThreshold = math.MaxUint64
 			} else {
-				c.ReleaseThreshold, err = ParseBytes(v)
+				c.ReleaseThreshold, err = units.ParseBytes(v)
 			}
 		case "large_cache":
-			c.LargeCache, err = ParseBytes(v)
+			c.LargeCache, err = units.ParseBytes(v)
 		case "large_slack":
 			c.LargeSlack, err = parseShare(v, true, false)
 		case "quiet":
@@ -184,36 +186,6 @@ func parseNumber(v string) (float64, error) {
 		return 0, fmt.Errorf("%q is not a number", v)
 	}
 	return f, nil
-}
-
-// ParseBytes reads a byte count: a plain integer, or a number with a suffix
-// K, M, G, T (powers of 1024; KB/KiB and friends mean the same).
-func ParseBytes(v string) (uint64, error) {
-	s, mult := splitUnit(strings.ToUpper(strings.TrimSpace(v)))
-	f, err := strconv.ParseFloat(s, 64)
-	if err != nil || f < 0 || math.IsNaN(f) || math.IsInf(f, 0) {
-		return 0, fmt.Errorf("%q is not a byte size", v)
-	}
-	n := f * float64(mult)
-	if n >= math.MaxUint64 {
-		return 0, fmt.Errorf("%q is too large", v)
-	}
-	return uint64(n), nil
-}
-
-// splitUnit splits an upper-cased size into its number and multiplier.
-func splitUnit(s string) (string, uint64) {
-	for _, u := range []struct {
-		suffix string
-		mult   uint64
-	}{{"T", 1 << 40}, {"G", 1 << 30}, {"M", 1 << 20}, {"K", 1 << 10}} {
-		for _, form := range []string{u.suffix + "IB", u.suffix + "B", u.suffix} {
-			if strings.HasSuffix(s, form) {
-				return strings.TrimSpace(strings.TrimSuffix(s, form)), u.mult
-			}
-		}
-	}
-	return strings.TrimSuffix(s, "B"), 1
 }
 
 // String renders c back in GOALLOC_CONF syntax.

@@ -7,22 +7,50 @@ import (
 )
 
 // Action is what a history entry records, named as PyTorch's memory
-// snapshots name trace actions.
+// snapshots name trace actions. This is goalloc's one table of those names:
+// the allocator's history is written with it, and the replay tool reads
+// recorded traces and memory snapshots with it.
 type Action uint8
 
 const (
-	actionAlloc Action = iota
-	actionFreeRequested
-	actionFreeCompleted
-	actionSegmentAlloc
-	actionSegmentFree
-	actionOOM
-	actionEmptyCache
+	ActionAlloc Action = iota
+	ActionFreeRequested
+	ActionFreeCompleted
+	ActionSegmentAlloc
+	ActionSegmentFree
+	ActionSegmentMap   // PyTorch's expandable segments map pages in
+	ActionSegmentUnmap // and out of a segment; goalloc records neither
+	ActionOOM
+	ActionSnapshot
+	NumActions
 )
 
-var actionNames = [...]string{"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot"}
+var actionNames = [NumActions]string{"alloc", "free_requested", "free_completed",
+	"segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom", "snapshot"}
 
 func (a Action) String() string { return actionNames[a] }
+
+// ActionNamed is the action PyTorch calls name, and false for a name that is
+// none of them.
+func ActionNamed(name string) (Action, bool) {
+	for a, n := range actionNames {
+		if n == name {
+			return Action(a), true
+		}
+	}
+	return 0, false
+}
+
+// The actions as the allocator's code records them.
+const (
+	actionAlloc         = ActionAlloc
+	actionFreeRequested = ActionFreeRequested
+	actionFreeCompleted = ActionFreeCompleted
+	actionSegmentAlloc  = ActionSegmentAlloc
+	actionSegmentFree   = ActionSegmentFree
+	actionOOM           = ActionOOM
+	actionEmptyCache    = ActionSnapshot // goalloc marks an empty_cache with "snapshot"
+)
 
 // TraceEntry is one recorded allocator event.
 type TraceEntry struct {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/caching"
+	"github.com/goalloc/goalloc/units"
 )
 
 // getenv reads the process environment. main.go points it at C's getenv:
@@ -147,7 +148,7 @@ func (l *library) setup(torchCount int) error {
 		}
 		l.simMemory = arena.DefaultSimMemory
 		if v := getenv("GOALLOC_SIM_MEMORY"); v != "" {
-			n, err := caching.ParseBytes(v)
+			n, err := units.ParseBytes(v)
 			if err == nil {
 				err = arena.CheckSimMemory(n)
 			}

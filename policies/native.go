@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/units"
 )
 
 // PyTorch's constants, named as in CUDACachingAllocator.cpp.
@@ -78,7 +79,7 @@ func nativeSegmentSize(n uint64) uint64 {
 	case n < nativeMinLarge:
 		return nativeLargeBuffer
 	}
-	return roundUp(n, nativeRoundLarge)
+	return units.RoundUp(n, nativeRoundLarge)
 }
 
 // nativeShouldSplit is should_split: whether a free block of size bytes
@@ -97,7 +98,7 @@ func (a *Native) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if err := checkSize("native", size); err != nil {
 		return 0, err
 	}
-	n := roundUp(max(size, 1), minBlock)
+	n := units.RoundUp(max(size, 1), minBlock)
 	small := n <= nativeSmallSize
 	pool := a.stream(s).pool(small)
 	var b *nblock

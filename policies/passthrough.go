@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/units"
 )
 
 // Passthrough sends every request to the device and every free straight
@@ -26,7 +27,7 @@ func (a *Passthrough) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	if err := checkSize("passthrough", size); err != nil {
 		return 0, err
 	}
-	n := roundUp(max(size, 1), minBlock)
+	n := units.RoundUp(max(size, 1), minBlock)
 	// Nothing is cached to give back, but the pool may hold freed memory
 	// that trimming returns to the driver, so the retry can still help.
 	p, err := deviceAlloc(a.dev, n, s, func() error { return nil })

@@ -157,8 +157,6 @@ func (g *Goalloc) PeakAllocated() uint64 {
 // granularity of every request, as in PyTorch and the CUDA pool.
 const minBlock = 512
 
-func roundUp(n, align uint64) uint64 { return (n + align - 1) / align * align }
-
 // checkSize rejects requests no device could hold before they overflow a
 // policy's size arithmetic (a negative size cast to unsigned, say).
 func checkSize(policy string, size uint64) error {

@@ -1,12 +1,14 @@
 package replay
 
 import (
+	_ "embed"
 	"fmt"
-	"github.com/goalloc/goalloc/caching"
 	"html/template"
 	"io"
 	"math"
 	"strings"
+
+	"github.com/goalloc/goalloc/units"
 )
 
 // The report is one HTML file with everything inline: the plots are SVG
@@ -205,7 +207,7 @@ func (p *svgPlot) marker(event int, bytes uint64, color, title string) {
 // the reader can see.
 func (p *svgPlot) setYMax(highest uint64) {
 	top := float64(max(highest, 1)) * 1.03
-	p.unit, p.unitStr = unitFor(uint64(top))
+	p.unit, p.unitStr = units.BinaryUnit(uint64(top))
 	p.ystep = niceStep(top/float64(p.unit), 6)
 	p.ymax = math.Ceil(top/float64(p.unit)/p.ystep) * p.ystep * float64(p.unit)
 }
@@ -412,19 +414,6 @@ func niceStep(span float64, n int) float64 {
 	return 10 * mag
 }
 
-// unitFor picks the byte unit the y axis counts in.
-func unitFor(max uint64) (uint64, string) {
-	switch {
-	case max >= 1<<30:
-		return 1 << 30, "GiB"
-	case max >= 1<<20:
-		return 1 << 20, "MiB"
-	case max >= 1<<10:
-		return 1 << 10, "KiB"
-	}
-	return 1, "B"
-}
-
 func trimFloat(v float64) string {
 	s := fmt.Sprintf("%.2f", v)
 	s = strings.TrimRight(strings.TrimRight(s, "0"), ".")
@@ -442,142 +431,22 @@ func fmtSI(v float64) string {
 	return trimFloat(v)
 }
 
-// fmtBytes writes n as goalloc does everywhere (caching.FormatBytes).
-var fmtBytes = caching.FormatBytes
-
-// FormatBytes writes n as the report does: in the largest binary unit it
-// reaches, with two decimals (23.64 GiB).
-var FormatBytes = caching.FormatBytes
-
-// fmtCount writes n with thousands separators.
-func fmtCount(n uint64) string {
-	s := fmt.Sprint(n)
-	for i := len(s) - 3; i > 0; i -= 3 {
-		s = s[:i] + "," + s[i:]
-	}
-	return s
-}
+// fmtBytes and fmtCount are the short names the report's code uses.
+var (
+	fmtBytes = units.FormatBytes
+	fmtCount = units.FormatCount
+)
 
 var reportFuncs = template.FuncMap{
 	"bytes": fmtBytes,
 	"ms":    func(seconds float64) float64 { return seconds * 1000 },
 }
 
-var reportTemplate = template.Must(template.New("report").Funcs(reportFuncs).Parse(`<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{{.Title}}</title>
-<style>
-:root { color-scheme: light; }
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
-  color: #202124; background: #f6f7f9; margin: 0; }
-main { max-width: 1240px; margin: 0 auto; padding: 24px 28px 40px; }
-h1 { font-size: 22px; margin: 0 0 4px; font-weight: 650; }
-h2 { font-size: 16px; margin: 0 0 10px; font-weight: 620; }
-.meta { color: #5f6368; margin: 0 0 18px; }
-.meta b { color: #202124; font-weight: 600; }
-.card { background: #fff; border: 1px solid #e1e4e8; border-radius: 10px; padding: 16px 18px; margin: 0 0 18px;
-  box-shadow: 0 1px 2px rgba(0,0,0,.04); }
-svg { width: 100%; height: auto; display: block; }
-svg text { font-family: inherit; fill: #3c4043; }
-svg .tick { font-size: 12px; fill: #5f6368; font-variant-numeric: tabular-nums; }
-svg .label { font-size: 12.5px; fill: #5f6368; }
-svg .peak { font-size: 13px; font-weight: 600; fill: #202124; paint-order: stroke; stroke: #fff; stroke-width: 4px; }
-svg .grid { stroke: #eceef1; stroke-width: 1; }
-svg .axis { stroke: #9aa0a6; stroke-width: 1; }
-svg .name { font-size: 13px; font-weight: 600; }
-svg .val { font-size: 12.5px; font-variant-numeric: tabular-nums; }
-svg .native { stroke: #202124; stroke-width: 1.5; stroke-dasharray: 5 4; }
-svg .nativelabel { font-size: 12px; fill: #202124; }
-.legend { display: flex; flex-wrap: wrap; gap: 6px 22px; margin: 10px 4px 0; color: #3c4043; font-size: 13px; }
-.legend span { display: inline-flex; align-items: center; gap: 7px; }
-.sw { display: inline-block; width: 22px; height: 12px; border: 1.5px solid; border-radius: 2px; box-sizing: border-box; }
-.sw.line { height: 0; border-width: 2.5px 0 0 0; border-radius: 0; }
-.sw.dash { border-top-style: dashed; }
-.sw.dot { width: 12px; height: 12px; border-radius: 50%; border: 2.5px solid #5f6368; background: #fff; }
-table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
-th, td { padding: 6px 7px; font-size: 12.5px; text-align: right; border-bottom: 1px solid #eceef1; white-space: nowrap; }
-th { font-size: 12px; font-weight: 600; color: #5f6368; vertical-align: bottom; }
-td small, th small { font-size: 11.5px; color: #5f6368; font-weight: 400; }
-td { vertical-align: top; }
-th:first-child, td:first-child { text-align: left; }
-tbody tr:hover { background: #f8f9fb; }
-td.policy { font-weight: 600; }
-td.policy i { display: inline-block; width: 10px; height: 10px; border-radius: 50%; margin-right: 8px; }
-tr.native td { color: #5f6368; font-style: italic; }
-td .tiny { color: #80868b; cursor: help; }
-.scroll { overflow-x: auto; }
-.note { color: #5f6368; font-size: 13px; margin: 10px 2px 0; }
-.note code { font-size: 12px; background: #f1f3f4; padding: 1px 4px; border-radius: 3px; }
-dl { display: grid; grid-template-columns: max-content 1fr; gap: 6px 16px; margin: 0; font-size: 13px; }
-dt { font-weight: 600; } dd { margin: 0; color: #3c4043; }
-</style>
-</head>
-<body>
-<main>
-<h1>{{.Title}}</h1>
-<p class="meta"><b>{{.Trace.Path}}</b>{{with .Trace.Header.Torch}} · torch {{.}}{{end}}{{with .Trace.Header.GPU}} · recorded on {{.}}{{end}} ·
-{{len .Trace.Events}} events replayed of {{.Trace.Lines}} · device <b>{{.Device}}</b></p>
+// reportPage is the page's template: the HTML and its style, with the
+// numbers and the plots filled in by WriteHTML (html/template escapes every
+// text it inserts; the plots are template.HTML, written escaped here).
+//
+//go:embed report.html.tmpl
+var reportPage string
 
-<section class="card">
-<h2>Memory over the trace</h2>
-{{.Plot}}
-<p class="note">Live bytes are the sum of the trace's live allocations. Solid lines are the device pool's reserved bytes under each policy
-(the memory the driver mapped); dashed lines, where shown, what the policy itself holds from the pool when that is less and is not just
-the live bytes (passthrough's is). Lines keep every peak: each pixel column draws the lowest and highest value of the events it covers.</p>
-</section>
-
-<section class="card">
-<h2>Peak reserved / peak live</h2>
-{{.Bars}}
-{{if .Native}}<p class="note">The dashed line is the recorded PyTorch run's own <code>max_reserved / max_allocated</code> from the trace header.</p>{{end}}
-</section>
-
-<section class="card">
-<h2>Results</h2>
-<div class="scroll">
-<table>
-<thead><tr>
-<th>policy</th><th>peak live</th><th>peak reserved<br>(pool)</th><th>ratio</th>{{if .Native}}<th>vs recorded<br>native</th>{{end}}
-<th>policy's peak<br>reserved</th><th>policy's peak<br>allocated</th>
-<th>frag. at<br>peak live</th><th>free at peak live<br><small>largest block</small></th>
-<th>device allocs<br>/ frees</th><th>OOMs</th><th>ns/op</th><th>events/s<br>end to end</th>
-</tr></thead>
-<tbody>
-{{range .Rows}}<tr>
-<td class="policy"><i style="background:{{.Color}}"></i>{{.Policy}}{{with .Conf}} <span class="note">({{.}})</span>{{end}}</td>
-<td>{{.PeakLive}}</td><td>{{.PeakReserved}}</td><td><b>{{.Ratio}}</b></td>{{if $.Native}}<td>{{.VsNative}}</td>{{end}}
-<td>{{.AllocReserved}}</td><td>{{.Alloc}}</td>
-<td>{{if .FragNote}}<span class="tiny" title="{{.FragNote}}">{{.Frag}}†</span>{{else}}{{.Frag}}{{end}}</td><td>{{.FreeAtPeak}}<br><small>{{.LargestAtPeak}}</small></td>
-<td>{{.DevAllocs}} / {{.DevFrees}}</td><td>{{.OOMs}}</td><td>{{.NsPerOp}}</td><td>{{.EndToEnd}}</td>
-</tr>
-{{end}}{{if .Native}}{{with .Trace.Header}}<tr class="native">
-<td>native, recorded run</td><td>{{bytes .MaxAllocated}}*</td><td>{{bytes .MaxReserved}}</td><td><b>{{printf "%.3f" .NativeRatio}}</b></td><td></td>
-<td>{{bytes .MaxReserved}}</td><td>{{bytes .MaxAllocated}}</td><td colspan="2">from the trace header</td>
-<td>{{$.Trace.SegmentAllocs}} segments</td><td colspan="3"></td>
-</tr>{{end}}{{end}}
-</tbody>
-</table>
-</div>
-{{range .Rows}}{{with .FragNote}}<p class="note">† {{.}}. Below {{$.TinyFreePercent}}% of peak live, free memory is too little for its fragmentation to cost anything: the figure describes a few leftover pieces, not wasted memory.</p>{{end}}{{end}}
-{{range .Rows}}{{with .OOMAt}}<p class="note">First out-of-memory: {{.}}</p>{{end}}{{end}}
-</section>
-
-<section class="card">
-<h2>What the columns mean</h2>
-<dl>
-<dt>peak reserved (pool)</dt><dd>The device pool's reserved high-water mark (<code>CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH</code>, or the simulated pool's): memory really taken from the GPU. Comparable between policies, and between the simulation and a GPU.</dd>
-<dt>ratio</dt><dd>Peak reserved over peak live. 1.000 would waste nothing.</dd>
-<dt>policy's peak reserved / allocated</dt><dd>The policy's own accounting: bytes it held from the pool, and bytes it handed out with its rounding (PyTorch's <code>reserved_bytes</code> and <code>allocated_bytes</code> peaks).</dd>
-<dt>fragmentation at peak live</dt><dd>1 − largest free block / free bytes, over the memory the policy holds but has not handed out, right after event {{(index .Results 0).PeakLiveEvent}}, where live bytes first reach their peak. 0: all free memory is one piece.{{if .TinyFree}} A figure marked † is computed over free memory below {{$.TinyFreePercent}}% of peak live, where it says little.{{end}}</dd>
-<dt>device allocs / frees</dt><dd>Calls that reached the device (the pool), counted the same way for every policy.</dd>
-<dt>ns/op, events/s</dt><dd>ns/op is the wall time of the replay loop per replayed event. Events per second end to end counts every event line of the trace over the time to read and parse it ({{printf "%.0f" (ms .Trace.Elapsed.Seconds)}} ms) plus the replay loop.</dd>
-{{if .Native}}<dt>native, recorded run</dt><dd>PyTorch's own figures at the end of the recorded run, from the trace header: *max_allocated counts whole blocks, so it is slightly above peak live; its segment count is the trace's segment_alloc lines.</dd>{{end}}
-</dl>
-</section>
-</main>
-</body>
-</html>
-`))
+var reportTemplate = template.Must(template.New("report").Funcs(reportFuncs).Parse(reportPage))

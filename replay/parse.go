@@ -8,6 +8,9 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
+
+	"github.com/goalloc/goalloc/caching"
 )
 
 // This file parses one event line. Every line of a trace is a flat JSON
@@ -20,21 +23,13 @@ import (
 // check them against each other on every line of the bundled traces, and by
 // fuzzing.
 
-// action is what an event line's "a" field says happened.
-type action uint8
+// lineActions are the actions an event line may name (the trace recorder
+// writes no others); their names are caching's, PyTorch's.
+var lineActions = [...]caching.Action{caching.ActionAlloc, caching.ActionFreeRequested,
+	caching.ActionFreeCompleted, caching.ActionSegmentAlloc}
 
-const (
-	actNone action = iota // no "a" field
-	actSegmentAlloc
-	actAlloc
-	actFreeRequested
-	actFreeCompleted
-	numActions
-)
-
-var actionNames = [numActions]string{"", "segment_alloc", "alloc", "free_requested", "free_completed"}
-
-func (a action) String() string { return actionNames[a] }
+// actNone is an event's action when its "a" field names none of lineActions.
+const actNone = caching.NumActions
 
 // Which fields an event line had, as bits of rawEvent.has.
 const (
@@ -48,7 +43,7 @@ const (
 // rawEvent is one event line as parsed, before it is checked against the
 // trace's state (is the id live, ...).
 type rawEvent struct {
-	act                action
+	act                caching.Action // when has&hasA: one of lineActions, or actNone
 	addr, size, stream uint64
 	t                  int64
 	has                uint8
@@ -277,19 +272,23 @@ func parseAction(b []byte, i int, ev *rawEvent) (int, error) {
 	return end, nil
 }
 
-// actionNamed is the action a trace names, or actNone.
-func actionNamed(name []byte) action {
-	switch string(name) {
-	case "alloc":
-		return actAlloc
-	case "free_completed":
-		return actFreeCompleted
-	case "free_requested":
-		return actFreeRequested
-	case "segment_alloc":
-		return actSegmentAlloc
+// actionNamed is the one of lineActions that an event line names, or actNone.
+func actionNamed(name []byte) caching.Action {
+	for _, a := range lineActions {
+		if string(name) == a.String() {
+			return a
+		}
 	}
 	return actNone
+}
+
+// lineActionList names lineActions for a message: "alloc, ... or segment_alloc".
+func lineActionList() string {
+	names := make([]string, len(lineActions))
+	for i, a := range lineActions {
+		names[i] = a.String()
+	}
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
 }
 
 func setAction(ev *rawEvent, name []byte) {

@@ -244,3 +244,19 @@ func TestEightDigits(t *testing.T) {
 		require.False(t, eightDigits(v), "%q", s)
 	}
 }
+
+// The recorder's layout, and any line naming an action, parse without
+// allocating: the action's name is matched against caching's table in place.
+func TestParseEventAllocatesNothing(t *testing.T) {
+	for _, line := range []string{
+		`{"a": "alloc", "addr": 140577299496960, "size": 512, "stream": 0, "t": 1795949109765507}`,
+		`{"a": "free_completed", "addr": 140577299496960, "size": 512, "stream": 0, "t": 1795949109765507}`,
+		`{"size": 512, "a": "segment_alloc", "stream": 3, "addr": 7}`,
+	} {
+		b := []byte(line)
+		var ev rawEvent
+		require.NoError(t, parseEvent(b, &ev), line)
+		require.NotEqual(t, actNone, ev.act, line)
+		require.Zero(t, testing.AllocsPerRun(100, func() { _ = parseEvent(b, &ev) }), line)
+	}
+}

@@ -127,13 +127,12 @@ func (s *Steps) Peak() (at int, v uint64) {
 	return at, v
 }
 
-// DeviceName names dev's kind: "sim" or "cuda".
+// DeviceName names dev's kind as its Name method does ("sim", "cuda"), or by
+// its Go type for a device without one, so that replay need not know every
+// kind of device there is.
 func DeviceName(dev arena.Device) string {
-	switch dev.(type) {
-	case *arena.Sim:
-		return "sim"
-	case *arena.CUDA:
-		return "cuda"
+	if named, ok := dev.(interface{ Name() string }); ok {
+		return named.Name()
 	}
 	return fmt.Sprintf("%T", dev)
 }

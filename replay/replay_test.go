@@ -178,3 +178,18 @@ func mustPolicy(t *testing.T, name string) policies.Allocator {
 	require.NoError(t, err)
 	return a
 }
+
+// DeviceName asks the device for its name, which is what --device says
+// ("sim", "cuda") whichever backend serves the memory; a device with none is
+// named by its Go type.
+func TestDeviceName(t *testing.T) {
+	require.Equal(t, "sim", DeviceName(arena.NewSim(0, 0)))
+	require.Equal(t, "cuda", DeviceName((*arena.CUDA)(nil)), "a CUDA device names itself without a GPU")
+	require.Equal(t, "cuda", DeviceName((*arena.VMM)(nil)))
+	vmm, err := arena.NewSimVMM(0, 0)
+	require.NoError(t, err)
+	defer vmm.Close()
+	require.Equal(t, "sim", DeviceName(vmm), "the simulated VMM device is the simulated device's")
+	// A wrapper that does not pass Name on is not taken for what it wraps.
+	require.Equal(t, "*replay.countingDevice", DeviceName(&countingDevice{Device: arena.NewSim(0, 0)}))
+}

@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/goalloc/goalloc/caching"
 )
 
 // This file reads the memory snapshots PyTorch writes,
@@ -106,9 +108,9 @@ type SnapshotInfo struct {
 // each, each starting with a label in a column of nine.
 func (s *SnapshotInfo) Summary() []string {
 	var acts []string
-	for _, name := range snapshotActionNames {
-		if n := s.Actions[name]; n > 0 {
-			acts = append(acts, fmt.Sprintf("%s %s", FormatCount(n), name))
+	for a := range caching.NumActions {
+		if n := s.Actions[a.String()]; n > 0 {
+			acts = append(acts, fmt.Sprintf("%s %s", fmtCount(uint64(n)), a))
 		}
 	}
 	who := "PyTorch's caching allocator"
@@ -123,27 +125,18 @@ func (s *SnapshotInfo) Summary() []string {
 		others = fmt.Sprintf(" (devices with events: %s)", joinInts(s.DevicesWithEvents))
 	}
 	lines := []string{
-		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, FormatCount(s.Entries), strings.Join(acts, ", ")),
+		fmt.Sprintf("snapshot %s; device %d%s: %s events (%s)", who, s.Device, others, fmtCount(uint64(s.Entries)), strings.Join(acts, ", ")),
 	}
 	start := "start    an empty allocator"
 	if s.InitialBlocks > 0 || s.InitialReservedBytes > 0 {
 		start = fmt.Sprintf("start    %s blocks (%s) live before the first event, replayed first; %s reserved then",
-			FormatCount(s.InitialBlocks), FormatBytes(s.InitialBlockBytes), FormatBytes(s.InitialReservedBytes))
+			fmtCount(uint64(s.InitialBlocks)), fmtBytes(s.InitialBlockBytes), fmtBytes(s.InitialReservedBytes))
 	}
 	lines = append(lines, start)
 	if s.RecordedPeakReservedBytes > 0 {
-		lines = append(lines, fmt.Sprintf("recorded peak reserved %s (the segments at the start and the segment events)", FormatBytes(s.RecordedPeakReservedBytes)))
+		lines = append(lines, fmt.Sprintf("recorded peak reserved %s (the segments at the start and the segment events)", fmtBytes(s.RecordedPeakReservedBytes)))
 	}
 	return lines
-}
-
-// FormatCount writes n with thousands separators, as the replay's tables do.
-func FormatCount(n int) string {
-	s := fmt.Sprint(n)
-	for i := len(s) - 3; i > 0; i -= 3 {
-		s = s[:i] + "," + s[i:]
-	}
-	return s
 }
 
 func joinInts(ns []int) string {
@@ -154,32 +147,18 @@ func joinInts(ns []int) string {
 	return strings.Join(s, ", ")
 }
 
-// snapAction is a device trace entry's action.
-type snapAction uint8
-
-const (
-	snapAlloc snapAction = iota
-	snapFreeRequested
-	snapFreeCompleted
-	snapSegmentAlloc
-	snapSegmentFree
-	snapSegmentMap
-	snapSegmentUnmap
-	snapOOM
-	snapSnapshot
-	numSnapActions
-)
-
-var snapshotActionNames = [numSnapActions]string{"alloc", "free_requested", "free_completed",
-	"segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom", "snapshot"}
-
-// parserAction is what the JSON lines parser calls the actions it shares.
-var parserAction = [numSnapActions]action{snapAlloc: actAlloc, snapFreeRequested: actFreeRequested,
-	snapFreeCompleted: actFreeCompleted, snapSegmentAlloc: actSegmentAlloc}
+// actionNames lists the actions PyTorch's snapshots name, in caching's order.
+func actionNames() []string {
+	names := make([]string, 0, caching.NumActions)
+	for a := range caching.NumActions {
+		names = append(names, a.String())
+	}
+	return names
+}
 
 // snapEvent is one device trace entry.
 type snapEvent struct {
-	act        snapAction
+	act        caching.Action
 	addr, size uint64
 	stream     uint64
 	timeUs     int64
@@ -319,7 +298,7 @@ func noHistoryError(segments []*segment) error {
 	return fmt.Errorf("a memory snapshot without allocation history: every device_traces list is empty, so there is nothing to replay "+
 		"(it holds %d segments, %s reserved, %s in live blocks, at the moment it was taken). Record the history before the work: "+
 		"torch.cuda.memory._record_memory_history(max_entries=1000000), then torch.cuda.memory._dump_snapshot(PATH) "+
-		"(with enabled=\"state\", torch keeps no history)", len(segments), FormatBytes(reserved), FormatBytes(live))
+		"(with enabled=\"state\", torch keeps no history)", len(segments), fmtBytes(reserved), fmtBytes(live))
 }
 
 // segments reads the snapshot's segments (all devices).
@@ -447,18 +426,18 @@ func (s *snapshotReader) decodeEvents(entries []any, dev int) ([]snapEvent, erro
 		if !ok {
 			return nil, fmt.Errorf("%s: action is a %s, not a str", what, pyTypeName(av))
 		}
-		act := snapAction(slices.Index(snapshotActionNames[:], name))
-		if int(act) < 0 || act >= numSnapActions {
+		act, known := caching.ActionNamed(name)
+		if !known {
 			unknown[name]++
 			continue
 		}
 		e := snapEvent{act: act}
-		if act != snapOOM && act != snapSnapshot {
+		if act != caching.ActionOOM && act != caching.ActionSnapshot {
 			if e.addr, err = uintField(d, "addr", what); err != nil {
 				return nil, err
 			}
 		}
-		if act != snapSnapshot {
+		if act != caching.ActionSnapshot {
 			if e.size, err = uintField(d, "size", what); err != nil {
 				return nil, err
 			}
@@ -477,7 +456,7 @@ func (s *snapshotReader) decodeEvents(entries []any, dev int) ([]snapEvent, erro
 			names[i] = fmt.Sprintf("%s (%d)", n, unknown[n])
 		}
 		s.note("device_traces[%d] has events of actions this reader does not know, left out: %s (it knows %s)",
-			dev, strings.Join(names, ", "), strings.Join(snapshotActionNames[:], ", "))
+			dev, strings.Join(names, ", "), strings.Join(actionNames(), ", "))
 	}
 	return events, nil
 }
@@ -502,9 +481,9 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 	var grown, shrunk uint64 // segment bytes the history takes and gives back
 	s.info.Actions = map[string]int{}
 	for i, e := range events {
-		s.info.Actions[snapshotActionNames[e.act]]++
+		s.info.Actions[e.act.String()]++
 		switch e.act {
-		case snapAlloc:
+		case caching.ActionAlloc:
 			if b, ok := live[e.addr]; ok {
 				at := "before the history began"
 				if b.event >= 0 {
@@ -514,23 +493,23 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 			}
 			live[e.addr] = walkBlock{event: i}
 			touched[e.addr] = i
-		case snapFreeRequested, snapFreeCompleted:
+		case caching.ActionFreeRequested, caching.ActionFreeCompleted:
 			if _, ok := live[e.addr]; !ok {
 				if last, seen := touched[e.addr]; seen {
 					return nil, fmt.Errorf("%s: %s of address %#x, which %s already freed and did not allocate again: the history is inconsistent",
-						where(i), snapshotActionNames[e.act], e.addr, where(last))
+						where(i), e.act, e.addr, where(last))
 				}
 				// Freed, never allocated: live before the first event.
 				initial = append(initial, liveBlock{addr: e.addr, size: e.size, stream: e.stream})
 				live[e.addr] = walkBlock{event: -1}
 			}
 			touched[e.addr] = i
-			if e.act == snapFreeCompleted {
+			if e.act == caching.ActionFreeCompleted {
 				delete(live, e.addr)
 			}
-		case snapSegmentAlloc, snapSegmentMap:
+		case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
 			grown += e.size
-		case snapSegmentFree, snapSegmentUnmap:
+		case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
 			shrunk += e.size
 		}
 	}
@@ -578,9 +557,9 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 		r, peak := s.info.InitialReservedBytes, s.info.InitialReservedBytes
 		for _, e := range events {
 			switch e.act {
-			case snapSegmentAlloc, snapSegmentMap:
+			case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
 				r += e.size
-			case snapSegmentFree, snapSegmentUnmap:
+			case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
 				r -= e.size
 			}
 			peak = max(peak, r)
@@ -595,7 +574,7 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 	t.Events = make([]Event, 0, len(initial)+len(events))
 	for k, b := range initial {
 		p.line = -(k + 1)
-		if err := p.apply(&rawEvent{act: actAlloc, addr: b.addr, size: b.size, stream: b.stream}); err != nil {
+		if err := p.apply(&rawEvent{act: caching.ActionAlloc, addr: b.addr, size: b.size, stream: b.stream}); err != nil {
 			return nil, fmt.Errorf("initial block %d: %w", k+1, err)
 		}
 		s.info.InitialBlockBytes += b.size
@@ -604,12 +583,11 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 	for i, e := range events {
 		p.line = i + 1
 		t.Lines++
-		act := parserAction[e.act]
-		if act == actNone {
+		if !slices.Contains(lineActions[:], e.act) {
 			continue
 		}
-		t.Actions[act]++
-		if err := p.apply(&rawEvent{act: act, addr: e.addr, size: e.size, stream: e.stream}); err != nil {
+		t.Actions[e.act]++
+		if err := p.apply(&rawEvent{act: e.act, addr: e.addr, size: e.size, stream: e.stream}); err != nil {
 			return nil, fmt.Errorf("%s: %w", where(i), err)
 		}
 	}
@@ -642,10 +620,10 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 			"Recording began after they were allocated, or the ring buffer (max_entries) wrapped and dropped the oldest events; "+
 			"the replay allocates them first, in address order. What happened before the first event is not in the file, "+
 			"so where the recorded run had placed them (and so the recorded segments) cannot be reproduced exactly",
-			FormatCount(in.InitialBlocks), FormatBytes(in.InitialBlockBytes))
+			fmtCount(uint64(in.InitialBlocks)), fmtBytes(in.InitialBlockBytes))
 	}
 	if in.InitialReservedBytes > in.InitialBlockBytes && consistentReserved && in.InitialBlocks == 0 {
-		s.note("the recorded allocator held %s of cached segments at the first event, which the replay starts without", FormatBytes(in.InitialReservedBytes))
+		s.note("the recorded allocator held %s of cached segments at the first event, which the replay starts without", fmtBytes(in.InitialReservedBytes))
 	}
 	if in.Entries == 1 {
 		s.note("the history holds one event: torch keeps a ring of one when recording with enabled=\"state\"; " +
@@ -659,7 +637,7 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	}
 	if !consistentReserved {
 		s.note("the history takes %s more segment memory than the snapshot's segments hold: recorded figures are unknown (was the snapshot taken after recording stopped?)",
-			FormatBytes(grown))
+			fmtBytes(grown))
 	}
 	if in.ExpandableSegments {
 		s.note("recorded with expandable_segments: the recorded run's reserved memory grew and shrank by segment_map and segment_unmap, " +
@@ -678,10 +656,10 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	switch in.Recorder {
 	case "goalloc":
 		s.note("recorded by goalloc (through its allocator class in torch, settings %q): its alloc sizes are the slots and blocks goalloc handed out, "+
-			"not the requests, and its peak reserved, %s, is goalloc's", strings.TrimPrefix(in.AllocConf, "goalloc "), FormatBytes(in.RecordedPeakReservedBytes))
+			"not the requests, and its peak reserved, %s, is goalloc's", strings.TrimPrefix(in.AllocConf, "goalloc "), fmtBytes(in.RecordedPeakReservedBytes))
 	case "unknown":
 		s.note("no allocator_settings: not written by PyTorch's caching allocator (goalloc's snapshots have none). Its alloc sizes are what that allocator recorded "+
-			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", FormatBytes(in.RecordedPeakReservedBytes))
+			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", fmtBytes(in.RecordedPeakReservedBytes))
 	}
 }
 

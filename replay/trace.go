@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
 )
 
 // Header is a trace's first line: where and how it was recorded, and the
@@ -68,7 +69,7 @@ type Trace struct {
 	// Lines is the number of event lines (every action), Actions their
 	// count per action.
 	Lines   int
-	Actions [numActions]int
+	Actions [caching.NumActions]int
 	// Slots is the size of the pointer table Events index.
 	Slots int
 	// PeakLive is the most bytes live at once (the sum of alloc sizes),
@@ -99,7 +100,7 @@ func (t *Trace) where(line int32) string {
 
 // SegmentAllocs is how many segments the native allocator took from
 // cudaMalloc in the recorded run.
-func (t *Trace) SegmentAllocs() int { return t.Actions[actSegmentAlloc] }
+func (t *Trace) SegmentAllocs() int { return t.Actions[caching.ActionSegmentAlloc] }
 
 // ParseError is a trace that could not be read, at a line when Line > 0.
 type ParseError struct {
@@ -387,7 +388,7 @@ func (p *parser) event(ev *rawEvent) error {
 		return fmt.Errorf("missing field %s (an event has a, addr, size, stream and t)", strings.Join(names, ", "))
 	}
 	if ev.act == actNone {
-		return fmt.Errorf("unknown action %q (want alloc, free_requested, free_completed or segment_alloc)", ev.badAction)
+		return fmt.Errorf("unknown action %q (want %s)", ev.badAction, lineActionList())
 	}
 	if p.line > math.MaxInt32 || p.line < math.MinInt32 {
 		return errors.New("too many lines: a trace is limited to 2^31")
@@ -402,7 +403,7 @@ func (p *parser) event(ev *rawEvent) error {
 func (p *parser) apply(ev *rawEvent) error {
 	t := p.t
 	switch ev.act {
-	case actAlloc:
+	case caching.ActionAlloc:
 		if prev, ok := p.ids[ev.addr]; ok {
 			return fmt.Errorf("alloc of id %d, which is already live (allocated on line %d, not freed since)", ev.addr, prev.line)
 		}
@@ -419,11 +420,11 @@ func (p *parser) apply(ev *rawEvent) error {
 		if p.live > t.PeakLive {
 			t.PeakLive, t.PeakEvent = p.live, len(t.Events)-1
 		}
-	case actFreeRequested:
+	case caching.ActionFreeRequested:
 		if _, ok := p.ids[ev.addr]; !ok {
 			return fmt.Errorf("free_requested of id %d, which is not live (never allocated, or already freed)", ev.addr)
 		}
-	case actFreeCompleted:
+	case caching.ActionFreeCompleted:
 		id, ok := p.ids[ev.addr]
 		if !ok {
 			return fmt.Errorf("free_completed of id %d, which is not live (never allocated, or already freed)", ev.addr)

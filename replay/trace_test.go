@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
 	"github.com/stretchr/testify/require"
 )
 
@@ -130,6 +131,8 @@ func TestOpenErrors(t *testing.T) {
 		{"malformed.jsonl", []byte(traceText(ev("alloc", 1, 512), `{"a": "alloc", "addr": 2, "size": 512, "stream": 0`)), "line 3: malformed JSON at column 51: want ',' or '}'"},
 		{"malformed.jsonl.gz", gz(traceText(ev("alloc", 1, 512), `{"a": "alloc", "addr": 2, "size": 512, "stream": 0`)), "malformed.jsonl.gz: line 3: malformed JSON"},
 		{"unknown-action.jsonl", []byte(traceText(ev("explode", 1, 512))), `line 2: unknown action "explode" (want alloc, free_requested, free_completed or segment_alloc)`},
+		// A name PyTorch's snapshots use that the trace recorder never writes.
+		{"snapshot-only-action.jsonl", []byte(traceText(ev("segment_free", 1, 512))), `line 2: unknown action "segment_free" (want alloc, free_requested, free_completed or segment_alloc)`},
 		{"missing-field.jsonl", []byte(traceText(`{"a": "alloc", "addr": 1, "stream": 0}`)), `line 2: missing field "size"`},
 		{"missing-fields.jsonl", []byte(traceText(`{"t": 1}`)), `line 2: missing field "a", "addr", "size", "stream"`},
 		{"never-allocated.jsonl", []byte(traceText(ev("alloc", 1, 512), ev("free_completed", 77, 512))), "line 3: free_completed of id 77, which is not live (never allocated, or already freed)"},
@@ -187,9 +190,9 @@ func TestBundledTraces(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, c.lines, tr.Lines)
 		require.Equal(t, int64(c.lines), tr.Header.Events)
-		require.Equal(t, c.allocs, tr.Actions[actAlloc])
-		require.Equal(t, c.frees, tr.Actions[actFreeCompleted])
-		require.Equal(t, c.frees, tr.Actions[actFreeRequested])
+		require.Equal(t, c.allocs, tr.Actions[caching.ActionAlloc])
+		require.Equal(t, c.frees, tr.Actions[caching.ActionFreeCompleted])
+		require.Equal(t, c.frees, tr.Actions[caching.ActionFreeRequested])
 		require.Equal(t, c.segs, tr.SegmentAllocs())
 		require.Len(t, tr.Events, c.allocs+c.frees)
 		require.Equal(t, c.peakLive, tr.PeakLive)

@@ -237,7 +237,8 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
     for needed in ["go.mod", "go.sum", "setup.py", "wheel_tag.py", "export/main.go",
                    "export/torch_malloc.cpp", "cmd/goalloc/main.go", "arena/cuda.go",
                    "caching/allocator.go", "streams/streams.go", "policies/policies.go",
-                   "replay/replay.go", "python/goalloc/__main__.py"]:
+                   "replay/replay.go", "replay/report.html.tmpl", "units/units.go",
+                   "python/goalloc/__main__.py"]:
         assert needed in names, needed
     assert not [n for n in names if n.endswith("_test.go") or "testdata" in n
                 or n.startswith(("traces/", "bench/", "tests/"))]

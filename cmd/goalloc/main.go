@@ -32,6 +32,7 @@ import (
 	"github.com/goalloc/goalloc/caching"
 	"github.com/goalloc/goalloc/policies"
 	"github.com/goalloc/goalloc/replay"
+	"github.com/goalloc/goalloc/units"
 )
 
 func main() {
@@ -88,7 +89,7 @@ func replayUsage() string {
 	}
 	slices.Sort(keys)
 	return fmt.Sprintf(replayUsageText, strings.Join(policies.Names, ", "), strings.Join(keys, ", "),
-		replay.FormatBytes(arena.DefaultSimMemory))
+		units.FormatBytes(arena.DefaultSimMemory))
 }
 
 // run is the whole command, writing to stdout and stderr and returning the
@@ -229,7 +230,7 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		return nil, usagef("--sim-memory sizes the simulated device; it does not apply to --device %s", f.device)
 	}
 	if *simMemory != "" {
-		n, err := caching.ParseBytes(*simMemory)
+		n, err := units.ParseBytes(*simMemory)
 		if err == nil {
 			err = arena.CheckSimMemory(n)
 		}
@@ -417,9 +418,9 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		}
 	}
 	fmt.Fprintf(w, "\n         %s events, %s replayed (alloc, free_completed); read in %.0f ms (%.1f M lines/s)\n",
-		replay.FormatCount(tr.Lines), replay.FormatCount(len(tr.Events)), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
+		units.FormatCount(uint64(tr.Lines)), units.FormatCount(uint64(len(tr.Events))), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
 	if f.device == "sim" {
-		fmt.Fprintf(w, "device   sim, %s\n", replay.FormatBytes(f.simMemory))
+		fmt.Fprintf(w, "device   sim, %s\n", units.FormatBytes(f.simMemory))
 	} else {
 		fmt.Fprintf(w, "device   cuda, GPU 0\n")
 	}
@@ -429,7 +430,7 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		}
 	} else if h.NativeRatio() > 0 {
 		fmt.Fprintf(w, "native   recorded run: max_reserved %s / max_allocated %s = %.3f, %d segments\n",
-			replay.FormatBytes(h.MaxReserved), replay.FormatBytes(h.MaxAllocated), h.NativeRatio(), tr.SegmentAllocs())
+			units.FormatBytes(h.MaxReserved), units.FormatBytes(h.MaxAllocated), h.NativeRatio(), tr.SegmentAllocs())
 	}
 	if f.conf != "" {
 		fmt.Fprintf(w, "conf     goalloc: %s\n", f.conf)
@@ -443,9 +444,9 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		if r.NativeRatio > 0 {
 			vs = fmt.Sprintf("%+.1f%%", (r.Ratio/r.NativeRatio-1)*100)
 		}
-		t.rows = append(t.rows, []string{r.Policy, replay.FormatBytes(r.PeakLiveBytes), replay.FormatBytes(r.PeakReservedBytes),
+		t.rows = append(t.rows, []string{r.Policy, units.FormatBytes(r.PeakLiveBytes), units.FormatBytes(r.PeakReservedBytes),
 			fmt.Sprintf("%.3f", r.Ratio), vs, fmt.Sprintf("%.3f", r.FragmentationAtPeak),
-			replay.FormatCount(int(r.DeviceAllocs)), replay.FormatCount(int(r.DeviceFrees)), replay.FormatCount(r.OOMs),
+			units.FormatCount(r.DeviceAllocs), units.FormatCount(r.DeviceFrees), units.FormatCount(uint64(r.OOMs)),
 			fmt.Sprintf("%.0f", r.NsPerOp), fmt.Sprintf("%.2f", r.EventsPerSecond/1e6),
 			fmt.Sprintf("%.2f", r.EndToEndEventsPerSecond/1e6)})
 	}
