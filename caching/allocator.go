@@ -939,6 +939,7 @@ func (a *Allocator) Stats() Stats {
 	a.pollDeferred()
 	st := a.stats.clone()
 	st.NumDeviceAlloc, st.NumDeviceFree = int64(a.counting.Allocs()), int64(a.counting.Frees())
+	st.EventErrors = int64(a.deferred.Errors)
 	pools, bytes := a.graphPoolBytes()
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
 	return st
@@ -964,6 +965,7 @@ func (a *Allocator) ResetAccumulatedStats() {
 	}
 	st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams = 0, 0, 0
 	a.counting.ResetCounts()
+	a.deferred.Errors = 0
 	st.CacheHits, st.CacheMisses, st.DeferredFrees = 0, 0, 0
 }
 
