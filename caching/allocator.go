@@ -50,14 +50,18 @@ type Allocator struct {
 	unusedIDs []blockID
 	// largeByAddr finds every large block goalloc holds (live, pending or cached).
 	largeByAddr map[uintptr]blockID
-	// generalRetention is the general cache's rule and what it keeps: the
-	// LRU list of cached large blocks (lru, cachedLarge) and the kept empty
-	// segments (emptySegs); retention.go.
-	generalRetention
+	// lru lists every cached large block, least recently freed first.
+	lru blockList
+	// cachedLarge is the bytes of cached large blocks. Invariant: it equals
+	// the sum of the sizes of blocks in state blockCached.
+	cachedLarge uint64
 
 	// segments holds every small segment, sorted by address, so a pointer
 	// finds its segment by binary search.
 	segments []*Segment
+	// emptySegs lists the empty segments the general cache keeps against
+	// churn, oldest first.
+	emptySegs emptySegments
 
 	events   *streams.EventPool
 	deferred *streams.DeferredFrees
@@ -83,11 +87,10 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		largeByAddr: map[uintptr]blockID{},
 		general:     &cachePool{},
 		private:     map[PoolID]*cachePool{},
+		lru:         emptyList(),
 		recorded:    map[uintptr][]arena.Stream{},
 		stats:       Stats{BadInput: map[string]int64{}},
 	}
-	a.lru = emptyList()
-	a.general.rule = &a.generalRetention
 	a.mu.watch(&a.stats)
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
@@ -293,7 +296,9 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 		}
 	}
 	l.pruneBuckets()
-	l.pool.rule.beforeMiss(a, l, n)
+	if a.cfg.MissRelease && !l.pool.private() {
+		a.releaseForMiss(l, n)
+	}
 	p, err := a.poolAlloc(n, l, size)
 	if err != nil {
 		return 0, err
@@ -333,7 +338,13 @@ func (a *Allocator) reserved() uint64 { return uint64(a.stats.ReservedBytes[Stat
 // through the stack that enforces the cap and reclaims when the cap or the
 // driver says no (retryAfterOOM).
 func (a *Allocator) poolAlloc(n uint64, l *StreamFreeList, size uint64) (uintptr, error) {
-	p, err := l.pool.rule.alloc(a, n, l)
+	var p uintptr
+	var err error
+	if l.pool.private() {
+		p, err = a.mem.AllocUncaptured(n)
+	} else {
+		p, err = a.mem.Alloc(n, l.stream)
+	}
 	if err == nil {
 		return p, nil
 	}
@@ -519,8 +530,9 @@ func (a *Allocator) checkFree(ptr uintptr, size, requested uint64, s, owner aren
 	return errors.Join(errs...)
 }
 
-// deferIfRecorded starts a deferred free when other streams used ptr and
-// the pool's rule defers frees.
+// deferIfRecorded starts a deferred free when other streams used ptr. In a
+// private pool the graph's own order protects the memory: its blocks are
+// reused only by replays of the same captures, in the captured order.
 func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	if len(a.recorded) == 0 {
 		return false
@@ -530,7 +542,7 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 		return false
 	}
 	delete(a.recorded, ptr)
-	if !l.pool.rule.defersFrees() {
+	if l.pool.private() {
 		return false
 	}
 	a.deferred.Add(ptr, used)
@@ -562,11 +574,41 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	a.stats.InactiveSplitBytes.sub(StatSmall, int64(seg.size)-slot)
 	cl := &l.small[seg.class]
 	cl.empty++
-	l.pool.rule.segmentEmptied(a, seg, cl)
+	// Keep one empty segment per stream and class as a buffer against
+	// churn, within emptySegmentBudget over all streams (the oldest go
+	// first: their streams may be gone); give the others back to the pool,
+	// where any size can use them. A private pool keeps everything until it
+	// is released.
+	p := l.pool
+	if p.private() {
+		if p.released {
+			_ = a.releaseSegment(seg)
+		}
+		return
+	}
+	a.emptySegs.pushBack(seg)
+	if cl.empty > 1 {
+		_ = a.releaseSegment(seg)
+	}
+	for a.emptySegs.bytes > emptySegmentBudget {
+		if a.releaseSegment(a.emptySegs.head) != nil {
+			break
+		}
+	}
 }
 
+// emptySegmentBudget bounds the bytes of empty small segments the general
+// cache keeps. They are a buffer against churn, one per stream and class
+// (24 classes of 256-448 KiB: at most 6.6 MiB for a stream using all of
+// them), so a few active streams fit; memory kept for streams that are
+// gone goes back to the pool, oldest first, instead of growing with the
+// number of streams ever seen. The budget is its own, apart from
+// Config.LargeCache, so that large_cache keeps meaning what every figure
+// measured with it meant.
+const emptySegmentBudget = 32 << 20
+
 // cacheBlock puts the free large block id into its stream's cache, then
-// lets the pool's rule decide what to keep.
+// keeps the cache within its budget.
 func (a *Allocator) cacheBlock(id blockID) {
 	b := &a.blocks[id]
 	b.state = blockCached
@@ -577,11 +619,25 @@ func (a *Allocator) cacheBlock(id blockID) {
 	}
 	bucket.count++
 	a.pushFront(&bucket.list, id, sizeLinks)
-	l.pool.rule.blockCached(a, id)
+	if p := l.pool; p.private() {
+		// A private pool keeps its blocks, out of the LRU and the budget,
+		// until it is released.
+		if p.released {
+			_ = a.releaseBlock(id)
+		}
+		return
+	}
+	a.pushBack(&a.lru, id, lruLinks)
+	a.cachedLarge += b.size
+	for a.cachedLarge > a.cfg.LargeCache && a.lru.head != noBlock {
+		if a.releaseBlock(a.lru.head) != nil {
+			break
+		}
+	}
 }
 
 // uncache takes the cached block id out of its bucket (found if nil) and
-// out of what its pool's rule keeps.
+// the LRU list.
 func (a *Allocator) uncache(id blockID, bucket *sizeBucket) {
 	b := &a.blocks[id]
 	l := b.list
@@ -593,7 +649,10 @@ func (a *Allocator) uncache(id blockID, bucket *sizeBucket) {
 	if bucket.count == 0 {
 		l.emptyBucket++
 	}
-	l.pool.rule.blockUncached(a, id)
+	if !l.pool.private() {
+		a.unlink(&a.lru, id, lruLinks)
+		a.cachedLarge -= b.size
+	}
 }
 
 // releaseBlock gives the cached block id back to the pool, ordered on its

@@ -111,12 +111,8 @@
 //
 // # Cache policy
 //
-// The mechanism (buckets, LRU list, release) is separate from the policy.
-// Each cache pool has a retention rule (retention.go) that the shared
-// malloc and free paths ask wherever pools differ: the general cache's
-// (generalRetention: the large-block budget, miss release, an empty
-// segment per stream and class) and a graph pool's (graphRetention: keep
-// until released). The general cache's policy is a few numbers in Config and two constants: LargeCache (256 MiB),
+// The mechanism (buckets, LRU list, release) is separate from the policy,
+// which is a few numbers in Config and two constants: LargeCache (256 MiB),
 // MissRelease (on), LargeSlack (1/16), one empty segment kept per stream
 // and class, and the segment sizes from mksizeclasses.go. They were chosen
 // by replaying the shipped traces, on the simulated pool and on an H200
@@ -151,8 +147,7 @@
 //
 // See graphs.go. A capture allocates from a private pool, with memory taken
 // outside the graph (arena.Device.AllocUncaptured); nothing in a private
-// pool reaches another use until torch releases the pool (its retention
-// rule, graphRetention); and while any
+// pool reaches another use until torch releases the pool; and while any
 // capture is open, goalloc makes no stream-ordered free on a capturing
 // stream and never synchronises the device.
 //

@@ -45,9 +45,6 @@ type cachePool struct {
 	deferredReleases int
 	// reserved is the bytes of segments and blocks the pool holds.
 	reserved uint64
-	// rule is what the pool keeps of the memory freed into it
-	// (retention.go).
-	rule retention
 }
 
 func (p *cachePool) private() bool { return p.id != PoolID{} }
@@ -117,7 +114,7 @@ func (a *Allocator) BeginAllocateToPool(id PoolID) error {
 	}
 	p := a.private[id]
 	if p == nil {
-		p = newPrivatePool(id)
+		p = &cachePool{id: id}
 		a.private[id] = p
 	}
 	if p.released {

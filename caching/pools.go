@@ -69,7 +69,7 @@ func (a *Allocator) IncrefPool(id PoolID) error {
 	}
 	p := a.private[id]
 	if p == nil {
-		p = newPrivatePool(id)
+		p = &cachePool{id: id}
 		a.private[id] = p
 	}
 	p.released = false

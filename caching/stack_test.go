@@ -55,33 +55,3 @@ func TestDeviceCallsAreCountedUnderTheCache(t *testing.T) {
 	assert.Zero(t, st.NumDeviceAlloc)
 	assert.Zero(t, st.NumDeviceFree)
 }
-
-// Each cache pool has its retention rule: the general cache keeps within
-// its budget, a graph's private pool keeps everything, over the budget,
-// until it is released, then gives back what is freed.
-func TestEachPoolKeepsByItsRule(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.LargeCache = 4 << 20
-	a, sim := newTestAllocator(t, cfg)
-	require.IsType(t, &generalRetention{}, a.general.rule)
-	p, err := a.Malloc(8<<20, 0)
-	require.NoError(t, err)
-	require.NoError(t, a.Free(p, 8<<20, 0))
-	assert.Zero(t, a.cachedLarge, "over the general budget: given back")
-
-	const capturing = arena.Stream(0x40)
-	pool := PoolID{1, 2}
-	require.NoError(t, a.BeginAllocateToPool(pool))
-	require.IsType(t, graphRetention{}, a.private[pool].rule)
-	sim.SetCapture(capturing, arena.CaptureActive)
-	q, err := a.Malloc(8<<20, capturing)
-	require.NoError(t, err)
-	require.NoError(t, a.Free(q, 8<<20, capturing))
-	sim.SetCapture(capturing, arena.CaptureNone)
-	require.NoError(t, a.EndAllocateToPool(pool))
-	assert.EqualValues(t, 8<<20, a.Stats().GraphReservedBytes, "a graph pool keeps past the budget")
-	assert.Zero(t, a.cachedLarge, "and out of the general cache")
-	require.NoError(t, a.ReleasePool(pool))
-	assert.Zero(t, a.Stats().GraphReservedBytes, "released: given back")
-	require.NoError(t, a.CheckInvariants())
-}
