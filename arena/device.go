@@ -29,6 +29,14 @@
 //     pool is modelled closely enough that its reserved high-water mark tracks
 //     the real pool's (see simpool.go for the model and how it was checked).
 //
+// Behaviour that does not depend on the backend is stacked on a MemorySource
+// as small adaptors, each a MemorySource itself (RAPIDS RMM's resource
+// adaptors are the model): Limited (limit.go) refuses to hold more than a
+// cap, Counting (counting.go) counts the calls that succeed and the bytes
+// held, with their high-water mark, and Retrying (oomretry.go) calls a hook
+// that can free memory when an allocation runs out of it. The caching layer
+// builds its stack under its cache, so a cache hit never reaches one.
+//
 // Everything above this package (caching, streams, export) sees only Device,
 // so all of it is plain Go, testable without CUDA. Device pointers are uintptr,
 // never Go pointers: the Go garbage collector must never see or move them.

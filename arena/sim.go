@@ -117,14 +117,6 @@ func (d *Sim) Complete(s Stream) {
 	}
 }
 
-// Busy says whether s has unfinished work.
-func (d *Sim) Busy(s Stream) bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	st := d.stream(s)
-	return st.completed < st.enqueued
-}
-
 // SetCapture marks s as being captured (or not) into a CUDA graph.
 func (d *Sim) SetCapture(s Stream, status CaptureStatus) {
 	d.mu.Lock()

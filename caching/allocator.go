@@ -20,12 +20,20 @@ const MaxRequest = 1 << 48
 type Allocator struct {
 	mu  statsMutex // Unlock publishes the lock-free figures (counters.go)
 	dev arena.Device
-	cfg Config
+	// mem is where the cache's memory comes from: dev's memory source under
+	// three adaptors (see New), so that the cache itself only caches. A
+	// cache hit never reaches it.
+	mem arena.MemorySource
+	// limited is the cap on reserved bytes in mem's stack (0: no cap).
+	// Invariant: its count of held bytes is reserved(), so no pool
+	// allocation is made that would take reserved above the cap.
+	limited *arena.Limited
+	// counting counts the calls that reach the device (num_device_alloc,
+	// num_device_free).
+	counting *arena.Counting
+	cfg      Config
 	// total is the device's memory, read once at creation.
 	total uint64
-	// limit caps reserved bytes; 0 means no cap. Invariant: no pool
-	// allocation is made that would take reserved above limit.
-	limit uint64
 	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
 	// pool down to it, not below.
 	reserveBytes uint64
@@ -87,10 +95,19 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	a.mu.watch(&a.stats)
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
+	var limit uint64
 	if cfg.Fraction > 0 {
-		a.limit = fractionLimit(cfg.Fraction, total)
+		limit = fractionLimit(cfg.Fraction, total)
 	}
-	a.capDevice()
+	// The stack, bottom up: the cap refuses before the device is asked (and
+	// passes itself to a device that caps its physical memory, the VMM
+	// backend, so that the cap bounds what the device holds, which rounding
+	// makes a little more than goalloc's own count); the counts see only
+	// calls that reached the device; on an out-of-memory, from the cap or
+	// the device, the hook reclaims cached memory and says whether to retry.
+	a.limited = arena.NewLimited(dev, limit)
+	a.counting = arena.NewCounting(a.limited)
+	a.mem = arena.NewRetrying(a.counting, a.retryAfterOOM)
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
 	}
@@ -104,12 +121,14 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 
 // prewarm makes the pool reserve n bytes by allocating and freeing them, so
 // that the pool holds them (release threshold permitting) for later requests.
+// It asks the device itself, under the adaptors: the pair holds nothing
+// afterwards and is not one of the cache's device calls.
 func (a *Allocator) prewarm(n uint64) error {
 	n = units.RoundUp(n, 2<<20)
-	if a.limit > 0 && n > a.limit {
+	if limit := a.limited.Limit(); limit > 0 && n > limit {
 		// ParseConfig keeps the reserve at or under the fraction; only the
 		// rounding up can pass the cap. Round down instead.
-		n = a.limit / (2 << 20) * (2 << 20)
+		n = limit / (2 << 20) * (2 << 20)
 	}
 	if n == 0 {
 		return nil
@@ -317,41 +336,39 @@ func (a *Allocator) newBlock() blockID {
 func (a *Allocator) reserved() uint64 { return uint64(a.stats.ReservedBytes[StatAll].Current) }
 
 // poolAlloc takes n bytes from the pool for a request of size bytes,
-// respecting the cap. When the cap or the driver says no, it reclaims in two
-// rounds before giving up (see doc.go, "Out of memory").
+// through the stack that enforces the cap and reclaims when the cap or the
+// driver says no (retryAfterOOM).
 func (a *Allocator) poolAlloc(n uint64, l *StreamFreeList, size uint64) (uintptr, error) {
-	var cause error
-	for round := 0; ; round++ {
-		if a.limit > 0 && a.reserved()+n > a.limit {
-			cause = errCap
-		} else {
-			var p uintptr
-			var err error
-			if l.pool.private() {
-				p, err = a.dev.AllocUncaptured(n)
-			} else {
-				p, err = a.dev.Alloc(n, l.stream)
-			}
-			if err == nil {
-				a.stats.NumDeviceAlloc++
-				return p, nil
-			}
-			if !errors.Is(err, arena.ErrOutOfMemory) {
-				return 0, fmt.Errorf("goalloc: device %d: %w", a.dev.Ordinal(), err)
-			}
-			cause = err
-		}
-		if round == 2 || n > a.total || (a.limit > 0 && n > a.limit) {
-			// Nothing to reclaim can make a request larger than the device
-			// or the cap fit.
-			return 0, a.outOfMemory(size, cause)
-		}
-		a.stats.NumAllocRetries++
-		a.reclaim(round == 1)
+	var p uintptr
+	var err error
+	if l.pool.private() {
+		p, err = a.mem.AllocUncaptured(n)
+	} else {
+		p, err = a.mem.Alloc(n, l.stream)
 	}
+	if err == nil {
+		return p, nil
+	}
+	if !errors.Is(err, arena.ErrOutOfMemory) {
+		return 0, fmt.Errorf("goalloc: device %d: %w", a.dev.Ordinal(), err)
+	}
+	return 0, a.outOfMemory(size, err)
 }
 
-var errCap = errors.New("the cap on reserved memory was reached")
+// retryAfterOOM is the stack's out-of-memory hook: a pool allocation of n
+// bytes failed, from the cap or the driver, after attempt retries. It
+// reclaims in two rounds before giving up (see doc.go, "Out of memory").
+// It runs inside poolAlloc, with a.mu held.
+func (a *Allocator) retryAfterOOM(n uint64, attempt int, _ error) bool {
+	if limit := a.limited.Limit(); attempt == 2 || n > a.total || (limit > 0 && n > limit) {
+		// Nothing to reclaim can make a request larger than the device
+		// or the cap fit.
+		return false
+	}
+	a.stats.NumAllocRetries++
+	a.reclaim(attempt == 1)
+	return true
+}
 
 // reclaim gives every cached byte back to the pool and trims the pool.
 // With sync (the last step before an out-of-memory) it also waits for the
@@ -364,7 +381,7 @@ func (a *Allocator) reclaim(sync bool) {
 	a.pollDeferred()
 	a.releaseCached(0)
 	a.releaseEmptySegments()
-	_ = a.dev.Trim(a.reserveBytes)
+	_ = a.mem.Trim(a.reserveBytes)
 }
 
 // releaseAll gives back everything not in use: it waits for the device so
@@ -388,7 +405,7 @@ func (a *Allocator) releaseAll() error {
 			errs = append(errs, err)
 		}
 	}
-	if err := a.dev.Trim(a.reserveBytes); err != nil {
+	if err := a.mem.Trim(a.reserveBytes); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
@@ -424,7 +441,7 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 		a.history.add(actionOOM, 0, size, 0)
 	}
 	return &OOMError{
-		Device: a.dev.Ordinal(), Requested: size, Limit: a.limit, Total: a.total,
+		Device: a.dev.Ordinal(), Requested: size, Limit: a.limited.Limit(), Total: a.total,
 		Reserved: a.reserved(), Allocated: uint64(a.stats.AllocatedBytes[StatAll].Current),
 		Cached: f.FreeBytes, LargestFree: f.LargestFreeBlock, Cause: cause,
 	}
@@ -646,10 +663,9 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	if err := a.mayFree(b.stream); err != nil {
 		return err
 	}
-	if err := a.dev.Free(b.addr, b.size, b.stream); err != nil {
+	if err := a.mem.Free(b.addr, b.size, b.stream); err != nil {
 		return err
 	}
-	a.stats.NumDeviceFree++
 	a.uncache(id, nil)
 	a.stats.Segment.sub(StatLarge, 1)
 	a.stats.ReservedBytes.sub(StatLarge, int64(b.size))
@@ -739,10 +755,9 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	if err := a.mayFree(seg.stream); err != nil {
 		return err
 	}
-	if err := a.dev.Free(seg.addr, seg.size, seg.stream); err != nil {
+	if err := a.mem.Free(seg.addr, seg.size, seg.stream); err != nil {
 		return err
 	}
-	a.stats.NumDeviceFree++
 	l := seg.list
 	cl := &l.small[seg.class]
 	cl.remove(seg)
@@ -905,28 +920,16 @@ func (a *Allocator) SetFraction(fraction float64) error {
 func (a *Allocator) SetLimit(limit uint64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.limit = limit
-	a.capDevice()
+	a.limited.SetLimit(limit)
 	if limit > 0 && a.reserved() > limit {
 		return a.releaseAll()
 	}
 	return nil
 }
 
-// capDevice passes the cap to a device that holds physical memory itself
-// (the VMM backend), so that the cap bounds what the device holds, which
-// rounding makes a little more than goalloc's own reserved count.
-func (a *Allocator) capDevice() {
-	if c, ok := a.dev.(arena.Capped); ok {
-		c.SetCap(a.limit)
-	}
-}
-
 // Limit is the cap on reserved bytes, 0 if none.
 func (a *Allocator) Limit() uint64 {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.limit
+	return a.limited.Limit()
 }
 
 // Stats returns a copy of the statistics, after collecting completed
@@ -936,6 +939,8 @@ func (a *Allocator) Stats() Stats {
 	defer a.mu.Unlock()
 	a.pollDeferred()
 	st := a.stats.clone()
+	st.NumDeviceAlloc, st.NumDeviceFree = int64(a.counting.Allocs()), int64(a.counting.Frees())
+	st.EventErrors = int64(a.deferred.Errors)
 	pools, bytes := a.graphPoolBytes()
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
 	return st
@@ -959,7 +964,9 @@ func (a *Allocator) ResetAccumulatedStats() {
 			arr[t].Allocated, arr[t].Freed = arr[t].Current, 0
 		}
 	}
-	st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams, st.NumDeviceAlloc, st.NumDeviceFree = 0, 0, 0, 0, 0
+	st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams = 0, 0, 0
+	a.counting.ResetCounts()
+	a.deferred.Errors = 0
 	st.CacheHits, st.CacheMisses, st.DeferredFrees = 0, 0, 0
 }
 
@@ -994,7 +1001,7 @@ func (a *Allocator) fragmentation() Fragmentation {
 	if f.FreeBytes > 0 {
 		f.Ratio = 1 - float64(f.LargestFreeBlock)/float64(f.FreeBytes)
 	}
-	if u, err := a.dev.PoolUsage(); err == nil {
+	if u, err := a.mem.PoolUsage(); err == nil {
 		f.PoolReserved, f.PoolUsed = u.ReservedCurrent, u.UsedCurrent
 		f.PoolReservedHigh, f.PoolUsedHigh = u.ReservedHigh, u.UsedHigh
 	}

@@ -187,6 +187,12 @@ func (a *Allocator) CheckInvariants() error {
 		return fmt.Errorf("inactive_split %d (%d bytes), segments add up to %d (%d bytes)",
 			st.InactiveSplit[StatAll].Current, st.InactiveSplitBytes[StatAll].Current, inactiveN, inactive)
 	}
+	// The stack under the cache counts what it handed out on its own; the
+	// cap is only right if that count is reserved_bytes.
+	if r := uint64(reserved[StatAll]); a.limited.Held() != r || a.counting.Held() != r {
+		return fmt.Errorf("the memory stack holds %d bytes (cap's count) and %d (device count), blocks add up to %d",
+			a.limited.Held(), a.counting.Held(), r)
+	}
 	for _, p := range append([]*cachePool{a.general}, a.privatePools()...) {
 		if poolBytes[p] != p.reserved {
 			return fmt.Errorf("pool %v holds %d bytes, counted %d", p.id, poolBytes[p], p.reserved)

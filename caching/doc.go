@@ -85,6 +85,18 @@
 // so) or calls the driver. Free finds a large block by a map lookup and a
 // slot by binary search over the segments, then pushes it back.
 //
+// # Under the cache
+//
+// The cache does not call the device's memory source directly: it calls a
+// stack of small adaptors over it (arena/limit.go, counting.go,
+// oomretry.go, in the manner of RAPIDS RMM's resource adaptors), each
+// adding one behaviour: the cap on reserved memory (arena.Limited refuses
+// an allocation that would pass it, before the device is asked), the
+// counts of device calls and held bytes (arena.Counting: num_device_alloc,
+// num_device_free), and the out-of-memory hook (arena.Retrying calls the
+// allocator's retryAfterOOM, which reclaims and says whether to retry).
+// Only a cache miss reaches the stack, so a hit pays nothing for it.
+//
 // # Out of memory
 //
 // When the cap or the driver refuses a pool allocation, goalloc reclaims in

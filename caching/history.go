@@ -111,10 +111,3 @@ func (a *Allocator) RecordHistory(maxEntries int) {
 	}
 	a.history = &history{ring: make([]TraceEntry, maxEntries)}
 }
-
-// History returns the recorded events, oldest first.
-func (a *Allocator) History() []TraceEntry {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.history.entries()
-}

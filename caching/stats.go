@@ -75,6 +75,7 @@ type Stats struct {
 	// goalloc's own counters, beyond PyTorch's keys.
 	CacheHits, CacheMisses int64
 	DeferredFrees          int64 // frees that had to wait for other streams' events
+	EventErrors            int64 // failed event records and queries (those frees wait for a synchronisation)
 	// CUDA graph private pools (graphs.go), read when the stats are taken:
 	// how many, and the bytes they hold (part of reserved_bytes).
 	GraphPools, GraphReservedBytes int64
@@ -121,6 +122,7 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.cache_hits"] = s.CacheHits
 	m["goalloc.cache_misses"] = s.CacheMisses
 	m["goalloc.deferred_frees"] = s.DeferredFrees
+	m["goalloc.event_errors"] = s.EventErrors
 	m["goalloc.graph_pools"] = s.GraphPools
 	m["goalloc.graph_pools.reserved_bytes"] = s.GraphReservedBytes
 	m["goalloc.graph_hooks.begin"] = s.GraphBegins

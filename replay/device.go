@@ -3,27 +3,27 @@ package replay
 import "github.com/goalloc/goalloc/arena"
 
 // countingDevice wraps the device a policy runs on and watches what crosses
-// it, the same way for every policy: how many allocations and frees reach
-// the device, how many bytes the policy holds from it (its reserved bytes,
-// whatever its own accounting says), and the pool's reserved bytes.
+// it, the same way for every policy: the calls that reach the device and the
+// bytes the policy holds from it (its reserved bytes, whatever its own
+// accounting says) are arena's Counting adaptor, the one the caching
+// allocator stacks under its cache; on top, the pool's reserved bytes.
 //
 // The pool's reserved bytes change only when the pool maps memory (an Alloc
 // it cannot serve from what it has) or unmaps it (Trim, or a Synchronize
 // with a release threshold below the maximum), so reading them after those
 // calls, and never per event, follows them exactly at no cost to the replay.
 //
-// The replay drives it from one goroutine, so it takes no lock; the device
-// under it keeps its own.
+// The replay drives it from one goroutine; the device under it keeps its
+// own lock.
 type countingDevice struct {
 	arena.Device
-	allocs, frees uint64
-	held          uint64 // bytes allocated from the device and not freed
-	poolReserved  uint64 // the pool's ReservedCurrent after the last call that can change it
-	poolErr       error  // the first failure to read the pool's figures
+	counts       *arena.Counting
+	poolReserved uint64 // the pool's ReservedCurrent after the last call that can change it
+	poolErr      error  // the first failure to read the pool's figures
 }
 
 func newCountingDevice(dev arena.Device) *countingDevice {
-	d := &countingDevice{Device: dev}
+	d := &countingDevice{Device: dev, counts: arena.NewCounting(dev)}
 	d.readPool()
 	return d
 }
@@ -40,22 +40,23 @@ func (d *countingDevice) readPool() {
 }
 
 func (d *countingDevice) Alloc(size uint64, s arena.Stream) (uintptr, error) {
-	p, err := d.Device.Alloc(size, s)
+	p, err := d.counts.Alloc(size, s)
 	if err == nil {
-		d.allocs++
-		d.held += size
+		d.readPool()
+	}
+	return p, err
+}
+
+func (d *countingDevice) AllocUncaptured(size uint64) (uintptr, error) {
+	p, err := d.counts.AllocUncaptured(size)
+	if err == nil {
 		d.readPool()
 	}
 	return p, err
 }
 
 func (d *countingDevice) Free(ptr uintptr, size uint64, s arena.Stream) error {
-	err := d.Device.Free(ptr, size, s)
-	if err == nil {
-		d.frees++
-		d.held -= size
-	}
-	return err
+	return d.counts.Free(ptr, size, s)
 }
 
 func (d *countingDevice) Trim(keep uint64) error {

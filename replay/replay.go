@@ -208,7 +208,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		if live > peakLive {
 			peakLive, res.PeakLiveEvent = live, i
 		}
-		tl.AllocatorReserved.set(i, cd.held)
+		tl.AllocatorReserved.set(i, cd.counts.Held())
 		tl.PoolReserved.set(i, cd.poolReserved)
 		if i == t.PeakEvent {
 			// Once per replay; its cost is not the policy's speed.
@@ -245,7 +245,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	if peakLive > 0 {
 		res.Ratio = float64(res.PeakReservedBytes) / float64(peakLive)
 	}
-	res.DeviceAllocs, res.DeviceFrees = cd.allocs, cd.frees
+	res.DeviceAllocs, res.DeviceFrees = cd.counts.Allocs(), cd.counts.Frees()
 	res.ReplaySeconds = elapsed.Seconds()
 	if n := len(t.Events); n > 0 && elapsed > 0 {
 		res.NsPerOp = float64(elapsed.Nanoseconds()) / float64(n)

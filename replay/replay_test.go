@@ -159,18 +159,18 @@ func TestCountingDevice(t *testing.T) {
 	require.NoError(t, err)
 	q, err := d.Alloc(512, 0)
 	require.NoError(t, err)
-	require.Equal(t, uint64(3*MiB+512), d.held)
+	require.Equal(t, uint64(3*MiB+512), d.counts.Held())
 	require.Equal(t, uint64(32*MiB), d.poolReserved, "the sim maps 32 MiB chunks; the 512 bytes fit in the first's rest")
 	require.NoError(t, d.Free(p, 3*MiB, 0))
 	require.NoError(t, d.Free(q, 512, 0))
-	require.Equal(t, uint64(2), d.allocs)
-	require.Equal(t, uint64(2), d.frees)
-	require.Zero(t, d.held)
+	require.Equal(t, uint64(2), d.counts.Allocs())
+	require.Equal(t, uint64(2), d.counts.Frees())
+	require.Zero(t, d.counts.Held())
 	require.Equal(t, uint64(32*MiB), d.poolReserved, "freed memory stays in the pool")
 	require.NoError(t, d.Trim(0))
 	require.Zero(t, d.poolReserved)
 	require.Error(t, d.Free(p, 3*MiB, 0))
-	require.Equal(t, uint64(2), d.frees, "a failed free is not counted")
+	require.Equal(t, uint64(2), d.counts.Frees(), "a failed free is not counted")
 }
 
 func mustPolicy(t *testing.T, name string) policies.Allocator {

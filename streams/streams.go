@@ -71,10 +71,11 @@ func (p *EventPool) Close() {
 type DeferredFrees struct {
 	events  *EventPool
 	pending []deferredFree
-	// Errors counts driver failures seen while recording or polling events.
+	// Errors counts driver failures seen while recording or polling events
+	// (the caching layer's goalloc.event_errors; it zeroes it with the other
+	// accumulated counters). Each failed free waits for a device-wide
+	// synchronisation instead, so a failure costs time, never correctness.
 	Errors int
-	// LastError is the most recent of those failures.
-	LastError error
 }
 
 type deferredFree struct {
@@ -102,7 +103,7 @@ func (d *DeferredFrees) Add(ptr uintptr, used []arena.Stream) {
 			}
 		}
 		if err != nil {
-			d.fail(err)
+			d.fail()
 			f.needsSync = true
 			continue
 		}
@@ -111,10 +112,7 @@ func (d *DeferredFrees) Add(ptr uintptr, used []arena.Stream) {
 	d.pending = append(d.pending, f)
 }
 
-func (d *DeferredFrees) fail(err error) {
-	d.Errors++
-	d.LastError = err
-}
+func (d *DeferredFrees) fail() { d.Errors++ }
 
 // Len is how many frees are waiting.
 func (d *DeferredFrees) Len() int { return len(d.pending) }
@@ -145,7 +143,7 @@ func (d *DeferredFrees) complete(f *deferredFree) bool {
 	for _, e := range f.events {
 		ok, err := d.events.dev.EventDone(e)
 		if err != nil {
-			d.fail(err)
+			d.fail()
 			f.needsSync = true
 		}
 		if ok && err == nil {

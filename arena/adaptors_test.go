@@ -1,0 +1,152 @@
+package arena
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// fakeSource hands out increasing addresses and fails the calls a test
+// queues; it records the cap it was given, like the VMM devices.
+type fakeSource struct {
+	MemorySource // nil: the adaptors must not call anything else
+	next         uintptr
+	fail         []error // returned by the next allocations, in order
+	freeErr      error
+	allocs       int
+	cap          uint64
+}
+
+func (f *fakeSource) alloc() (uintptr, error) {
+	f.allocs++
+	if len(f.fail) > 0 {
+		err := f.fail[0]
+		f.fail = f.fail[1:]
+		if err != nil {
+			return 0, err
+		}
+	}
+	f.next += 512
+	return f.next, nil
+}
+
+func (f *fakeSource) Alloc(uint64, Stream) (uintptr, error)   { return f.alloc() }
+func (f *fakeSource) AllocUncaptured(uint64) (uintptr, error) { return f.alloc() }
+func (f *fakeSource) Free(uintptr, uint64, Stream) error      { return f.freeErr }
+func (f *fakeSource) SetCap(limit uint64)                     { f.cap = limit }
+
+var errBroken = errors.New("driver broken")
+
+func TestLimitedRefusesAboveTheCap(t *testing.T) {
+	src := &fakeSource{}
+	l := NewLimited(src, 3<<20)
+	assert.Equal(t, uint64(3<<20), src.cap, "a source that caps itself gets the cap")
+	p, err := l.Alloc(2<<20, 0)
+	require.NoError(t, err)
+	_, err = l.AllocUncaptured(2 << 20)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	require.ErrorIs(t, err, ErrCapReached)
+	assert.EqualError(t, err, "the cap on reserved memory was reached")
+	assert.Equal(t, 1, src.allocs, "a refused allocation never reaches the source")
+	q, err := l.Alloc(1<<20, 0) // exactly at the cap
+	require.NoError(t, err)
+	assert.Equal(t, uint64(3<<20), l.Held())
+
+	require.NoError(t, l.Free(p, 2<<20, 0))
+	src.freeErr = errBroken
+	require.Error(t, l.Free(q, 1<<20, 0))
+	assert.Equal(t, uint64(1<<20), l.Held(), "a failed free keeps its bytes held")
+
+	src.fail = []error{errBroken}
+	_, err = l.Alloc(1<<20, 0)
+	require.ErrorIs(t, err, errBroken)
+	assert.Equal(t, uint64(1<<20), l.Held(), "a failed allocation gives its claim back")
+
+	l.SetLimit(0)
+	assert.Zero(t, src.cap)
+	_, err = l.Alloc(1<<40, 0)
+	require.NoError(t, err, "0 means no cap")
+}
+
+func TestCountingCountsWhatSucceeds(t *testing.T) {
+	src := &fakeSource{}
+	c := NewCounting(src)
+	p, err := c.Alloc(3<<20, 0)
+	require.NoError(t, err)
+	q, err := c.AllocUncaptured(1 << 20)
+	require.NoError(t, err)
+	src.fail = []error{ErrOutOfMemory}
+	_, err = c.Alloc(1<<20, 0)
+	require.Error(t, err)
+	assert.Equal(t, uint64(2), c.Allocs(), "a failed allocation is not counted")
+	assert.Equal(t, uint64(4<<20), c.Held())
+	require.NoError(t, c.Free(p, 3<<20, 0))
+	src.freeErr = errBroken
+	require.Error(t, c.Free(q, 1<<20, 0))
+	assert.Equal(t, uint64(1), c.Frees(), "a failed free is not counted")
+	assert.Equal(t, uint64(1<<20), c.Held())
+	assert.Equal(t, uint64(4<<20), c.Peak())
+	c.ResetPeak()
+	assert.Equal(t, uint64(1<<20), c.Peak())
+	c.ResetCounts()
+	assert.Zero(t, c.Allocs())
+	assert.Zero(t, c.Frees())
+	assert.Equal(t, uint64(1<<20), c.Held(), "resetting the counts keeps what is held")
+}
+
+func TestRetryingCallsTheHookOnOutOfMemory(t *testing.T) {
+	src := &fakeSource{fail: []error{ErrOutOfMemory, ErrCapReached}}
+	var attempts []int
+	r := NewRetrying(src, func(size uint64, attempt int, err error) bool {
+		assert.Equal(t, uint64(1<<20), size)
+		assert.ErrorIs(t, err, ErrOutOfMemory)
+		attempts = append(attempts, attempt)
+		return true
+	})
+	_, err := r.Alloc(1<<20, 0)
+	require.NoError(t, err, "the third try succeeds")
+	assert.Equal(t, []int{0, 1}, attempts)
+
+	attempts = nil
+	src.fail = []error{ErrOutOfMemory, ErrOutOfMemory}
+	r.onOOM = func(_ uint64, attempt int, _ error) bool { attempts = append(attempts, attempt); return attempt < 1 }
+	_, err = r.AllocUncaptured(1 << 20)
+	require.ErrorIs(t, err, ErrOutOfMemory, "the hook gave up: the last failure is returned")
+	assert.Equal(t, []int{0, 1}, attempts)
+
+	attempts = nil
+	src.fail = []error{errBroken}
+	_, err = r.Alloc(1<<20, 0)
+	require.ErrorIs(t, err, errBroken)
+	assert.Empty(t, attempts, "only an out-of-memory calls the hook")
+}
+
+// The stack the caching layer builds: the cap's refusal reaches the hook,
+// which frees through the same stack, and the retry then fits.
+func TestStackedAdaptors(t *testing.T) {
+	sim := NewSim(0, 1<<30)
+	lim := NewLimited(sim, 4<<20)
+	cnt := NewCounting(lim)
+	var held []uintptr
+	stack := NewRetrying(cnt, func(_ uint64, attempt int, _ error) bool {
+		for _, p := range held {
+			require.NoError(t, cnt.Free(p, 2<<20, 0))
+		}
+		held = nil
+		return attempt == 0
+	})
+	for range 2 {
+		p, err := stack.Alloc(2<<20, 0)
+		require.NoError(t, err)
+		held = append(held, p)
+	}
+	_, err := stack.Alloc(2<<20, 0)
+	require.NoError(t, err, "the hook freed under the cap")
+	assert.Equal(t, uint64(3), cnt.Allocs())
+	assert.Equal(t, uint64(2), cnt.Frees())
+	assert.Equal(t, uint64(2<<20), lim.Held())
+	assert.Equal(t, lim.Held(), cnt.Held())
+	assert.Equal(t, uint64(4<<20), cnt.Peak())
+}

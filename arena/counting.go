@@ -1,0 +1,76 @@
+package arena
+
+import "go.uber.org/atomic"
+
+// Counting is a MemorySource that counts what crosses it, in the manner of
+// RMM's statistics_resource_adaptor: the allocations and frees that
+// succeeded, the bytes held (allocated and not freed) and their high-water
+// mark. A failed call counts nothing. It sits under a cache, so what it
+// counts are the calls that reach the device, never the cache's hits.
+//
+// The counts are atomics, so reading them needs no lock of the caller's.
+type Counting struct {
+	MemorySource
+	allocs, frees atomic.Uint64
+	held, peak    atomic.Uint64
+}
+
+// NewCounting counts the calls that reach src.
+func NewCounting(src MemorySource) *Counting { return &Counting{MemorySource: src} }
+
+// Allocs is the number of successful Alloc and AllocUncaptured calls.
+func (c *Counting) Allocs() uint64 { return c.allocs.Load() }
+
+// Frees is the number of successful Free calls.
+func (c *Counting) Frees() uint64 { return c.frees.Load() }
+
+// Held is the bytes allocated and not freed.
+func (c *Counting) Held() uint64 { return c.held.Load() }
+
+// Peak is the most bytes held at once since the start or ResetPeak.
+func (c *Counting) Peak() uint64 { return c.peak.Load() }
+
+// ResetCounts zeroes the allocation and free counts.
+func (c *Counting) ResetCounts() {
+	c.allocs.Store(0)
+	c.frees.Store(0)
+}
+
+// ResetPeak sets the high-water mark to the bytes held now.
+func (c *Counting) ResetPeak() { c.peak.Store(c.held.Load()) }
+
+func (c *Counting) allocated(size uint64) {
+	c.allocs.Inc()
+	held := c.held.Add(size)
+	for {
+		peak := c.peak.Load()
+		if held <= peak || c.peak.CompareAndSwap(peak, held) {
+			return
+		}
+	}
+}
+
+func (c *Counting) Alloc(size uint64, s Stream) (uintptr, error) {
+	p, err := c.MemorySource.Alloc(size, s)
+	if err == nil {
+		c.allocated(size)
+	}
+	return p, err
+}
+
+func (c *Counting) AllocUncaptured(size uint64) (uintptr, error) {
+	p, err := c.MemorySource.AllocUncaptured(size)
+	if err == nil {
+		c.allocated(size)
+	}
+	return p, err
+}
+
+func (c *Counting) Free(ptr uintptr, size uint64, s Stream) error {
+	err := c.MemorySource.Free(ptr, size, s)
+	if err == nil {
+		c.frees.Inc()
+		c.held.Sub(size)
+	}
+	return err
+}
