@@ -157,6 +157,17 @@ func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) {
 
 func (h *vmmHarness) free(p uintptr, s Stream) {
 	b := h.live[p]
+	if s != b.stream && b.stream != anyStream {
+		// A free ordered on another stream than the block's is correct
+		// only once that stream is ordered after the block's own (the
+		// stream-ordered contract; goalloc's cache always frees on the
+		// block's own stream). The simulated device has no cross-stream
+		// wait, so the block's stream completes here. Without this the
+		// check below blames the engine for the program's missing wait:
+		// earlier work of the block's stream, which the block's own
+		// stream-ordered reuse rightly skipped, looked pending to s.
+		h.d.Complete(b.stream)
+	}
 	// The block was used on s up to here.
 	h.d.Launch(s)
 	u := use{s, h.position(s)}
