@@ -283,18 +283,7 @@ func (e *vmmEngine) takeVA(size uint64) (uintptr, error) {
 // putVA returns [base, base+size) to the unused VA, coalescing with its
 // neighbours.
 func (e *vmmEngine) putVA(base uintptr, size uint64) {
-	i := sort.Search(len(e.vaFree), func(i int) bool { return e.vaFree[i].base > base })
-	e.vaFree = append(e.vaFree, vaSpan{})
-	copy(e.vaFree[i+1:], e.vaFree[i:])
-	e.vaFree[i] = vaSpan{base, size}
-	if i+1 < len(e.vaFree) && e.vaFree[i].base+uintptr(e.vaFree[i].size) == e.vaFree[i+1].base {
-		e.vaFree[i].size += e.vaFree[i+1].size
-		e.vaFree = append(e.vaFree[:i+1], e.vaFree[i+2:]...)
-	}
-	if i > 0 && e.vaFree[i-1].base+uintptr(e.vaFree[i-1].size) == e.vaFree[i].base {
-		e.vaFree[i-1].size += e.vaFree[i].size
-		e.vaFree = append(e.vaFree[:i], e.vaFree[i+1:]...)
-	}
+	e.vaFree = insertSpan(e.vaFree, base, size)
 }
 
 // Held, Live and HeldHigh are the engine's byte figures.
@@ -929,4 +918,22 @@ func (e *vmmEngine) CheckInvariants() error {
 		}
 	}
 	return nil
+}
+
+// insertSpan adds [base, base+size) to spans, a list sorted by address of
+// non-overlapping spans, merging it with the neighbours it touches.
+func insertSpan(spans []vaSpan, base uintptr, size uint64) []vaSpan {
+	i := sort.Search(len(spans), func(i int) bool { return spans[i].base > base })
+	spans = append(spans, vaSpan{})
+	copy(spans[i+1:], spans[i:])
+	spans[i] = vaSpan{base, size}
+	if i+1 < len(spans) && spans[i].base+uintptr(spans[i].size) == spans[i+1].base {
+		spans[i].size += spans[i+1].size
+		spans = append(spans[:i+1], spans[i+2:]...)
+	}
+	if i > 0 && spans[i-1].base+uintptr(spans[i-1].size) == spans[i].base {
+		spans[i-1].size += spans[i].size
+		spans = append(spans[:i], spans[i+1:]...)
+	}
+	return spans
 }

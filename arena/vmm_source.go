@@ -3,7 +3,6 @@ package arena
 import (
 	"errors"
 	"fmt"
-	"sort"
 	"sync"
 )
 
@@ -155,18 +154,7 @@ func (v *vmmSource) pollPieces() error {
 // putPiece makes [base, base+size) of pg unused, and gives pg back to the
 // engine when it is all unused.
 func (v *vmmSource) putPiece(pg *vmmPage, base uintptr, size uint64) error {
-	i := sort.Search(len(pg.free), func(i int) bool { return pg.free[i].base > base })
-	pg.free = append(pg.free, vaSpan{})
-	copy(pg.free[i+1:], pg.free[i:])
-	pg.free[i] = vaSpan{base, size}
-	if i+1 < len(pg.free) && pg.free[i].base+uintptr(pg.free[i].size) == pg.free[i+1].base {
-		pg.free[i].size += pg.free[i+1].size
-		pg.free = append(pg.free[:i+1], pg.free[i+2:]...)
-	}
-	if i > 0 && pg.free[i-1].base+uintptr(pg.free[i-1].size) == pg.free[i].base {
-		pg.free[i-1].size += pg.free[i].size
-		pg.free = append(pg.free[:i], pg.free[i+1:]...)
-	}
+	pg.free = insertSpan(pg.free, base, size)
 	if pg.live > 0 || pg.wait > 0 {
 		return nil
 	}
