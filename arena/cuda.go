@@ -486,6 +486,13 @@ func (d *cudaRuntime) DestroyEvent(e Event) error {
 	if d.closed.Load() {
 		return errCUDAClosed
 	}
+	return d.destroyEvent(e)
+}
+
+// destroyEvent is DestroyEvent for a backend's own Close, which marks the
+// device closed first (so no other call starts) and then destroys the
+// events it still holds, while the context is still retained.
+func (d *cudaRuntime) destroyEvent(e Event) error {
 	var err error
 	if d.nStandIns.Load() != 0 {
 		err = d.dropStandIn(e)

@@ -88,7 +88,10 @@ func (p *cudaPhys) SetAccess(va uintptr, size uint64) error {
 func (p *cudaPhys) NewEvent() (Event, error)            { return p.rt.NewEvent() }
 func (p *cudaPhys) RecordEvent(e Event, s Stream) error { return p.rt.RecordEvent(e, s) }
 func (p *cudaPhys) EventDone(e Event) (bool, error)     { return p.rt.EventDone(e) }
-func (p *cudaPhys) DestroyEvent(e Event) error          { return p.rt.DestroyEvent(e) }
+
+// DestroyEvent is also called by the source's close, after VMM.Close has
+// marked the device closed.
+func (p *cudaPhys) DestroyEvent(e Event) error { return p.rt.destroyEvent(e) }
 
 // NewVMM opens device ordinal with the VMM backend: it retains the
 // device's primary context, reads the allocation granularity, finds the

@@ -3,7 +3,6 @@
 package arena
 
 import (
-	"bytes"
 	"testing"
 	"time"
 )
@@ -27,8 +26,11 @@ func expectBytes(t *testing.T, d *VMM, p uintptr, n uint64, v byte, what string)
 	if err := d.copyToHost(buf, p); err != nil {
 		t.Fatalf("%s: %v", what, err)
 	}
-	if i := bytes.IndexFunc(buf, func(r rune) bool { return byte(r) != v }); i >= 0 {
-		t.Fatalf("%s: byte %d is %#x, want %#x", what, i, buf[i], v)
+	// Byte by byte: bytes.IndexFunc would decode UTF-8, and 0xab is not a rune.
+	for i, b := range buf {
+		if b != v {
+			t.Fatalf("%s: byte %d is %#x, want %#x", what, i, b, v)
+		}
 	}
 }
 
@@ -253,4 +255,30 @@ func TestVMMCUDAMissCost(t *testing.T) {
 	t.Logf("1 GiB from freed ranges: %v (totals: %d creates, %d maps, %d unmaps, %d releases, %d set-access)",
 		time.Since(start), c, m, u, r, a)
 	d.Free(p, 1<<30, 0)
+}
+
+// Close with frees still held (their events not yet destroyed, pieces in a
+// page) succeeds: the device marks itself closed first, and its own event
+// destruction must not be refused for that.
+func TestVMMCUDACloseWithHeldFrees(t *testing.T) {
+	needCUDA(t, 1)
+	d, err := NewVMM(0)
+	if err != nil {
+		t.Fatalf("NewVMM(0): %v", err)
+	}
+	for _, n := range []uint64{64 << 20, 4096} {
+		p, err := d.Alloc(n, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Free(p, n, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
 import textwrap
@@ -88,6 +89,12 @@ def test_the_wheel_installs_here_and_is_torchs_allocator(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False, system_site_packages=True)  # torch from the system
     py = env_dir / "bin" / "python"
+    # The interpreter running this may itself be a venv (the GPU machine's
+    # python3 is): system_site_packages reaches only the base interpreter's
+    # packages, so point the new venv at this one's site-packages too.
+    child_site = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    Path(child_site, "_parent_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GOALLOC_LIBRARY", "GOALLOC_TOOL", "PYTHONPATH")}
     env["GOALLOC_DEVICE"] = "cuda"
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps",
