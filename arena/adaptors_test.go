@@ -81,6 +81,7 @@ func TestCountingCountsWhatSucceeds(t *testing.T) {
 	_, err = c.Alloc(1<<20, 0)
 	require.Error(t, err)
 	assert.Equal(t, uint64(2), c.Allocs(), "a failed allocation is not counted")
+	assert.Equal(t, uint64(2), c.Latency().Count(), "a failed allocation is not timed")
 	assert.Equal(t, uint64(4<<20), c.Held())
 	require.NoError(t, c.Free(p, 3<<20, 0))
 	src.freeErr = errBroken
@@ -93,6 +94,7 @@ func TestCountingCountsWhatSucceeds(t *testing.T) {
 	c.ResetCounts()
 	assert.Zero(t, c.Allocs())
 	assert.Zero(t, c.Frees())
+	assert.Zero(t, c.Latency().Count())
 	assert.Equal(t, uint64(1<<20), c.Held(), "resetting the counts keeps what is held")
 }
 

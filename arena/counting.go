@@ -1,6 +1,10 @@
 package arena
 
-import "go.uber.org/atomic"
+import (
+	"time"
+
+	"go.uber.org/atomic"
+)
 
 // Counting is a MemorySource that counts what crosses it, in the manner of
 // RMM's statistics_resource_adaptor: the allocations and frees that
@@ -8,11 +12,15 @@ import "go.uber.org/atomic"
 // mark. A failed call counts nothing. It sits under a cache, so what it
 // counts are the calls that reach the device, never the cache's hits.
 //
+// It also times every successful allocation: under a cache, that is the
+// cost of a cache miss at the device, read from Latency.
+//
 // The counts are atomics, so reading them needs no lock of the caller's.
 type Counting struct {
 	MemorySource
 	allocs, frees atomic.Uint64
 	held, peak    atomic.Uint64
+	latency       LatencyHistogram
 }
 
 // NewCounting counts the calls that reach src.
@@ -30,16 +38,21 @@ func (c *Counting) Held() uint64 { return c.held.Load() }
 // Peak is the most bytes held at once since the start or ResetPeak.
 func (c *Counting) Peak() uint64 { return c.peak.Load() }
 
-// ResetCounts zeroes the allocation and free counts.
+// Latency is the histogram of successful allocation calls' durations.
+func (c *Counting) Latency() *LatencyHistogram { return &c.latency }
+
+// ResetCounts zeroes the allocation and free counts and the latencies.
 func (c *Counting) ResetCounts() {
 	c.allocs.Store(0)
 	c.frees.Store(0)
+	c.latency.Reset()
 }
 
 // ResetPeak sets the high-water mark to the bytes held now.
 func (c *Counting) ResetPeak() { c.peak.Store(c.held.Load()) }
 
-func (c *Counting) allocated(size uint64) {
+func (c *Counting) allocated(size uint64, start time.Time) {
+	c.latency.Record(time.Since(start))
 	c.allocs.Inc()
 	held := c.held.Add(size)
 	for {
@@ -51,17 +64,19 @@ func (c *Counting) allocated(size uint64) {
 }
 
 func (c *Counting) Alloc(size uint64, s Stream) (uintptr, error) {
+	start := time.Now()
 	p, err := c.MemorySource.Alloc(size, s)
 	if err == nil {
-		c.allocated(size)
+		c.allocated(size, start)
 	}
 	return p, err
 }
 
 func (c *Counting) AllocUncaptured(size uint64) (uintptr, error) {
+	start := time.Now()
 	p, err := c.MemorySource.AllocUncaptured(size)
 	if err == nil {
-		c.allocated(size)
+		c.allocated(size, start)
 	}
 	return p, err
 }

@@ -941,6 +941,9 @@ func (a *Allocator) Stats() Stats {
 	st := a.stats.clone()
 	st.NumDeviceAlloc, st.NumDeviceFree = int64(a.counting.Allocs()), int64(a.counting.Frees())
 	st.EventErrors = int64(a.deferred.Errors)
+	lat := a.counting.Latency()
+	st.DeviceAllocCount, st.DeviceAllocMaxNs = int64(lat.Count()), int64(lat.Max())
+	st.DeviceAllocP50Ns, st.DeviceAllocP99Ns = int64(lat.Quantile(0.50)), int64(lat.Quantile(0.99))
 	pools, bytes := a.graphPoolBytes()
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
 	return st

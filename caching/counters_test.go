@@ -163,3 +163,31 @@ func TestPublishingAllocatesNothing(t *testing.T) {
 	})
 	require.Zero(t, allocs)
 }
+
+// The misses' device calls are timed: one timing per device allocation,
+// none for a hit, the percentiles in order, all zero after a reset.
+func TestDeviceAllocLatencyStats(t *testing.T) {
+	a, _ := newTestAllocator(t, DefaultConfig())
+	p, err := a.Malloc(8<<20, 0) // a miss
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 8<<20, 0))
+	p, err = a.Malloc(8<<20, 0) // a hit
+	require.NoError(t, err)
+	q, err := a.Malloc(100, 0) // a small segment: a miss
+	require.NoError(t, err)
+	st := a.Stats()
+	m := st.Map()
+	require.Equal(t, m["num_device_alloc"], m["goalloc.device_alloc_ns.count"])
+	require.Equal(t, int64(2), m["goalloc.device_alloc_ns.count"])
+	require.LessOrEqual(t, m["goalloc.device_alloc_ns.p50"], m["goalloc.device_alloc_ns.p99"])
+	require.LessOrEqual(t, m["goalloc.device_alloc_ns.p99"], m["goalloc.device_alloc_ns.max"])
+	require.Positive(t, m["goalloc.device_alloc_ns.max"])
+	a.ResetAccumulatedStats()
+	st = a.Stats()
+	m = st.Map()
+	for _, k := range []string{"count", "p50", "p99", "max"} {
+		require.Zero(t, m["goalloc.device_alloc_ns."+k], k)
+	}
+	require.NoError(t, a.Free(p, 8<<20, 0))
+	require.NoError(t, a.Free(q, 100, 0))
+}
