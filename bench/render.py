@@ -343,7 +343,7 @@ def section_cross(doc: dict[str, Any]) -> list[str]:
              + cross_sizes(doc) + " and fills them; a consumer stream reads them",
              "after it; `record_stream` marks them, and the producer frees them at once. Throughput in",
              "iterations per second; memory: peak reserved on the basis of the training tables (goalloc:",
-             "its driver pool), the driver's peak in use (`mem_get_info`) over the idle baseline, and the",
+             "its driver pool; goalloc-vmm: the physical memory it mapped), the driver's peak in use (`mem_get_info`) over the idle baseline, and the",
              "peak of live bytes. 'correct': the consumer's sums came out exact in every run (a buffer",
              "reused too early breaks them).", ""]
     base = collect(runs_of(doc, "micro", "native"), lambda r: dig(r, "cross_stream", "iterations_per_s")).median
@@ -401,8 +401,9 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
         lines += ["`torchvision.models.resnet50(weights=None)`, channels_last, bf16 autocast, SGD with momentum;",
                   "batch and resolution drawn per step (the same draws for every configuration of a repeat)."]
     lines += ["Throughput over the timed steps (wall time between device synchronisations). Peak device",
-              "memory, as compared here: goalloc, its driver pool's reserved high-water mark; torch's",
-              "allocators, their max reserved (see 'basis'); 'device peak over idle' is the driver's count",
+              "memory, as compared here: goalloc, its driver pool's reserved high-water mark; goalloc-vmm,",
+              "the high-water mark of the physical memory it mapped; torch's allocators, their max",
+              "reserved (see 'basis'); 'device peak over idle' is the driver's count",
               "(`mem_get_info`, sampled) over the idle baseline for every configuration, which also holds",
               "the CUDA context's growth (lazily loaded kernels, library handles); peak live is the",
               "allocator's peak of allocated bytes.", ""]
@@ -692,8 +693,8 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
             if k in runs:
                 j, old = runs[k]
                 replaced += 1
-                warn(f"render: {path} has run {r.get('name', k)} ({old.get('status')} in {paths[j]}, "
-                     f"{r.get('status')} here): keeping {path}'s")
+                warn(f"render: run {r.get('name', k)} is in {paths[j]} ({old.get('status')}) and in {path} "
+                     f"({r.get('status')}): keeping {path}'s")
             runs[k] = (i, r)
         for p in doc.get("plan", []):
             plan[run_key(p)] = p

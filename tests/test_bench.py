@@ -550,6 +550,123 @@ def test_render_tables_and_goals():
     assert "None was given" in render.render(doc)
 
 
+LLAMA_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
+
+
+def suite_doc(gpu: str, first: int, repeats: int, workloads: list[str], bogus: bool = False) -> dict[str, Any]:
+    """A bench.json of training runs on one GPU, repeats first..first+repeats-1.
+
+    LLaMA: 40 GiB live; native 48, expandable 42, async 44, goalloc 43, goalloc-vmm 41 GiB (1.025x live,
+    the lowest); goalloc-vmm at 0.99x native's 20000 tokens/s; miss latency reported for the goalloc
+    configurations. ResNet-50 (no miss-latency keys: an older library): 10 GiB live, goalloc 10.6,
+    goalloc-vmm 10.4 GiB. bogus: every run's speed is 1 (a run a later file must replace).
+    """
+    mem = {"llama": {"native": 48, "expandable": 42, "async": 44, "goalloc": 43, "goalloc-vmm": 41},
+           "resnet50": {"native": 12, "expandable": 11, "async": 11.5, "goalloc": 10.6, "goalloc-vmm": 10.4}}
+    live = {"llama": 40, "resnet50": 10}
+    speed = {"llama": {"native": 20000.0, "goalloc-vmm": 19800.0}, "resnet50": {"native": 2000.0}}
+    runs, plan = [], []
+    for r in range(first, first + repeats):
+        for w in workloads:
+            for c in LLAMA_CONFIGS:
+                alloc: dict[str, Any] = {"reserved_peak": int(mem[w][c] * GiB), "allocated_peak": live[w] * GiB}
+                if c in ("goalloc", "goalloc-vmm"):
+                    alloc.update(pool_reserved_max_read=int(mem[w][c] * GiB), reserved_peak=live[w] * GiB)
+                    if w == "llama":
+                        alloc["device_alloc_ns"] = ({"p50": 12000 + 1000 * r, "p99": 80000, "max": 200000, "count": 40}
+                                                    if c == "goalloc-vmm" else
+                                                    {"p50": 3000, "p99": 9000, "max": 15000, "count": 25})
+                ups = 1.0 if bogus else speed[w].get(c, speed[w]["native"])
+                rec = {"id": len(runs) + 1, "name": f"{len(runs) + 1:03d}-{w}-{c}-r{r}", "workload": w, "config": c,
+                       "repeat": r, "status": "ok", "result": {"unit": "tokens", "units_per_s": ups,
+                                                               "median_step_s": 0.5, "allocator": alloc,
+                                                               "device": {"peak_over_baseline": 50 * GiB}}}
+                runs.append(rec)
+                plan.append({k: rec[k] for k in ("id", "workload", "config", "repeat")})
+    return {"schema": 1, "command": f"bash bench/run.sh OUT{gpu} --workloads {','.join(workloads)}",
+            "started": "2026-01-01T00:00:00Z", "elapsed_s": 450, "budget_s": 480,
+            "host": {"cuda_visible_devices": gpu},
+            "options": {"repeats": repeats, "first_repeat": first, "workloads": workloads, "llama_warmup": 3,
+                        "llama_steps": 27, "llama_batch": [1, 8], "llama_seq": [512, 3072], "resnet_warmup": 5,
+                        "resnet_steps": 35, "resnet_batch": [32, 64], "resnet_res": [160, 224]},
+            "env": {"gpu": "NVIDIA H200", "torch": "2.11.0"}, "nvidia_smi": {"name": "NVIDIA H200", "driver_version": "580.0"},
+            "plan": plan, "runs": runs}
+
+
+def test_render_merges_suites_and_computes_the_issue_goals():
+    a = suite_doc("0", 0, 2, ["llama"])
+    a["runs"] = [r for r in a["runs"] if r["repeat"] == 0] + suite_doc("0", 1, 1, ["llama"], bogus=True)["runs"]
+    b = suite_doc("1", 1, 2, ["llama", "resnet50"])
+    said: list[str] = []
+    doc = render.merge([a, b], ["A/bench.json", "B/bench.json"], warn=said.append)
+    # Repeat 1 of LLaMA is in both: B's is kept, and each replacement is said.
+    assert len(said) == 5 and all("keeping B/bench.json's" in w for w in said)
+    assert said[0] == ("render: run 001-llama-native-r1 is in A/bench.json (ok) and in B/bench.json (ok): "
+                       "keeping B/bench.json's")
+    assert doc["replaced"] == 5
+    native = render.train_aggs(doc, "llama", "native")["speed"]
+    assert native.n == 3 and native.lo == native.hi == 20000.0  # no bogus run of A's left
+    assert sorted((r["workload"], r["repeat"]) for r in doc["runs"]).count(("llama", 1)) == 5
+    assert len(doc["runs"]) == 5 * 3 + 5 * 2
+
+    text = render.render(doc)
+    assert "`bench.json` files (2, merged)" in text
+    assert "Input 1: `A/bench.json`" in text and "Input 2: `B/bench.json`" in text
+    assert "CUDA_VISIBLE_DEVICES=0" in text and "CUDA_VISIBLE_DEVICES=1" in text
+    assert "- options: workloads llama,resnet50; repeats 2 (repeats 1–2); LLaMA 3 + 27 steps, batch 1–8, sequence " \
+           "512–3072; ResNet-50 5 + 35 steps" in text
+    assert "5 run(s) of an earlier input replaced by a later one's" in text
+    assert "## 3b. Training: LLaMA 672M (GQA)" in text and "## 3c. Training: ResNet-50" in text
+    assert "`transformers.LlamaForCausalLM`, 12 layers" in text
+    assert "| goalloc-vmm | 19,800 (19,800–19,800, n=3) | 0.990× | 41.00 GiB | 1.025× | 0.854× |" in text
+    # The miss-latency table: medians over the three repeats, in microseconds.
+    assert "| config | misses | p50 µs | p99 µs | max µs |" in text
+    assert "| goalloc-vmm | 40 (40–40, n=3) | 13.0 | 80.0 | 200.0 |" in text
+    assert "| goalloc | 25 (25–25, n=3) | 3.0 | 9.0 | 15.0 |" in text
+    assert text.count("Cache-miss latency: not reported") == 1  # ResNet-50's runs have none
+
+    _, goals = render.goals(doc)
+    by = {g["goal"]: g for g in goals}
+    assert by["LLaMA 672M (GQA) peak memory ≤ 1.03 × peak live"]["met"] is True
+    assert "goalloc-vmm (the better goalloc configuration) 41.00 GiB" in \
+        by["LLaMA 672M (GQA) peak memory ≤ 1.03 × peak live"]["text"]
+    for other in ("native", "expandable", "async"):
+        assert by[f"LLaMA 672M (GQA) peak memory below {other}"]["met"] is True
+    assert by["LLaMA 672M (GQA) goalloc (backend:async) peak memory ≤ async"]["met"] is True
+    thr = by["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
+    assert thr["met"] is True and "= 0.990×" in thr["text"]
+    # ResNet-50's goal is 1.05: goalloc-vmm's 1.04 meets it, goalloc's 1.06 would not.
+    rn = by["ResNet-50 peak memory ≤ 1.05 × peak live"]
+    assert rn["met"] is True and "goalloc 10.60 GiB, 1.060×" in rn["text"]
+    assert by["ResNet-50 goalloc (backend:async) peak memory ≤ async"]["met"] is True
+    assert not any(g.startswith("GPT-2") for g in by)  # not planned in either input
+
+    # goalloc above async on a workload, and over the live goal: both missed, by how much.
+    for r in b["runs"]:
+        if r["workload"] == "llama" and r["config"] in ("goalloc", "goalloc-vmm"):
+            r["result"]["allocator"]["pool_reserved_max_read"] = int(45 * GiB)
+    _, goals = render.goals(render.merge([b], ["B/bench.json"]))
+    by = {g["goal"]: g for g in goals}
+    assert by["LLaMA 672M (GQA) goalloc (backend:async) peak memory ≤ async"]["met"] is False
+    live = by["LLaMA 672M (GQA) peak memory ≤ 1.03 × peak live"]
+    assert live["met"] is False and "1.125×, +9.2% over the goal" in live["text"]
+    assert by["LLaMA 672M (GQA) peak memory below expandable"]["met"] is False
+
+
+def test_render_command_line_merges_files(tmp_path: Path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(suite_doc("0", 0, 2, ["llama"])))
+    b.write_text(json.dumps(suite_doc("1", 1, 2, ["resnet50", "llama"])))
+    out = tmp_path / "B.md"
+    p = run_py(str(BENCH / "render.py"), str(a), str(b), "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("keeping") == 5 and f"{b}'s" in p.stderr
+    text = out.read_text()
+    assert f"Input 1: `{a}`" in text and f"Input 2: `{b}`" in text and "## 3b. Training: LLaMA" in text
+    p = run_py(str(BENCH / "render.py"), str(a), str(tmp_path / "missing.json"))
+    assert p.returncode == 1 and "cannot read" in p.stderr
+
+
 def test_render_command_line_writes_and_unpacks(tmp_path: Path):
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(fake_doc()))
