@@ -209,6 +209,41 @@ def test_miss_latency_is_read_when_the_library_reports_it():
     assert workloads.miss_latency({"num_device_alloc": 3}) is None  # an older library
 
 
+def test_goalloc_vmm_figures_on_the_simulated_device():
+    """goalloc-vmm's conf reaches the library, and its figures read the physical
+    memory it holds (whole 2 MiB granules) and, where the library reports it,
+    its miss latency; in a fresh interpreter (the library reads its conf once)."""
+    from goalloc_testing import run_python
+
+    code = f"""
+        import importlib.util, json, goalloc
+        from goalloc import _lib
+        spec = importlib.util.spec_from_file_location("w", {str(BENCH / "workloads.py")!r})
+        w = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(w)
+        goalloc.configure(w.vmm_conf("quiet:true"))   # what Allocator.setup gives install()
+        a = w.Allocator(None, "goalloc-vmm")
+        a.goalloc = goalloc                          # setup() without torch
+        L = _lib.lib()
+        malloc = getattr(L, "goalloc_malloc", None) or L.my_malloc
+        p = malloc(5 << 19, 0, 0x1000)               # 2.5 MiB
+        f = a.figures()
+        print(json.dumps({{"conf": goalloc.config()["conf"], "pool": f["pool_reserved_max_read"],
+                          "live": f["allocated_current"], "lat": f.get("device_alloc_ns"),
+                          "reported": any(k.startswith("goalloc.device_alloc_ns.") for k in f["stats"]),
+                          "allocs": a.device_allocs(), "source": f["source"]}}))
+    """
+    out = json.loads(run_python(code).stdout)
+    assert "backend:vmm" in out["conf"] and "quiet:true" in out["conf"]
+    assert out["source"] == "goalloc.memory_stats"
+    assert out["pool"] == 4 << 20 and out["live"] >= 5 << 19  # two granules held for 2.5 MiB
+    assert out["allocs"] >= 1
+    if out["reported"]:
+        assert out["lat"]["count"] >= 1 and out["lat"]["p50"] <= out["lat"]["p99"] <= out["lat"]["max"]
+    else:
+        assert out["lat"] is None
+
+
 def test_nvidia_smi_is_asked_for_the_visible_gpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert suite.visible_gpu() == "1"
