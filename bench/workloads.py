@@ -108,8 +108,9 @@ def burst_plan() -> tuple[list[int], list[int]]:
 def train_shapes(workload: str, repeat: int, count: int, limits: dict[str, int]) -> list[tuple[int, int]]:
     """The (batch, length) or (batch, resolution) of every step of a run.
 
-    Drawn from a generator seeded by the repeat alone, so every configuration
-    of one repeat trains on exactly the same shapes, and the repeats differ.
+    Drawn from a generator seeded by the repeat and the workload alone, so
+    every configuration of one repeat trains on exactly the same shapes, and
+    the repeats (those of a later call's --first-repeat too) differ.
     """
     rng = random.Random(7919 * (repeat + 1) + SHAPE_SEED[workload])
     shapes = []
