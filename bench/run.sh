@@ -14,6 +14,10 @@
 #   console.log      this script's output
 #   results.tar.gz   results/NAME.json, one file per run (unpack into bench/)
 #
+# Two at once, one per GPU: give each its own OUTDIR, CUDA_VISIBLE_DEVICES and
+# --workloads, then render both: bench/render.py OUT0/bench.json OUT1/bench.json
+# (bench/README.md, "Two GPUs at once, or several calls").
+#
 # The suite keeps to its --budget (default 480 s) by skipping runs that no
 # longer fit; BENCH_HARD_LIMIT_S (default 525) stops it outright, and it
 # still writes what it finished.

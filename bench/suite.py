@@ -5,6 +5,8 @@ in its own process, and keep every result.
     python3 bench/suite.py OUTDIR [options]        # normally through bench/run.sh OUTDIR
     python3 bench/suite.py OUTDIR --dry-run        # the plan and its estimated time, nothing run
     python3 bench/suite.py OUTDIR --quick          # a smoke run: one repeat, few steps
+    CUDA_VISIBLE_DEVICES=1 python3 bench/suite.py OUT1 --workloads llama --first-repeat 3
+                                                   # another GPU or call; bench/render.py merges
 
 What it does, in order:
 
@@ -47,9 +49,13 @@ from typing import Any, Optional
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-mempool", "c-floor")
-WORKLOADS = ("micro", "gpt2", "resnet50", "replay")
-TRAIN_WORKLOADS = ("gpt2", "resnet50")
+CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
+# Training under these by default; goalloc-mempool by name (--train-configs),
+# c-floor too (by default it runs the microbenchmarks only).
+DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
+GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm", "goalloc-mempool")
+WORKLOADS = ("micro", "gpt2", "llama", "resnet50", "replay")
+TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
 REPLAY_POLICIES = ("goalloc", "passthrough")
 DEFAULT_TRACES = ("traces/gpt2-train.jsonl.gz", "traces/resnet50-train.jsonl.gz")
 DEFAULT_BUDGET_S = 480.0
@@ -59,9 +65,13 @@ DEFAULT_BUDGET_S = 480.0
 # kind is used). A process start (python, import torch, CUDA context) is a
 # few seconds of each; transformers adds a few more. Training adds a cost per
 # step (GPT-2 up to batch 8 x 1024 tokens, ResNet-50 up to 64 x 224 px on an
-# H200, with the first steps' kernel loading in the fixed part).
-ESTIMATE_FIXED_S = {"env": 20.0, "micro": 6.0, "gpt2": 9.0, "resnet50": 6.5, "replay": 2.0}
-ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "resnet50": 0.12}
+# H200, with the first steps' kernel loading in the fixed part). LLaMA's are
+# a guess, before any run of it (up to 8 x 3072 tokens through 672M parameters,
+# and building those on the device); the suite adapts once it has run one.
+ESTIMATE_FIXED_S = {"env": 20.0, "micro": 6.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5, "replay": 2.0}
+ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "llama": 0.35, "resnet50": 0.12}
+# LlamaConfig's max_position_embeddings in bench/workloads.py.
+LLAMA_MAX_SEQ = 4096
 # A run is stopped after this many times its estimate (at least MIN_TIMEOUT_S).
 TIMEOUT_FACTOR, MIN_TIMEOUT_S, ENV_TIMEOUT_S = 5.0, 45.0, 150.0
 # Seconds a run may still start within past the budget's end, for its timeout.
@@ -135,20 +145,27 @@ def nonneg_int(s: str) -> int:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("outdir", help="where results/, bench.json and logs go")
+    p.add_argument("outdir", help="where results/, bench.json and logs go (one per suite running at once)")
     p.add_argument("--repeats", type=positive_int, default=3, help="repeats of every run (default 3)")
+    p.add_argument("--first-repeat", type=nonneg_int, default=0,
+                   help="the first repeat's index (default 0): the runs are repeats N..N+REPEATS-1, so another "
+                        "call (or GPU) given the next N draws other shapes and its runs merge without colliding")
     p.add_argument("--configs", type=csv_list(CONFIGS), default=list(CONFIGS),
-                   help="configurations of the microbenchmarks (default: all six)")
-    p.add_argument("--train-configs", type=csv_list(CONFIGS),
-                   default=[c for c in CONFIGS if c != "c-floor"],
-                   help="configurations of the training workloads (default: all but c-floor)")
+                   help="configurations of the microbenchmarks (default: all seven)")
+    p.add_argument("--train-configs", type=csv_list(CONFIGS), default=list(DEFAULT_TRAIN_CONFIGS),
+                   help=f"configurations of the training workloads (default: {','.join(DEFAULT_TRAIN_CONFIGS)})")
     p.add_argument("--workloads", type=csv_list(WORKLOADS), default=list(WORKLOADS))
-    p.add_argument("--gpt2-steps", type=positive_int, default=10, help="timed GPT-2 steps per run")
-    p.add_argument("--gpt2-warmup", type=nonneg_int, default=3)
-    p.add_argument("--resnet-steps", type=positive_int, default=10, help="timed ResNet-50 steps per run")
-    p.add_argument("--resnet-warmup", type=nonneg_int, default=3)
+    p.add_argument("--gpt2-steps", type=positive_int, default=45, help="timed GPT-2 steps per run (default 45)")
+    p.add_argument("--gpt2-warmup", type=nonneg_int, default=5)
+    p.add_argument("--llama-steps", type=positive_int, default=27, help="timed LLaMA steps per run (default 27)")
+    p.add_argument("--llama-warmup", type=nonneg_int, default=3)
+    p.add_argument("--resnet-steps", type=positive_int, default=35, help="timed ResNet-50 steps per run (default 35)")
+    p.add_argument("--resnet-warmup", type=nonneg_int, default=5)
     p.add_argument("--gpt2-batch", type=positive_int, nargs=2, default=[4, 8], metavar=("MIN", "MAX"))
     p.add_argument("--gpt2-seq", type=positive_int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--llama-batch", type=positive_int, nargs=2, default=[1, 8], metavar=("MIN", "MAX"))
+    p.add_argument("--llama-seq", type=positive_int, nargs=2, default=[512, 3072], metavar=("MIN", "MAX"),
+                   help="LLaMA sequence lengths, drawn in multiples of 64 from MIN")
     p.add_argument("--resnet-batch", type=positive_int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"))
     p.add_argument("--resnet-res", type=positive_int, nargs=2, default=[160, 224], metavar=("MIN", "MAX"))
     p.add_argument("--micro-rounds", type=positive_int, default=5, help="timed rounds per pair size")
@@ -157,7 +174,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES), help="traces to replay")
     p.add_argument("--replay-policies", type=csv_list(REPLAY_POLICIES), default=list(REPLAY_POLICIES))
     p.add_argument("--goalloc-conf", default="",
-                   help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults)")
+                   help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
+                        "no backend: goalloc-vmm adds backend:vmm to it")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole suite may take (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--timeout", type=float, help="a fixed per-run timeout in seconds (default: from the estimates)")
@@ -174,16 +192,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.repeats = 1
         args.gpt2_steps, args.gpt2_warmup = 2, 1
+        args.llama_steps, args.llama_warmup = 2, 1
         args.resnet_steps, args.resnet_warmup = 2, 1
         args.gpt2_batch, args.gpt2_seq = [2, 4], [128, 256]
+        args.llama_batch, args.llama_seq = [1, 2], [128, 256]
         args.resnet_batch, args.resnet_res = [16, 32], [128, 160]
         args.micro_rounds, args.cross_iters = 2, 200
-    for name in ("gpt2_batch", "gpt2_seq", "resnet_batch", "resnet_res"):
+    for name in ("gpt2_batch", "gpt2_seq", "llama_batch", "llama_seq", "resnet_batch", "resnet_res"):
         lo, hi = getattr(args, name)
         if lo > hi:
             p.error(f"--{name.replace('_', '-')}: MIN {lo} is above MAX {hi}")
     if args.gpt2_seq[1] > 1024:
         p.error("--gpt2-seq: GPT-2's context is 1024 tokens")
+    if args.llama_seq[1] > LLAMA_MAX_SEQ:
+        p.error(f"--llama-seq: the LLaMA's context is {LLAMA_MAX_SEQ} tokens")
+    if "backend" in (kv.split(":", 1)[0].strip() for kv in args.goalloc_conf.split(",")):
+        p.error("--goalloc-conf: no backend here: goalloc runs the default backend (async) and goalloc-vmm backend:vmm")
     if args.budget <= 0:
         p.error("--budget must be positive")
     if args.sample_ms < 0:
@@ -196,6 +220,8 @@ def estimate(workload: str, args: argparse.Namespace) -> float:
     s = ESTIMATE_FIXED_S[workload]
     if workload == "gpt2":
         s += ESTIMATE_PER_STEP_S["gpt2"] * (args.gpt2_steps + args.gpt2_warmup)
+    elif workload == "llama":
+        s += ESTIMATE_PER_STEP_S["llama"] * (args.llama_steps + args.llama_warmup)
     elif workload == "resnet50":
         s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup)
     elif workload == "micro" and args.quick:
@@ -214,7 +240,7 @@ def rotated(items: list[str], r: int) -> list[str]:
 def build_plan(args: argparse.Namespace) -> list[Run]:
     """Every run, repeat by repeat, configurations rotated within each workload."""
     plan: list[Run] = []
-    for r in range(args.repeats):
+    for r in range(args.first_repeat, args.first_repeat + args.repeats):
         for w in WORKLOADS:
             if w not in args.workloads:
                 continue
@@ -232,7 +258,8 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
 def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
     """Print the plan with its estimates; return the estimated total."""
     total = ESTIMATE_FIXED_S["env"]
-    print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s)")
+    first = f" (repeats {args.first_repeat}..{args.first_repeat + args.repeats - 1})" if args.first_repeat else ""
+    print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s){first}")
     print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}  trace")
     print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ESTIMATE_FIXED_S['env']:>6.1f}")
     for run in plan:
@@ -279,8 +306,8 @@ def child_env(config: str, args: argparse.Namespace, cfloor_lib: Optional[str]) 
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
     elif config == "c-floor" and cfloor_lib:
         env["BENCH_CFLOOR_LIB"] = cfloor_lib
-    elif config in ("goalloc", "goalloc-mempool") and args.goalloc_conf:
-        env["GOALLOC_CONF"] = args.goalloc_conf
+    elif config in GOALLOC_CONFIGS and args.goalloc_conf:
+        env["GOALLOC_CONF"] = args.goalloc_conf  # goalloc-vmm adds its backend to it (bench/workloads.py)
     return env
 
 
@@ -297,6 +324,9 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
     elif run.workload == "gpt2":
         cmd += ["--steps", str(args.gpt2_steps), "--warmup", str(args.gpt2_warmup),
                 "--gpt2-batch", *map(str, args.gpt2_batch), "--gpt2-seq", *map(str, args.gpt2_seq)]
+    elif run.workload == "llama":
+        cmd += ["--steps", str(args.llama_steps), "--warmup", str(args.llama_warmup),
+                "--llama-batch", *map(str, args.llama_batch), "--llama-seq", *map(str, args.llama_seq)]
     elif run.workload == "resnet50":
         cmd += ["--steps", str(args.resnet_steps), "--warmup", str(args.resnet_warmup),
                 "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]
@@ -402,31 +432,55 @@ def build_cfloor(args: argparse.Namespace) -> tuple[dict[str, Any], Optional[str
     record and the library's path, or None if it did not build."""
     build = Path(args.build_dir)
     lib = build / "libcfloor.so"
+    # Built under a name of its own, then renamed over lib: two suites started
+    # at once (one per GPU) share build/, and neither may load the other's
+    # half-written library; a process that has it loaded keeps its copy.
+    tmp = build / f"libcfloor.so.tmp{os.getpid()}"
     cc = "cc" if shutil.which("gcc") is None and shutil.which("cc") else "gcc"
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", str(lib), str(BENCH / "cfloor.c"), "-ldl", "-lpthread"]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", str(tmp), str(BENCH / "cfloor.c"), "-ldl", "-lpthread"]
     rec: dict[str, Any] = {"command": shlex.join(cmd)}
     try:
         build.mkdir(parents=True, exist_ok=True)
-        lib.unlink(missing_ok=True)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        rec["ok"] = p.returncode == 0 and lib.is_file()
+        rec["ok"] = p.returncode == 0 and tmp.is_file()
+        if rec["ok"]:
+            os.replace(tmp, lib)
         if not rec["ok"]:
             rec["error"] = (p.stderr or p.stdout)[-TAIL_CHARS:]
         v = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
         rec["compiler"] = v.stdout.splitlines()[0] if v.stdout else None
     except (OSError, subprocess.SubprocessError) as e:
         rec.update(ok=False, error=str(e))
+    finally:
+        tmp.unlink(missing_ok=True)
     return rec, (str(lib) if rec.get("ok") else None)
 
 
+def visible_gpu() -> Optional[str]:
+    """The first entry of CUDA_VISIBLE_DEVICES (an index or a UUID): the GPU
+    that is cuda:0 to the runs; None when the variable is unset or empty."""
+    v = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return v or None
+
+
 def nvidia_smi() -> dict[str, Any]:
-    """The GPU as nvidia-smi reports it (name, driver, memory; then its clocks,
-    temperature and power limit, asked apart so that a field this driver
-    lacks loses only those), or why it could not."""
+    """The GPU as nvidia-smi reports it (name, driver, memory, UUID; then its
+    clocks, temperature and power limit, asked apart so that a field this
+    driver lacks loses only those), or why it could not.
+
+    nvidia-smi ignores CUDA_VISIBLE_DEVICES, so it is asked for the first GPU
+    that variable names (-i) when it is set: the GPU the runs use. (nvidia-smi
+    numbers GPUs in PCI order, CUDA by default fastest first; on a machine of
+    identical GPUs the two agree, and the env run records the UUID CUDA sees.)
+    """
     out: dict[str, Any] = {}
-    for fields in ("name,driver_version,memory.total", "clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,power.limit"):
+    gpu = visible_gpu()
+    select = ["-i", gpu] if gpu else []
+    if gpu:
+        out["selected"] = gpu
+    for fields in ("name,driver_version,memory.total,uuid", "clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,power.limit"):
         try:
-            p = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            p = subprocess.run(["nvidia-smi", *select, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
                                capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError) as e:
             out.setdefault("error", str(e))
@@ -464,7 +518,7 @@ def summary_line(rec: dict[str, Any]) -> str:
         if rec["workload"] in TRAIN_WORKLOADS:
             a = r.get("allocator") or {}
             d = r.get("device") or {}
-            mem = a.get("pool_reserved_max_read") if rec["config"] == "goalloc" else a.get("reserved_peak")
+            mem = a.get("pool_reserved_max_read") if rec["config"] in ("goalloc", "goalloc-vmm") else a.get("reserved_peak")
             return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
                     f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
                     f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
@@ -498,7 +552,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "budget_s": args.budget,
         "options": opts,
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                 "suite_python": sys.version.split()[0]},
+                 "suite_python": sys.version.split()[0],
+                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
         "git_commit": git_commit(),
         "plan": [asdict(r) | {"name": r.name} for r in plan],
     })

@@ -15,7 +15,10 @@ Configurations (the parent sets the environment; this script does the rest):
     native           PyTorch's caching allocator, as shipped
     expandable       the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     async            PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
-    goalloc          goalloc.install(): goalloc is torch's allocator
+    goalloc          goalloc.install(): goalloc is torch's allocator, its default
+                     backend (backend:async, a CUDA stream-ordered pool)
+    goalloc-vmm      goalloc.install("backend:vmm"): the same, its memory mapped
+                     by goalloc itself (cuMemCreate/cuMemMap)
     goalloc-mempool  torch's allocator, with the workload inside
                      `with torch.cuda.use_mem_pool(goalloc.mempool())`
     c-floor          bench/cfloor.c (a trivial free list) as torch's pluggable
@@ -27,6 +30,7 @@ Workloads:
     micro      alloc+free pairs through torch.empty (4 KiB, 1 MiB, 64 MiB, bursts
                of 64 mixed sizes), then the cross-stream producer/consumer loop
     gpt2       GPT-2 124M training steps with a batch and sequence length drawn per step
+    llama      a 12-layer LLaMA (672M parameters, grouped-query attention) likewise
     resnet50   ResNet-50 training steps with a batch and resolution drawn per step
 
 The result is one JSON object written to --out (atomically). Sections are
@@ -50,8 +54,20 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-mempool", "c-floor")
-WORKLOADS = ("env", "micro", "gpt2", "resnet50")
+CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
+WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
+# The configurations whose figures are goalloc's own (goalloc.memory_stats).
+GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")
+# goalloc-vmm's GOALLOC_CONF, added to any the suite passes (which may not
+# name a backend: that is what tells goalloc and goalloc-vmm apart).
+VMM_CONF = "backend:vmm"
+# The training workloads whose unit is tokens; the seed offset of each
+# workload's shapes, so that two workloads of one repeat draw apart.
+TOKEN_WORKLOADS = ("gpt2", "llama")
+SHAPE_SEED = {"gpt2": 1, "resnet50": 2, "llama": 3}
+# goalloc.memory_stats keys of its cache misses' latency (its calls to its
+# memory source), in nanoseconds; a library older than them has none.
+MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")
 KiB, MiB = 1 << 10, 1 << 20
 
 # The alloc+free pair sizes (bytes) and the burst: 64 sizes log-uniform in
@@ -62,6 +78,21 @@ BURST_SEED = 1234
 
 # The cross-stream workload: buffers the producer allocates every iteration.
 CROSS_SIZES = (256 * KiB, 8 * MiB, 32 * MiB)
+
+
+def vmm_conf(base: str) -> str:
+    """goalloc-vmm's GOALLOC_CONF: base (the suite's --goalloc-conf), then the backend."""
+    return ",".join(x for x in (base.strip(" ,"), VMM_CONF) if x)
+
+
+def miss_latency(stats: dict[str, Any]) -> Optional[dict[str, int]]:
+    """The latency of goalloc's cache misses (calls to its memory source) from
+    its memory_stats: p50, p99, max (ns) and count over the process so far;
+    None when the library does not report them."""
+    out = {k: stats.get(f"goalloc.device_alloc_ns.{k}") for k in MISS_LATENCY_KEYS}
+    if all(v is None for v in out.values()):
+        return None
+    return {k: int(v) for k, v in out.items() if v is not None}
 
 
 def burst_plan() -> tuple[list[int], list[int]]:
@@ -77,13 +108,14 @@ def burst_plan() -> tuple[list[int], list[int]]:
 def train_shapes(workload: str, repeat: int, count: int, limits: dict[str, int]) -> list[tuple[int, int]]:
     """The (batch, length) or (batch, resolution) of every step of a run.
 
-    Drawn from a generator seeded by the repeat alone, so every configuration
-    of one repeat trains on exactly the same shapes, and the repeats differ.
+    Drawn from a generator seeded by the repeat and the workload alone, so
+    every configuration of one repeat trains on exactly the same shapes, and
+    the repeats (those of a later call's --first-repeat too) differ.
     """
-    rng = random.Random(7919 * (repeat + 1) + (1 if workload == "gpt2" else 2))
+    rng = random.Random(7919 * (repeat + 1) + SHAPE_SEED[workload])
     shapes = []
     for _ in range(count):
-        if workload == "gpt2":
+        if workload in TOKEN_WORKLOADS:
             b = rng.randint(limits["batch_min"], limits["batch_max"])
             s = rng.randrange(limits["seq_min"], limits["seq_max"] + 1, 64)
         else:
@@ -130,12 +162,14 @@ class Allocator:
 
     def setup(self) -> None:
         torch = self.torch
-        if self.config in ("goalloc", "goalloc-mempool"):
+        if self.config in GOALLOC_INSTALLED + ("goalloc-mempool",):
             import goalloc
 
             self.goalloc = goalloc
         if self.config == "goalloc":
             self.goalloc.install()
+        elif self.config == "goalloc-vmm":
+            self.goalloc.install(vmm_conf(os.environ.get("GOALLOC_CONF", "")))
         elif self.config == "c-floor":
             path = os.environ.get("BENCH_CFLOOR_LIB", "")
             if not path or not os.path.isfile(path):
@@ -189,7 +223,7 @@ class Allocator:
         """How many allocations this allocator asked the driver for so far."""
         if self.cfloor is not None:
             return self._cfloor_stats()["device_allocs"]
-        if self.config == "goalloc":
+        if self.config in GOALLOC_INSTALLED:
             return int(self.goalloc.memory_stats(0).get("num_device_alloc", 0))
         if self.config == "async":
             return None  # cudaMallocAsync goes to the driver's pool on every call; torch keeps no count
@@ -212,7 +246,7 @@ class Allocator:
                     "reserved_current": s["reserved_current"], "allocated_peak": s["allocated_peak"],
                     "allocated_current": s["allocated_current"], "stats": s}
         out: dict[str, Any]
-        if self.config == "goalloc":
+        if self.config in GOALLOC_INSTALLED:
             s = self.goalloc.memory_stats(0)
             out = {"source": "goalloc.memory_stats"}
         else:
@@ -233,12 +267,16 @@ class Allocator:
             out["pool_used_current"] = int(f.pool_used_bytes)
             out["pool_reserved_max_read"] = self.pool_reserved_max
             out["pool_reserved_high"] = int(getattr(f, "pool_reserved_high_bytes", 0))
+            g = s
             if self.config == "goalloc-mempool":
                 # goalloc's own view of the segments it handed torch's pool.
                 g = self.goalloc.memory_stats(0)
                 out["goalloc_reserved_peak"] = g.get("reserved_bytes.all.peak")
                 out["goalloc_allocated_peak"] = g.get("allocated_bytes.all.peak")
                 out["goalloc_stats"] = g
+            lat = miss_latency(g)
+            if lat is not None:
+                out["device_alloc_ns"] = lat
         return out
 
     def verify(self) -> dict[str, Any]:
@@ -348,6 +386,10 @@ def run_env(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:
         out["transformers_gpt2"] = f"unavailable ({type(e).__name__}: {e})"
     try:
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+    except Exception as e:
+        out["transformers_llama"] = f"unavailable ({type(e).__name__}: {e})"
+    try:
         import torchvision.models  # noqa: F401
     except Exception as e:
         out["torchvision_models"] = f"unavailable ({type(e).__name__}: {e})"
@@ -355,7 +397,10 @@ def run_env(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
         p = torch.cuda.get_device_properties(0)
         out.update({"gpu": p.name, "gpu_memory": int(p.total_memory),
                     "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
-                    "cudnn": torch.backends.cudnn.version()})
+                    "cudnn": torch.backends.cudnn.version(),
+                    # Which physical GPU "cuda:0" is when CUDA_VISIBLE_DEVICES picks one.
+                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "gpu_uuid": str(getattr(p, "uuid", "")) or None})
         try:
             out["cuda_driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
         except Exception:
@@ -509,6 +554,39 @@ def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Call
     return model, opt, forward
 
 
+# The LLaMA of the llama workload: 12 layers of hidden size 2048, 16 query
+# heads sharing 4 key/value heads (grouped-query attention), a 32000-token
+# vocabulary and untied embeddings: 672M parameters. --smoke-cpu's is tiny.
+LLAMA_CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16,
+                    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+LLAMA_TINY_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096)
+
+
+def build_llama(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]:
+    """LlamaForCausalLM from LLAMA_CONFIG, randomly initialised on the device
+    (nothing is downloaded), with AdamW."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**(LLAMA_TINY_CONFIG if tiny else LLAMA_CONFIG))
+    with dev:
+        model = LlamaForCausalLM(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab = cfg.vocab_size
+
+    def forward(shape: tuple[int, int]) -> tuple[Any, int]:
+        b, s = shape
+        ids = torch.randint(0, vocab, (b, s), device=dev)
+        loss = model(input_ids=ids, labels=ids).loss
+        return loss, b * s
+
+    return model, opt, forward
+
+
+BUILDERS = {"gpt2": build_gpt2, "llama": build_llama}
+
+
 def build_resnet50(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]:
     """torchvision's ResNet-50, random weights, channels_last, SGD with momentum."""
     import torchvision
@@ -528,9 +606,9 @@ def build_resnet50(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, 
 
 
 def train_limits(args: argparse.Namespace, workload: str) -> dict[str, int]:
-    if workload == "gpt2":
-        return {"batch_min": args.gpt2_batch[0], "batch_max": args.gpt2_batch[1],
-                "seq_min": args.gpt2_seq[0], "seq_max": args.gpt2_seq[1]}
+    if workload in TOKEN_WORKLOADS:
+        batch, seq = (args.gpt2_batch, args.gpt2_seq) if workload == "gpt2" else (args.llama_batch, args.llama_seq)
+        return {"batch_min": batch[0], "batch_max": batch[1], "seq_min": seq[0], "seq_max": seq[1]}
     return {"batch_min": args.resnet_batch[0], "batch_max": args.resnet_batch[1],
             "res_min": args.resnet_res[0], "res_max": args.resnet_res[1]}
 
@@ -545,14 +623,14 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     warmup, steps = args.warmup, args.steps
     shapes = train_shapes(workload, args.repeat, warmup + steps, train_limits(args, workload))
-    unit = "tokens" if workload == "gpt2" else "images"
+    unit = "tokens" if workload in TOKEN_WORKLOADS else "images"
     scope = alloc.scope() if alloc is not None else contextlib.nullcontext()
     torch.manual_seed(1000 + args.repeat)  # the same weights and data for every configuration of a repeat
     log: list[dict[str, Any]] = []
     out: dict[str, Any] = {"unit": unit, "warmup": warmup, "steps": steps, "limits": train_limits(args, workload)}
     with scope:
         t_build = time.perf_counter()
-        build = build_gpt2 if workload == "gpt2" else build_resnet50
+        build = BUILDERS.get(workload, build_resnet50)
         model, opt, forward = build(torch, dev, tiny=not cuda)
         sync()
         out["build_s"] = time.perf_counter() - t_build
@@ -616,13 +694,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed training steps")
     p.add_argument("--gpt2-batch", type=int, nargs=2, default=(4, 8), metavar=("MIN", "MAX"))
     p.add_argument("--gpt2-seq", type=int, nargs=2, default=(256, 1024), metavar=("MIN", "MAX"))
+    p.add_argument("--llama-batch", type=int, nargs=2, default=(1, 8), metavar=("MIN", "MAX"))
+    p.add_argument("--llama-seq", type=int, nargs=2, default=(512, 3072), metavar=("MIN", "MAX"),
+                   help="sequence lengths, drawn in multiples of 64 from MIN")
     p.add_argument("--resnet-batch", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"))
     p.add_argument("--resnet-res", type=int, nargs=2, default=(160, 224), metavar=("MIN", "MAX"))
     p.add_argument("--smoke-cpu", action="store_true",
                    help="run the training loop on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
     if args.smoke_cpu and (args.workload in ("micro",) or args.config != "native"):
-        p.error("--smoke-cpu runs env, gpt2 or resnet50 with --config native only")
+        p.error("--smoke-cpu runs env, gpt2, llama or resnet50 with --config native only")
     return args
 
 
