@@ -53,18 +53,15 @@ type Allocator struct {
 	unusedIDs []blockID
 	// largeByAddr finds every large block goalloc holds (live, pending or cached).
 	largeByAddr map[uintptr]blockID
-	// lru lists every cached large block, least recently freed first.
-	lru blockList
-	// cachedLarge is the bytes of cached large blocks. Invariant: it equals
-	// the sum of the sizes of blocks in state blockCached.
-	cachedLarge uint64
 
 	// segments holds every small segment, sorted by address, so a pointer
 	// finds its segment by binary search.
 	segments []*Segment
-	// emptySegs lists the empty segments the general cache keeps against
-	// churn, oldest first.
-	emptySegs emptySegments
+	// retained is what the general cache keeps of freed memory (its cached
+	// large blocks, least recently freed first, and its empty segments),
+	// the Allocator's own so that reclaiming memory (out of memory,
+	// empty_cache) walks it as a.lru, a.cachedLarge and a.emptySegs.
+	retained
 
 	events   *streams.EventPool
 	deferred *streams.DeferredFrees
@@ -88,12 +85,12 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		cfg:         cfg,
 		total:       total,
 		largeByAddr: map[uintptr]blockID{},
-		general:     &cachePool{},
 		private:     map[PoolID]*cachePool{},
-		lru:         emptyList(),
 		recorded:    map[uintptr][]arena.Stream{},
 		stats:       Stats{BadInput: map[string]int64{}},
 	}
+	a.retained.lru = emptyList()
+	a.general = newGeneralPool(&a.retained, cfg)
 	a.mu.watch(&a.stats)
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
@@ -166,7 +163,7 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 		return 0, a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: larger than any device (a negative size?)", size, a.dev.Ordinal()))
 	}
 	cp := a.general
-	if len(a.windows) > 0 {
+	if a.capturing() {
 		var err error
 		if cp, err = a.captureTarget(s); err != nil {
 			return 0, err

@@ -19,6 +19,11 @@ type cachePool struct {
 	byStream map[arena.Stream]*StreamFreeList
 	last     *StreamFreeList
 
+	// retained is what the pool keeps of the memory freed into it, and
+	// rule decides how much (retention.go).
+	*retained
+	rule retention
+
 	// Private pools only. users counts the captures that began with this
 	// pool and were not released; once it drops to 0 the pool is released:
 	// its cached memory goes back to the driver pool, and so does the rest
@@ -33,7 +38,21 @@ type cachePool struct {
 	reserved uint64
 }
 
-func (p *cachePool) private() bool { return p.id != PoolID{} }
+// newGeneralPool makes the general cache, which keeps its memory in kept
+// under the rule of cfg.
+func newGeneralPool(kept *retained, cfg Config) *cachePool {
+	p := &cachePool{retained: kept, rule: generalRetention{largeCache: cfg.LargeCache, missRelease: cfg.MissRelease}}
+	p.limits = p.rule.limits()
+	return p
+}
+
+// newGraphPool makes the private pool id, empty.
+func newGraphPool(id PoolID) *cachePool {
+	p := &cachePool{id: id, retained: newRetained()}
+	p.rule = graphRetention{pool: p}
+	p.limits = p.rule.limits()
+	return p
+}
 
 // list finds or makes the StreamFreeList of s and makes it last. The list
 // that was last is dropped if it holds nothing.

@@ -31,12 +31,12 @@ func (a *Allocator) BeginAllocateToPool(id PoolID) error {
 	}
 	p := a.private[id]
 	if p == nil {
-		p = &cachePool{id: id}
+		p = newGraphPool(id)
 		a.private[id] = p
 	}
 	if p.released {
 		// torch reuses a released id only for a new graph: start afresh.
-		p.released = false
+		p.setReleased(false)
 	}
 	p.users++
 	a.windows = append(a.windows, id)
@@ -89,6 +89,11 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 	return a.release(p)
 }
 
+// capturing says whether any capture window is open: then an allocation
+// may belong to a private pool (captureTarget), and nothing may
+// synchronise the device or free on a capturing stream (mayFree).
+func (a *Allocator) capturing() bool { return len(a.windows) > 0 }
+
 // windowOpen says whether a capture window of pool id is open.
 func (a *Allocator) windowOpen(id PoolID) bool {
 	for _, w := range a.windows {
@@ -107,7 +112,7 @@ func (a *Allocator) release(p *cachePool) error {
 	if p.users > 0 {
 		return nil
 	}
-	p.released = true
+	p.setReleased(true)
 	var errs []error
 	for _, l := range append([]*StreamFreeList(nil), p.lists...) {
 		for i := range l.buckets {
@@ -134,11 +139,20 @@ func (a *Allocator) release(p *cachePool) error {
 	return errors.Join(errs...)
 }
 
-// dropIfEmpty forgets a released private pool once it holds nothing.
+// dropIfEmpty forgets the private pool p once it is released and holds
+// nothing.
 func (a *Allocator) dropIfEmpty(p *cachePool) {
-	if p.private() && p.released && p.empty() {
+	if p.released && p.empty() {
 		delete(a.private, p.id)
 	}
+}
+
+// setReleased marks the private pool p released by torch, or in use again,
+// and gives it the limits of its rule for that state: keep nothing, or keep
+// everything.
+func (p *cachePool) setReleased(released bool) {
+	p.released = released
+	p.limits = p.rule.limits()
 }
 
 // captureTarget picks the cache an allocation on s comes from while a
@@ -162,7 +176,7 @@ var errCapturing = errors.New("the stream is being captured into a CUDA graph")
 // mayFree says whether a stream-ordered free on s is safe now: not while s
 // is being captured, when the free would become a node of the graph.
 func (a *Allocator) mayFree(s arena.Stream) error {
-	if len(a.windows) == 0 {
+	if !a.capturing() {
 		return nil
 	}
 	st, err := a.dev.CaptureStatus(s)

@@ -44,9 +44,7 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 		}
 	}
 	l.pruneBuckets()
-	if a.cfg.MissRelease && !l.pool.private() {
-		a.releaseForMiss(l, n)
-	}
+	l.pool.rule.beforeMiss(a, l, n)
 	p, err := a.poolAlloc(n, l, size)
 	if err != nil {
 		return 0, err
@@ -103,8 +101,8 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 	return warn
 }
 
-// cacheBlock puts the free large block id into its stream's cache, then
-// keeps the cache within its budget.
+// cacheBlock puts the free large block id into its stream's cache; past its
+// pool's limit, the pool's rule decides what goes back.
 func (a *Allocator) cacheBlock(id blockID) {
 	b := &a.blocks[id]
 	b.state = blockCached
@@ -115,25 +113,16 @@ func (a *Allocator) cacheBlock(id blockID) {
 	}
 	bucket.count++
 	a.pushFront(&bucket.list, id, sizeLinks)
-	if p := l.pool; p.private() {
-		// A private pool keeps its blocks, out of the LRU and the budget,
-		// until it is released.
-		if p.released {
-			_ = a.releaseBlock(id)
-		}
-		return
-	}
-	a.pushBack(&a.lru, id, lruLinks)
-	a.cachedLarge += b.size
-	for a.cachedLarge > a.cfg.LargeCache && a.lru.head != noBlock {
-		if a.releaseBlock(a.lru.head) != nil {
-			break
-		}
+	p := l.pool
+	a.pushBack(&p.lru, id, lruLinks)
+	p.cachedLarge += b.size
+	if p.cachedLarge > p.maxCachedLarge {
+		p.rule.overLarge(a, p, id)
 	}
 }
 
 // uncache takes the cached block id out of its bucket (found if nil) and
-// the LRU list.
+// its pool's LRU list.
 func (a *Allocator) uncache(id blockID, bucket *sizeBucket) {
 	b := &a.blocks[id]
 	l := b.list
@@ -145,8 +134,7 @@ func (a *Allocator) uncache(id blockID, bucket *sizeBucket) {
 	if bucket.count == 0 {
 		l.emptyBucket++
 	}
-	if !l.pool.private() {
-		a.unlink(&a.lru, id, lruLinks)
-		a.cachedLarge -= b.size
-	}
+	p := l.pool
+	a.unlink(&p.lru, id, lruLinks)
+	p.cachedLarge -= b.size
 }

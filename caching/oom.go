@@ -16,13 +16,7 @@ import (
 // through the stack that enforces the cap and reclaims when the cap or the
 // driver says no (retryAfterOOM).
 func (a *Allocator) poolAlloc(n uint64, l *StreamFreeList, size uint64) (uintptr, error) {
-	var p uintptr
-	var err error
-	if l.pool.private() {
-		p, err = a.mem.AllocUncaptured(n)
-	} else {
-		p, err = a.mem.Alloc(n, l.stream)
-	}
+	p, err := l.pool.rule.alloc(a.mem, n, l.stream)
 	if err == nil {
 		return p, nil
 	}
@@ -51,7 +45,7 @@ func (a *Allocator) retryAfterOOM(n uint64, attempt int, _ error) bool {
 // With sync (the last step before an out-of-memory) it also waits for the
 // whole device, which completes every deferred free; see releaseAll.
 func (a *Allocator) reclaim(sync bool) {
-	if sync && len(a.windows) == 0 { // synchronising would break a capture
+	if sync && !a.capturing() { // synchronising would break a capture
 		_ = a.releaseAll()
 		return
 	}

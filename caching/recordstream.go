@@ -40,9 +40,8 @@ func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
 	return nil
 }
 
-// deferIfRecorded starts a deferred free when other streams used ptr. In a
-// private pool the graph's own order protects the memory: its blocks are
-// reused only by replays of the same captures, in the captured order.
+// deferIfRecorded starts a deferred free when other streams used ptr and the
+// pool's rule defers such frees (a graph's private pool does not).
 func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	if len(a.recorded) == 0 {
 		return false
@@ -52,7 +51,7 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 		return false
 	}
 	delete(a.recorded, ptr)
-	if l.pool.private() {
+	if !l.pool.rule.defersFrees() {
 		return false
 	}
 	a.deferred.Add(ptr, used)

@@ -32,7 +32,7 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	a.unusedIDs = append(a.unusedIDs, id)
 	l.refs--
 	p.dropIfUnused(l)
-	a.dropIfEmpty(p)
+	p.rule.gaveBack(a, p)
 	return nil
 }
 
@@ -48,7 +48,7 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	cl.remove(seg)
 	cl.empty--
 	if seg.inEmpty {
-		a.emptySegs.remove(seg)
+		l.pool.emptySegs.remove(seg)
 	}
 	a.removeSegment(seg)
 	a.stats.Segment.sub(StatSmall, 1)
@@ -59,7 +59,7 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	l.pool.reserved -= seg.size
 	l.refs--
 	l.pool.dropIfUnused(l)
-	a.dropIfEmpty(l.pool)
+	l.pool.rule.gaveBack(a, l.pool)
 	return nil
 }
 

@@ -28,7 +28,7 @@ func (a *Allocator) liveSlot(l *StreamFreeList, seg *Segment, i int32, size uint
 		// The segment was empty: it becomes split, its other slots inactive.
 		l.small[seg.class].empty--
 		if seg.inEmpty {
-			a.emptySegs.remove(seg)
+			l.pool.emptySegs.remove(seg)
 		}
 		a.stats.InactiveSplit.add(StatSmall, int64(seg.nslots-1))
 		a.stats.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
@@ -114,38 +114,14 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	a.stats.InactiveSplitBytes.sub(StatSmall, int64(seg.size)-slot)
 	cl := &l.small[seg.class]
 	cl.empty++
-	// Keep one empty segment per stream and class as a buffer against
-	// churn, within emptySegmentBudget over all streams (the oldest go
-	// first: their streams may be gone); give the others back to the pool,
-	// where any size can use them. A private pool keeps everything until it
-	// is released.
+	// The pool keeps the empty segment; past its limits, its rule decides
+	// what goes back (retention.go).
 	p := l.pool
-	if p.private() {
-		if p.released {
-			_ = a.releaseSegment(seg)
-		}
-		return
-	}
-	a.emptySegs.pushBack(seg)
-	if cl.empty > 1 {
-		_ = a.releaseSegment(seg)
-	}
-	for a.emptySegs.bytes > emptySegmentBudget {
-		if a.releaseSegment(a.emptySegs.head) != nil {
-			break
-		}
+	p.emptySegs.pushBack(seg)
+	if cl.empty > p.maxEmptyPerClass || p.emptySegs.bytes > p.maxEmptyBytes {
+		p.rule.overEmpty(a, p, seg, cl)
 	}
 }
-
-// emptySegmentBudget bounds the bytes of empty small segments the general
-// cache keeps. They are a buffer against churn, one per stream and class
-// (24 classes of 256-448 KiB: at most 6.6 MiB for a stream using all of
-// them), so a few active streams fit; memory kept for streams that are
-// gone goes back to the pool, oldest first, instead of growing with the
-// number of streams ever seen. The budget is its own, apart from
-// Config.LargeCache, so that large_cache keeps meaning what every figure
-// measured with it meant.
-const emptySegmentBudget = 32 << 20
 
 func (a *Allocator) insertSegment(seg *Segment) {
 	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr > seg.addr })

@@ -247,16 +247,17 @@ func (a *Allocator) Fragmentation() Fragmentation {
 }
 
 func (a *Allocator) fragmentation() Fragmentation {
+	// Only the general cache's free memory counts: no other use may take a
+	// private pool's.
 	var f Fragmentation
-	for i := range a.blocks {
-		if b := &a.blocks[i]; b.state == blockCached && !b.list.pool.private() {
-			f.FreeBytes += b.size
-			f.LargestFreeBlock = max(f.LargestFreeBlock, b.size)
-		}
+	for id := a.lru.head; id != noBlock; id = a.blocks[id].lruNext {
+		size := a.blocks[id].size
+		f.FreeBytes += size
+		f.LargestFreeBlock = max(f.LargestFreeBlock, size)
 	}
 	_, f.GraphPrivateBytes = a.graphPoolBytes()
 	for _, seg := range a.segments {
-		if seg.list.pool.private() {
+		if seg.list.pool != a.general {
 			continue
 		}
 		free := uint64(len(seg.freeSlots)) * seg.slotSize
