@@ -20,7 +20,7 @@ type Block struct {
 	list  *StreamFreeList
 	state blockState
 
-	// While cached: links in its size bucket and in the device's LRU list.
+	// While cached: links in its size bucket and in its pool's LRU list.
 	sizePrev, sizeNext blockID
 	lruPrev, lruNext   blockID
 }
@@ -57,7 +57,7 @@ type linkKind uint8
 
 const (
 	sizeLinks linkKind = iota // a sizeBucket's list
-	lruLinks                  // the device's LRU list
+	lruLinks                  // a cache pool's LRU list
 )
 
 func (a *Allocator) links(id blockID, k linkKind) (prev, next *blockID) {

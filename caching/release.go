@@ -63,8 +63,8 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	return nil
 }
 
-// releaseAtLeast gives the least recently freed cached blocks back to the
-// pool until at least n bytes went back or nothing is cached.
+// releaseAtLeast gives the general cache's least recently freed blocks back
+// to the pool until at least n bytes went back or nothing is cached.
 func (a *Allocator) releaseAtLeast(n uint64) {
 	var released uint64
 	for released < n && a.lru.head != noBlock {
@@ -110,8 +110,8 @@ func (a *Allocator) smallestCachedAtLeast(l *StreamFreeList, n uint64) blockID {
 	return noBlock
 }
 
-// releaseCached gives cached large blocks back to the pool, oldest first,
-// until at most keep bytes stay cached.
+// releaseCached gives the general cache's cached large blocks back to the
+// pool, oldest first, until at most keep bytes stay cached.
 func (a *Allocator) releaseCached(keep uint64) {
 	for a.cachedLarge > keep && a.lru.head != noBlock {
 		if a.releaseBlock(a.lru.head) != nil {
