@@ -1,6 +1,7 @@
 package caching
 
 import (
+	"math/rand/v2"
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
@@ -169,4 +170,90 @@ func TestGeneralRetentionEmptySegmentPerStream(t *testing.T) {
 	assert.Greater(t, a.emptySegs.bytes, uint64(emptySegmentBudget)-bigSeg, "only as many go as the budget needs")
 	assert.NotEqual(t, first, a.emptySegs.head, "the oldest empty segment went first")
 	assert.Equal(t, arena.Stream(0x1000+streams-1), a.emptySegs.tail.stream, "the newest stays")
+}
+
+// Random operations on the general cache and three graph pools, with a
+// small large-block budget so that the general rule gives back often: the
+// self-check (each pool's LRU, cached bytes, empty segments and limits)
+// holds after every step, every allocation comes from the pool asked for,
+// and a graph pool in use never gives back any memory, whatever the
+// general cache does around it.
+func TestRetentionRandomOps(t *testing.T) {
+	for seed := uint64(1); seed <= 4; seed++ {
+		cfg := DefaultConfig()
+		cfg.LargeCache = 8 << 20
+		a, _ := newTestAllocator(t, cfg)
+		rng := rand.New(rand.NewPCG(seed, 12))
+		ids := []PoolID{{}, {1, 1}, {1, 2}, {2, 1}}
+		type live struct {
+			ptr  uintptr
+			size uint64
+			s    arena.Stream
+			pool PoolID
+		}
+		var lives []live
+		users := map[PoolID]int{}
+		held := map[PoolID]uint64{} // a pool's reserved bytes while it has users
+		for step := 0; step < 1500; step++ {
+			id := ids[rng.IntN(len(ids))]
+			switch op := rng.IntN(20); {
+			case op == 0 && id != (PoolID{}):
+				require.NoError(t, a.IncrefPool(id))
+				users[id]++
+			case op == 1 && users[id] > 0:
+				require.NoError(t, a.ReleasePool(id))
+				users[id]--
+			case op == 2:
+				require.NoError(t, a.EmptyCache())
+			case op < 12 && (id == PoolID{} || users[id] > 0):
+				size := uint64(1 + rng.IntN(48<<10))
+				if rng.IntN(3) == 0 {
+					size = uint64(64<<10 + rng.IntN(6<<20))
+				}
+				s := arena.Stream(0x10 * (1 + rng.IntN(2)))
+				p, err := a.MallocIn(id, size, s)
+				require.NoError(t, err)
+				lives = append(lives, live{p, size, s, id})
+				a.mu.Lock()
+				var pool *cachePool
+				if bid, ok := a.largeByAddr[p]; ok {
+					pool = a.blocks[bid].list.pool
+				} else {
+					pool = a.findSegment(p).list.pool
+				}
+				a.mu.Unlock()
+				require.Equal(t, id, pool.id, "step %d: memory from the pool asked for", step)
+			case len(lives) > 0:
+				i := rng.IntN(len(lives))
+				l := lives[i]
+				lives[i] = lives[len(lives)-1]
+				lives = lives[:len(lives)-1]
+				require.NoError(t, a.Free(l.ptr, l.size, l.s))
+			}
+			require.NoError(t, a.CheckInvariants(), "seed %d step %d", seed, step)
+			a.mu.Lock()
+			for _, id := range ids[1:] {
+				p := a.private[id]
+				if p == nil || users[id] == 0 {
+					delete(held, id)
+					continue
+				}
+				require.GreaterOrEqual(t, p.reserved, held[id], "seed %d step %d: pool %v in use gave memory back", seed, step, id)
+				held[id] = p.reserved
+			}
+			a.mu.Unlock()
+		}
+		for _, l := range lives {
+			require.NoError(t, a.Free(l.ptr, l.size, l.s))
+		}
+		for id, n := range users {
+			for range n {
+				require.NoError(t, a.ReleasePool(id))
+			}
+		}
+		require.NoError(t, a.EmptyCache())
+		require.NoError(t, a.CheckInvariants())
+		assert.Zero(t, a.reserved(), "seed %d: everything went back", seed)
+		assert.Empty(t, a.private, "seed %d: every released pool is forgotten", seed)
+	}
 }
