@@ -10,7 +10,8 @@ import (
 
 // The Allocator: its state, how New builds it (the memory stack under the
 // cache), and the entry points: Malloc and Free route a request to the small
-// or large path of its cache pool (small.go, large.go); the cap and Close.
+// or large path of its cache pool (small.go, large.go); Holds, the cap
+// (SetFraction, SetLimit) and Close.
 
 // MaxRequest is the largest size Malloc considers a request at all (256 TiB);
 // anything larger is a caller bug (a negative ssize_t cast to unsigned, say),
