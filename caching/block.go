@@ -20,7 +20,7 @@ type Block struct {
 	list  *StreamFreeList
 	state blockState
 
-	// While cached: links in its size bucket and in the device's LRU list.
+	// While cached: links in its size bucket and in its pool's LRU list.
 	sizePrev, sizeNext blockID
 	lruPrev, lruNext   blockID
 }
@@ -52,73 +52,12 @@ type sizeBucket struct {
 	count int
 }
 
-// StreamFreeList is the cache of one stream: its small segments with free
-// slots, by class, and its cached large blocks, by size. Everything in it may
-// be handed to this stream's work at once (see doc.go, "Streams").
-type StreamFreeList struct {
-	stream arena.Stream
-	pool   *cachePool
-	// refs counts the segments and blocks (live, pending or cached) that
-	// belong to this list; at 0 the list holds nothing and is dropped.
-	refs int
-	// index is the list's position in pool.lists.
-	index int
-	small [numSmallClasses]segmentList
-	// buckets is sorted by size. Buckets may be empty; empty ones are pruned
-	// on the slow path when they outnumber the full ones.
-	buckets     []sizeBucket
-	emptyBucket int
-}
-
-// bucketIndex returns the index of the first bucket with size >= n.
-func (l *StreamFreeList) bucketIndex(n uint64) int {
-	b := l.buckets
-	lo, hi := 0, len(b)
-	for lo < hi {
-		m := int(uint(lo+hi) >> 1)
-		if b[m].size < n {
-			lo = m + 1
-		} else {
-			hi = m
-		}
-	}
-	return lo
-}
-
-// bucketFor returns the bucket of exactly size n, creating it (slow path).
-func (l *StreamFreeList) bucketFor(n uint64) *sizeBucket {
-	i := l.bucketIndex(n)
-	if i < len(l.buckets) && l.buckets[i].size == n {
-		return &l.buckets[i]
-	}
-	l.buckets = append(l.buckets, sizeBucket{})
-	copy(l.buckets[i+1:], l.buckets[i:])
-	l.buckets[i] = sizeBucket{size: n, list: emptyList()}
-	l.emptyBucket++
-	return &l.buckets[i]
-}
-
-// pruneBuckets drops empty buckets once they are the majority.
-func (l *StreamFreeList) pruneBuckets() {
-	if l.emptyBucket*2 <= len(l.buckets) {
-		return
-	}
-	kept := l.buckets[:0]
-	for _, b := range l.buckets {
-		if b.count > 0 {
-			kept = append(kept, b)
-		}
-	}
-	l.buckets = kept
-	l.emptyBucket = 0
-}
-
 // linkKind says which pair of links a blockList threads through.
 type linkKind uint8
 
 const (
 	sizeLinks linkKind = iota // a sizeBucket's list
-	lruLinks                  // the device's LRU list
+	lruLinks                  // a cache pool's LRU list
 )
 
 func (a *Allocator) links(id blockID, k linkKind) (prev, next *blockID) {

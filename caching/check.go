@@ -17,12 +17,13 @@ func (a *Allocator) CheckInvariants() error {
 		what       string
 	}
 	var spans []span
-	var allocated, active, reserved, cached, requested [numStatTypes]int64
+	var allocated, active, reserved, requested [numStatTypes]int64
 	var live, activeN, segs [numStatTypes]int64
 	add := func(t StatType, arr *[numStatTypes]int64, n int64) { arr[StatAll] += n; arr[t] += n }
 
 	cachedIDs := map[blockID]bool{}
-	generalCached := 0
+	poolCached := map[*cachePool]uint64{}
+	poolCachedN := map[*cachePool]int{}
 	poolBytes := map[*cachePool]uint64{}
 	for i := range a.blocks {
 		b := &a.blocks[i]
@@ -49,10 +50,8 @@ func (a *Allocator) CheckInvariants() error {
 			add(StatLarge, &active, int64(b.size))
 			add(StatLarge, &activeN, 1)
 		case blockCached:
-			if !b.list.pool.private() {
-				cached[StatLarge] += int64(b.size)
-				generalCached++
-			}
+			poolCached[b.list.pool] += b.size
+			poolCachedN[b.list.pool]++
 			cachedIDs[blockID(i)] = true
 		}
 		poolBytes[b.list.pool] += b.size
@@ -60,10 +59,14 @@ func (a *Allocator) CheckInvariants() error {
 	if len(a.largeByAddr) != int(segs[StatLarge]) {
 		return fmt.Errorf("%d addresses indexed, %d large blocks held", len(a.largeByAddr), segs[StatLarge])
 	}
-	if uint64(cached[StatLarge]) != a.cachedLarge {
-		return fmt.Errorf("cachedLarge %d, cached blocks add up to %d", a.cachedLarge, cached[StatLarge])
+	pools := append([]*cachePool{a.general}, a.privatePools()...)
+	for _, p := range pools {
+		if poolCached[p] != p.cachedLarge {
+			return fmt.Errorf("pool %v: cachedLarge %d, cached blocks add up to %d", p.id, p.cachedLarge, poolCached[p])
+		}
 	}
-	// Every cached block is in exactly one bucket of its stream and in the LRU.
+	// Every cached block is in exactly one bucket of its stream and in its
+	// pool's LRU.
 	inLists := 0
 	for _, l := range a.allLists() {
 		empty := 0
@@ -91,15 +94,23 @@ func (a *Allocator) CheckInvariants() error {
 			return fmt.Errorf("stream %#x: %d empty buckets, counted %d", l.stream, empty, l.emptyBucket)
 		}
 	}
-	lruN := 0
-	for id := a.lru.head; id != noBlock; id = a.blocks[id].lruNext {
-		if !cachedIDs[id] {
-			return fmt.Errorf("LRU holds block %d, which is not cached", id)
-		}
-		lruN++
+	if inLists != len(cachedIDs) {
+		return fmt.Errorf("%d cached blocks, %d in buckets", len(cachedIDs), inLists)
 	}
-	if inLists != len(cachedIDs) || lruN != generalCached {
-		return fmt.Errorf("%d cached blocks (%d general), %d in buckets, %d in the LRU", len(cachedIDs), generalCached, inLists, lruN)
+	for _, p := range pools {
+		lruN := 0
+		for id := p.lru.head; id != noBlock; id = a.blocks[id].lruNext {
+			if !cachedIDs[id] || a.blocks[id].list.pool != p {
+				return fmt.Errorf("pool %v: LRU holds block %d, which is not cached in the pool", p.id, id)
+			}
+			if (a.blocks[id].lruNext == noBlock) != (id == p.lru.tail) {
+				return fmt.Errorf("pool %v: LRU is broken at block %d", p.id, id)
+			}
+			lruN++
+		}
+		if lruN != poolCachedN[p] {
+			return fmt.Errorf("pool %v: %d cached blocks, %d in the LRU", p.id, poolCachedN[p], lruN)
+		}
 	}
 
 	var inactive, inactiveN int64
@@ -193,7 +204,7 @@ func (a *Allocator) CheckInvariants() error {
 		return fmt.Errorf("the memory stack holds %d bytes (cap's count) and %d (device count), blocks add up to %d",
 			a.limited.Held(), a.counting.Held(), r)
 	}
-	for _, p := range append([]*cachePool{a.general}, a.privatePools()...) {
+	for _, p := range pools {
 		if poolBytes[p] != p.reserved {
 			return fmt.Errorf("pool %v holds %d bytes, counted %d", p.id, poolBytes[p], p.reserved)
 		}
@@ -223,8 +234,8 @@ func (a *Allocator) CheckInvariants() error {
 // checkStreamRecords checks the per-stream records and the kept empty
 // segments: each list is found by its stream, counts exactly the blocks and
 // segments that belong to it, and holds at least one unless it is the list
-// in use; the empty segments of the general cache are exactly those on
-// emptySegs, within its budget.
+// in use; the empty segments of each pool are exactly those on its
+// emptySegs.
 func (a *Allocator) checkStreamRecords() error {
 	refs := map[*StreamFreeList]int{}
 	for i := range a.blocks {
@@ -232,30 +243,35 @@ func (a *Allocator) checkStreamRecords() error {
 			refs[b.list]++
 		}
 	}
-	var emptyBytes uint64
-	emptyN := 0
+	emptyBytes := map[*cachePool]uint64{}
+	emptyN := map[*cachePool]int{}
 	for _, seg := range a.segments {
 		refs[seg.list]++
-		general := !seg.list.pool.private()
-		if general && seg.inEmpty != (seg.used == 0) || !general && seg.inEmpty {
+		if seg.inEmpty != (seg.used == 0) {
 			return fmt.Errorf("segment %#x: %d used, on the empty list %v", seg.addr, seg.used, seg.inEmpty)
 		}
 		if seg.inEmpty {
-			emptyBytes += seg.size
-			emptyN++
+			emptyBytes[seg.list.pool] += seg.size
+			emptyN[seg.list.pool]++
 		}
 	}
-	n := 0
-	for seg := a.emptySegs.head; seg != nil; seg = seg.emptyNext {
-		if !seg.inEmpty || (seg.emptyNext == nil) != (seg == a.emptySegs.tail) {
-			return fmt.Errorf("empty segment list is broken at %#x", seg.addr)
+	pools := append([]*cachePool{a.general}, a.privatePools()...)
+	for _, p := range pools {
+		n := 0
+		for seg := p.emptySegs.head; seg != nil; seg = seg.emptyNext {
+			if !seg.inEmpty || seg.list.pool != p || (seg.emptyNext == nil) != (seg == p.emptySegs.tail) {
+				return fmt.Errorf("pool %v: empty segment list is broken at %#x", p.id, seg.addr)
+			}
+			n++
 		}
-		n++
+		if n != emptyN[p] || emptyBytes[p] != p.emptySegs.bytes {
+			return fmt.Errorf("pool %v: %d empty segments (%d bytes), list holds %d (%d bytes)", p.id, emptyN[p], emptyBytes[p], n, p.emptySegs.bytes)
+		}
+		if p.limits != p.rule.limits() {
+			return fmt.Errorf("pool %v: limits %+v, its rule says %+v", p.id, p.limits, p.rule.limits())
+		}
 	}
-	if n != emptyN || emptyBytes != a.emptySegs.bytes {
-		return fmt.Errorf("%d empty segments (%d bytes), list holds %d (%d bytes)", emptyN, emptyBytes, n, a.emptySegs.bytes)
-	}
-	for _, p := range append([]*cachePool{a.general}, a.privatePools()...) {
+	for _, p := range pools {
 		if len(p.byStream) != len(p.lists) {
 			return fmt.Errorf("pool %v: %d lists, %d indexed by stream", p.id, len(p.lists), len(p.byStream))
 		}

@@ -20,89 +20,6 @@ import (
 // PoolID names a private pool, as PyTorch's MempoolId_t does.
 type PoolID [2]uint64
 
-// A cachePool is a set of stream free lists: the general cache, or one
-// private pool of CUDA graph captures.
-type cachePool struct {
-	id PoolID // the zero PoolID for the general cache
-	// lists has one StreamFreeList per stream that holds memory here
-	// (byStream finds it); last is the one used most recently, checked
-	// first because one stream does most work. A list that holds nothing
-	// is dropped (see dropIfUnused): the records do not grow with the
-	// streams ever seen.
-	lists    []*StreamFreeList
-	byStream map[arena.Stream]*StreamFreeList
-	last     *StreamFreeList
-
-	// Private pools only. users counts the captures that began with this
-	// pool and were not released; once it drops to 0 the pool is released:
-	// its cached memory goes back to the driver pool, and so does the rest
-	// as it is freed.
-	users    int
-	released bool
-	// deferredReleases counts ReleasePool calls that arrived while a
-	// capture window of this pool was open; they take effect when the
-	// pool's last window ends (EndAllocateToPool).
-	deferredReleases int
-	// reserved is the bytes of segments and blocks the pool holds.
-	reserved uint64
-}
-
-func (p *cachePool) private() bool { return p.id != PoolID{} }
-
-// list finds or makes the StreamFreeList of s and makes it last. The list
-// that was last is dropped if it holds nothing.
-func (p *cachePool) list(s arena.Stream) *StreamFreeList {
-	if old := p.last; old != nil && old.refs == 0 {
-		p.drop(old)
-	}
-	l := p.byStream[s]
-	if l == nil {
-		if p.byStream == nil {
-			p.byStream = map[arena.Stream]*StreamFreeList{}
-		}
-		l = &StreamFreeList{stream: s, pool: p, index: len(p.lists)}
-		p.lists = append(p.lists, l)
-		p.byStream[s] = l
-	}
-	p.last = l
-	return l
-}
-
-// drop forgets the StreamFreeList l, which holds nothing.
-func (p *cachePool) drop(l *StreamFreeList) {
-	n := len(p.lists) - 1
-	moved := p.lists[n]
-	p.lists[l.index], moved.index = moved, l.index
-	p.lists[n] = nil
-	p.lists = p.lists[:n]
-	delete(p.byStream, l.stream)
-	if p.last == l {
-		p.last = nil
-	}
-}
-
-// dropIfUnused drops l once it holds nothing, unless it is the list in use
-// (last), which a Malloc in progress may be holding; list drops that one
-// when another stream takes its place, and EmptyCache drops it for good.
-func (p *cachePool) dropIfUnused(l *StreamFreeList) {
-	if l.refs == 0 && l != p.last {
-		p.drop(l)
-	}
-}
-
-// dropAllUnused drops every list that holds nothing, last included. Only
-// for EmptyCache: no Malloc is in progress.
-func (p *cachePool) dropAllUnused() {
-	for i := len(p.lists) - 1; i >= 0; i-- {
-		if l := p.lists[i]; l.refs == 0 {
-			p.drop(l)
-		}
-	}
-}
-
-// empty says whether the pool holds no memory at all.
-func (p *cachePool) empty() bool { return p.reserved == 0 }
-
 // BeginAllocateToPool starts a capture window: until the matching
 // EndAllocateToPool, allocations on streams being captured come from the
 // private pool id.
@@ -114,12 +31,12 @@ func (a *Allocator) BeginAllocateToPool(id PoolID) error {
 	}
 	p := a.private[id]
 	if p == nil {
-		p = &cachePool{id: id}
+		p = newGraphPool(id)
 		a.private[id] = p
 	}
 	if p.released {
 		// torch reuses a released id only for a new graph: start afresh.
-		p.released = false
+		p.setReleased(false)
 	}
 	p.users++
 	a.windows = append(a.windows, id)
@@ -172,6 +89,11 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 	return a.release(p)
 }
 
+// capturing says whether any capture window is open: then an allocation
+// may belong to a private pool (captureTarget), and nothing may
+// synchronise the device or free on a capturing stream (mayFree).
+func (a *Allocator) capturing() bool { return len(a.windows) > 0 }
+
 // windowOpen says whether a capture window of pool id is open.
 func (a *Allocator) windowOpen(id PoolID) bool {
 	for _, w := range a.windows {
@@ -190,7 +112,7 @@ func (a *Allocator) release(p *cachePool) error {
 	if p.users > 0 {
 		return nil
 	}
-	p.released = true
+	p.setReleased(true)
 	var errs []error
 	for _, l := range append([]*StreamFreeList(nil), p.lists...) {
 		for i := range l.buckets {
@@ -217,11 +139,20 @@ func (a *Allocator) release(p *cachePool) error {
 	return errors.Join(errs...)
 }
 
-// dropIfEmpty forgets a released private pool once it holds nothing.
+// dropIfEmpty forgets the private pool p once it is released and holds
+// nothing.
 func (a *Allocator) dropIfEmpty(p *cachePool) {
-	if p.private() && p.released && p.empty() {
+	if p.released && p.empty() {
 		delete(a.private, p.id)
 	}
+}
+
+// setReleased marks the private pool p released by torch, or in use again,
+// and gives it the limits of its rule for that state: keep nothing, or keep
+// everything.
+func (p *cachePool) setReleased(released bool) {
+	p.released = released
+	p.limits = p.rule.limits()
 }
 
 // captureTarget picks the cache an allocation on s comes from while a
@@ -245,7 +176,7 @@ var errCapturing = errors.New("the stream is being captured into a CUDA graph")
 // mayFree says whether a stream-ordered free on s is safe now: not while s
 // is being captured, when the free would become a node of the graph.
 func (a *Allocator) mayFree(s arena.Stream) error {
-	if len(a.windows) == 0 {
+	if !a.capturing() {
 		return nil
 	}
 	st, err := a.dev.CaptureStatus(s)

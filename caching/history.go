@@ -70,6 +70,19 @@ const MaxHistoryEntries = 1 << 20
 
 // history is a ring of the most recent TraceEntries. A nil *history records
 // nothing, so the hot path pays one nil check when recording is off.
+//
+// The segment entries (segment_alloc, segment_free) are written here by
+// the cache, where it takes or gives back memory (small.go, large.go,
+// release.go), not by an adaptor on the memory stack as the cap and the
+// device-call counts are (arena/limit.go, counting.go), for two reasons.
+// An entry names the stream the segment belongs to, and a graph pool's
+// segments come from AllocUncaptured, which takes no stream: only the
+// cache knows the capturing stream whose free list the segment joins, and
+// an adaptor would record stream 0 in their place, changing the snapshots
+// torch's viewer and the replay read. And the segment entries interleave
+// with the cache's own alloc and free entries in this one ring, switched
+// on and off under the allocator's mutex (RecordHistory), so an adaptor
+// would call back into the ring here all the same.
 type history struct {
 	ring  []TraceEntry
 	next  int  // where the next entry goes

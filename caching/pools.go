@@ -69,10 +69,10 @@ func (a *Allocator) IncrefPool(id PoolID) error {
 	}
 	p := a.private[id]
 	if p == nil {
-		p = &cachePool{id: id}
+		p = newGraphPool(id)
 		a.private[id] = p
 	}
-	p.released = false
+	p.setReleased(false)
 	p.users++
 	return nil
 }

@@ -29,9 +29,8 @@ type Segment struct {
 	prev, next *Segment
 	inAvail    bool
 
-	// Links in the allocator's list of kept empty segments (emptySegs),
-	// oldest first. Invariant: inEmpty == (used == 0) for a segment of the
-	// general cache; private pools' segments are never on it.
+	// Links in its cache pool's list of kept empty segments (emptySegs),
+	// oldest first. Invariant: inEmpty == (used == 0).
 	emptyPrev, emptyNext *Segment
 	inEmpty              bool
 
@@ -106,10 +105,10 @@ func (l *segmentList) remove(seg *Segment) {
 	seg.prev, seg.next, seg.inAvail = nil, nil, false
 }
 
-// emptySegments lists the empty small segments the general cache keeps
-// (one per stream and class at most), least recently emptied first, with
-// their bytes: memory cached for streams that may be gone, bounded by
-// emptySegmentBudget.
+// emptySegments lists the empty small segments a cache pool keeps, least
+// recently emptied first, with their bytes; the pool's retention rule bounds
+// both (the general cache: one per stream and class, emptySegmentBudget in
+// all, since the streams they are kept for may be gone).
 type emptySegments struct {
 	head, tail *Segment
 	bytes      uint64

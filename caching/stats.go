@@ -207,3 +207,83 @@ type Fragmentation struct {
 	PoolReservedHigh uint64 `json:"pool_reserved_high_bytes"`
 	PoolUsedHigh     uint64 `json:"pool_used_high_bytes"`
 }
+
+// Stats returns a copy of the statistics, after collecting completed
+// deferred frees so that active figures are current.
+func (a *Allocator) Stats() Stats {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.pollDeferred()
+	st := a.stats.clone()
+	st.NumDeviceAlloc, st.NumDeviceFree = int64(a.counting.Allocs()), int64(a.counting.Frees())
+	st.EventErrors = int64(a.deferred.Errors)
+	lat := a.counting.Latency()
+	st.DeviceAllocCount, st.DeviceAllocMaxNs = int64(lat.Count()), int64(lat.Max())
+	st.DeviceAllocP50Ns, st.DeviceAllocP99Ns = int64(lat.Quantile(0.50)), int64(lat.Quantile(0.99))
+	pools, bytes := a.graphPoolBytes()
+	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
+	return st
+}
+
+// ResetPeakStats sets every peak to its current value, here and in the pool.
+func (a *Allocator) ResetPeakStats() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.stats.resetPeaks()
+	return a.dev.ResetPoolHigh()
+}
+
+// ResetAccumulatedStats zeroes the allocated and freed totals and counters.
+func (a *Allocator) ResetAccumulatedStats() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	st := &a.stats
+	for _, arr := range st.arrays() {
+		for t := range arr {
+			arr[t].Allocated, arr[t].Freed = arr[t].Current, 0
+		}
+	}
+	st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams = 0, 0, 0
+	a.counting.ResetCounts()
+	a.deferred.Errors = 0
+	st.CacheHits, st.CacheMisses, st.DeferredFrees = 0, 0, 0
+}
+
+// Fragmentation reports the cached free memory and how scattered it is.
+func (a *Allocator) Fragmentation() Fragmentation {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.fragmentation()
+}
+
+func (a *Allocator) fragmentation() Fragmentation {
+	// Only the general cache's free memory counts: no other use may take a
+	// private pool's.
+	var f Fragmentation
+	for id := a.lru.head; id != noBlock; id = a.blocks[id].lruNext {
+		size := a.blocks[id].size
+		f.FreeBytes += size
+		f.LargestFreeBlock = max(f.LargestFreeBlock, size)
+	}
+	_, f.GraphPrivateBytes = a.graphPoolBytes()
+	for _, seg := range a.segments {
+		if seg.list.pool != a.general {
+			continue
+		}
+		free := uint64(len(seg.freeSlots)) * seg.slotSize
+		f.FreeBytes += free
+		if seg.used == 0 {
+			f.LargestFreeBlock = max(f.LargestFreeBlock, seg.size)
+		} else if free > 0 {
+			f.LargestFreeBlock = max(f.LargestFreeBlock, seg.slotSize)
+		}
+	}
+	if f.FreeBytes > 0 {
+		f.Ratio = 1 - float64(f.LargestFreeBlock)/float64(f.FreeBytes)
+	}
+	if u, err := a.mem.PoolUsage(); err == nil {
+		f.PoolReserved, f.PoolUsed = u.ReservedCurrent, u.UsedCurrent
+		f.PoolReservedHigh, f.PoolUsedHigh = u.ReservedHigh, u.UsedHigh
+	}
+	return f
+}

@@ -46,6 +46,7 @@ package policies
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/goalloc/goalloc/arena"
@@ -125,6 +126,27 @@ func New(name string, dev arena.Device, conf string) (Allocator, error) {
 		return NewPassthrough(dev), nil
 	}
 	return nil, fmt.Errorf("unknown policy %q (known: %s)", name, strings.Join(Names, ", "))
+}
+
+// ConfKeys lists the keys of goalloc's configuration (GOALLOC_CONF), sorted.
+func ConfKeys() []string {
+	keys := make([]string, 0, len(caching.ConfigKeys()))
+	for k := range caching.ConfigKeys() {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// Backend checks conf, a GOALLOC_CONF string, and returns the memory
+// backend it names: "async" (the default) or "vmm". A replay reads it apart
+// from the goalloc policy because the backend serves every policy.
+func Backend(conf string) (string, error) {
+	cfg, err := caching.ParseConfig(conf)
+	if err != nil {
+		return "", err
+	}
+	return cfg.Backend, nil
 }
 
 // Goalloc is goalloc's caching allocator as a policy.

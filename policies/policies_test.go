@@ -450,3 +450,22 @@ func TestErrorsAreOOM(t *testing.T) {
 	_, err := a.Malloc(4096, 0)
 	require.ErrorIs(t, err, boom)
 }
+
+// The replay command reads the backend and the configuration keys here, so
+// that it needs nothing of package caching.
+func TestBackendAndConfKeys(t *testing.T) {
+	b, err := Backend("")
+	require.NoError(t, err)
+	require.Equal(t, "async", b)
+	b, err = Backend("large_cache:1G,backend:vmm")
+	require.NoError(t, err)
+	require.Equal(t, "vmm", b)
+	_, err = Backend("backend:tape")
+	require.Error(t, err)
+	_, err = Backend("no_such_key:1")
+	require.ErrorContains(t, err, "no_such_key")
+	keys := ConfKeys()
+	require.True(t, sort.StringsAreSorted(keys))
+	require.Contains(t, keys, "backend")
+	require.Contains(t, keys, "large_cache")
+}

@@ -29,7 +29,6 @@ import (
 	"strings"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/caching"
 	"github.com/goalloc/goalloc/policies"
 	"github.com/goalloc/goalloc/replay"
 	"github.com/goalloc/goalloc/units"
@@ -83,12 +82,7 @@ lack of memory (the results are printed all the same; --allow-oom makes it 0).
 `
 
 func replayUsage() string {
-	keys := make([]string, 0, len(caching.ConfigKeys()))
-	for k := range caching.ConfigKeys() {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	return fmt.Sprintf(replayUsageText, strings.Join(policies.Names, ", "), strings.Join(keys, ", "),
+	return fmt.Sprintf(replayUsageText, strings.Join(policies.Names, ", "), strings.Join(policies.ConfKeys(), ", "),
 		units.FormatBytes(arena.DefaultSimMemory))
 }
 
@@ -129,6 +123,7 @@ type replayFlags struct {
 	device    string
 	policy    string
 	conf      string
+	backend   string // the memory backend conf names: async or vmm
 	compare   bool
 	json      bool
 	html      string
@@ -218,9 +213,11 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	if f.conf != "" && !f.compare && f.policy != "goalloc" {
 		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
 	}
-	if _, err := caching.ParseConfig(f.conf); err != nil {
+	backend, err := policies.Backend(f.conf)
+	if err != nil {
 		return nil, usagef("--conf: %v", err)
 	}
+	f.backend = backend
 
 	f.simMemory = arena.DefaultSimMemory
 	source := "--sim-memory"
@@ -330,15 +327,14 @@ var errOOM = errors.New("allocations failed for lack of memory")
 
 func newDevice(f *replayFlags) (arena.Device, error) {
 	// The backend --conf names (backend:vmm; the stream-ordered pool
-	// otherwise) serves every policy. The conf was checked by parseReplayFlags.
-	cfg, _ := caching.ParseConfig(f.conf)
-	if f.device == "sim" && cfg.Backend == "vmm" {
+	// otherwise) serves every policy.
+	if f.device == "sim" && f.backend == "vmm" {
 		return arena.NewSimVMM(0, f.simMemory)
 	}
 	if f.device == "sim" {
 		return arena.NewSim(0, f.simMemory), nil
 	}
-	if cfg.Backend == "vmm" {
+	if f.backend == "vmm" {
 		d, err := arena.NewVMM(0)
 		if err != nil {
 			return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)

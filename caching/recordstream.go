@@ -1,0 +1,90 @@
+package caching
+
+import (
+	"fmt"
+
+	"github.com/goalloc/goalloc/arena"
+)
+
+// Frees that wait for other streams (Tensor.record_stream): recording the
+// streams that use a block, deferring its free behind their events, and
+// completing it once they are done (package streams keeps the events).
+
+// RecordStream notes that stream s uses the live block at ptr, so that its
+// free waits for s (PyTorch's Tensor.record_stream).
+func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	owner, live := arena.Stream(0), false
+	if id, ok := a.largeByAddr[ptr]; ok {
+		owner, live = a.blocks[id].stream, a.blocks[id].state == blockLive
+	} else if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 {
+			owner, live = seg.stream, seg.state[i] == slotLive
+		}
+	} else {
+		return a.badInput("unknown_pointer", fmt.Sprintf("record_stream of %#x on device %d: goalloc did not allocate it on this device", ptr, a.dev.Ordinal()))
+	}
+	if !live {
+		return a.badInput("record_stream_not_live", fmt.Sprintf("record_stream of %#x on device %d: the block is not allocated", ptr, a.dev.Ordinal()))
+	}
+	if s == owner {
+		return nil
+	}
+	for _, r := range a.recorded[ptr] {
+		if r == s {
+			return nil
+		}
+	}
+	a.recorded[ptr] = append(a.recorded[ptr], s)
+	return nil
+}
+
+// deferIfRecorded starts a deferred free when other streams used ptr and the
+// pool's rule defers such frees (a graph's private pool does not).
+func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
+	if len(a.recorded) == 0 {
+		return false
+	}
+	used, ok := a.recorded[ptr]
+	if !ok {
+		return false
+	}
+	delete(a.recorded, ptr)
+	if !l.pool.rule.defersFrees() {
+		return false
+	}
+	a.deferred.Add(ptr, used)
+	a.stats.DeferredFrees++
+	return true
+}
+
+// pollDeferred completes the deferred frees whose events have completed.
+func (a *Allocator) pollDeferred() int {
+	if a.deferred.Len() == 0 {
+		return 0
+	}
+	return a.deferred.Poll(a.completeFree)
+}
+
+// completeFree finishes a deferred free: its block becomes reusable by its
+// owner stream.
+func (a *Allocator) completeFree(ptr uintptr) {
+	if id, ok := a.largeByAddr[ptr]; ok && a.blocks[id].state == blockPending {
+		b := &a.blocks[id]
+		a.stats.Active.sub(StatLarge, 1)
+		a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
+		if a.history != nil {
+			a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+		}
+		a.cacheBlock(id)
+		return
+	}
+	if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 && seg.state[i] == slotPending {
+			a.releaseSlot(seg, i)
+			return
+		}
+	}
+	panic(fmt.Sprintf("goalloc: deferred free of %#x completed, but no pending block has that address", ptr))
+}

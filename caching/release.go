@@ -1,0 +1,177 @@
+package caching
+
+import (
+	"errors"
+)
+
+// Giving memory back to the device pool: one block or segment, what a miss
+// or a budget releases, and everything not in use (empty_cache, the last
+// round before an out-of-memory).
+
+// releaseBlock gives the cached block id back to the pool, ordered on its
+// stream.
+func (a *Allocator) releaseBlock(id blockID) error {
+	b := &a.blocks[id]
+	if err := a.mayFree(b.stream); err != nil {
+		return err
+	}
+	if err := a.mem.Free(b.addr, b.size, b.stream); err != nil {
+		return err
+	}
+	a.uncache(id, nil)
+	a.stats.Segment.sub(StatLarge, 1)
+	a.stats.ReservedBytes.sub(StatLarge, int64(b.size))
+	if a.history != nil {
+		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
+	}
+	delete(a.largeByAddr, b.addr)
+	l := b.list
+	p := l.pool
+	p.reserved -= b.size
+	*b = Block{state: blockUnused}
+	a.unusedIDs = append(a.unusedIDs, id)
+	l.refs--
+	p.dropIfUnused(l)
+	p.rule.gaveBack(a, p)
+	return nil
+}
+
+func (a *Allocator) releaseSegment(seg *Segment) error {
+	if err := a.mayFree(seg.stream); err != nil {
+		return err
+	}
+	if err := a.mem.Free(seg.addr, seg.size, seg.stream); err != nil {
+		return err
+	}
+	l := seg.list
+	cl := &l.small[seg.class]
+	cl.remove(seg)
+	cl.empty--
+	if seg.inEmpty {
+		l.pool.emptySegs.remove(seg)
+	}
+	a.removeSegment(seg)
+	a.stats.Segment.sub(StatSmall, 1)
+	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
+	if a.history != nil {
+		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
+	}
+	l.pool.reserved -= seg.size
+	l.refs--
+	l.pool.dropIfUnused(l)
+	l.pool.rule.gaveBack(a, l.pool)
+	return nil
+}
+
+// releaseAtLeast gives the general cache's least recently freed blocks back
+// to the pool until at least n bytes went back or nothing is cached.
+func (a *Allocator) releaseAtLeast(n uint64) {
+	var released uint64
+	for released < n && a.lru.head != noBlock {
+		size := a.blocks[a.lru.head].size
+		if a.releaseBlock(a.lru.head) != nil {
+			return
+		}
+		released += size
+	}
+}
+
+// releaseForMiss makes room in the pool for an n-byte block on l's stream:
+// it gives back the smallest cached block of at least n bytes, which the
+// pool's best fit will then reuse in place; with none, the least recently
+// freed blocks until n bytes went back. Blocks of l's own stream come
+// first: memory another stream freed reaches l's stream only once that free
+// has completed, or by the pool making l's stream wait for it.
+func (a *Allocator) releaseForMiss(l *StreamFreeList, n uint64) {
+	best := a.smallestCachedAtLeast(l, n)
+	if best == noBlock {
+		for _, other := range a.general.lists {
+			if b := a.smallestCachedAtLeast(other, n); b != noBlock &&
+				(best == noBlock || a.blocks[b].size < a.blocks[best].size) {
+				best = b
+			}
+		}
+	}
+	if best != noBlock {
+		_ = a.releaseBlock(best)
+		return
+	}
+	a.releaseAtLeast(n)
+}
+
+// smallestCachedAtLeast is the least recently freed block of the smallest
+// cached size of at least n bytes on l, or noBlock.
+func (a *Allocator) smallestCachedAtLeast(l *StreamFreeList, n uint64) blockID {
+	for i := l.bucketIndex(n); i < len(l.buckets); i++ {
+		if b := &l.buckets[i]; b.count > 0 {
+			return b.list.tail
+		}
+	}
+	return noBlock
+}
+
+// releaseCached gives the general cache's cached large blocks back to the
+// pool, oldest first, until at most keep bytes stay cached.
+func (a *Allocator) releaseCached(keep uint64) {
+	for a.cachedLarge > keep && a.lru.head != noBlock {
+		if a.releaseBlock(a.lru.head) != nil {
+			return
+		}
+	}
+}
+
+// releaseEmptySegments gives every empty small segment of the general
+// cache back to the pool.
+func (a *Allocator) releaseEmptySegments() {
+	for seg := a.emptySegs.head; seg != nil; {
+		next := seg.emptyNext
+		_ = a.releaseSegment(seg) // a capturing stream keeps its segment
+		seg = next
+	}
+}
+
+// releaseAll gives back everything not in use: it waits for the device so
+// that every deferred free completes, releases every cached block and empty
+// segment, waits again so that those stream-ordered frees complete (the pool
+// trims only memory whose frees have completed), and trims the pool down to
+// the pre-warmed reserve.
+func (a *Allocator) releaseAll() error {
+	var errs []error
+	if err := a.dev.Synchronize(); err != nil {
+		errs = append(errs, err)
+		a.pollDeferred() // a stream is broken: only what completed is safe
+	} else {
+		a.stats.NumSyncAllStreams++
+		a.deferred.AllComplete(a.completeFree)
+	}
+	a.releaseCached(0)
+	a.releaseEmptySegments()
+	if len(errs) == 0 {
+		if err := a.dev.Synchronize(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := a.mem.Trim(a.reserveBytes); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// EmptyCache is torch.cuda.empty_cache: it gives back to the pool every
+// byte not in use and trims the pool down to the pre-warmed reserve
+// (releaseAll).
+func (a *Allocator) EmptyCache() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	err := a.releaseAll()
+	// Forget the streams that hold nothing now: a stream's record costs
+	// host memory, and operations that look at every stream time.
+	a.general.dropAllUnused()
+	for _, p := range a.private {
+		p.dropAllUnused()
+	}
+	if a.history != nil {
+		a.history.add(actionEmptyCache, 0, 0, 0)
+	}
+	return err
+}

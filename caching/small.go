@@ -1,0 +1,157 @@
+package caching
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/goalloc/goalloc/arena"
+)
+
+// Small requests (<= smallMax): slots of segments, one size class per
+// segment. Taking and freeing a slot, a segment's first allocation, and the
+// index that finds a pointer's segment.
+
+// takeSlot hands out a free slot of seg, the head of its avail list.
+func (a *Allocator) takeSlot(l *StreamFreeList, seg *Segment, size uint64) uintptr {
+	n := len(seg.freeSlots) - 1
+	i := seg.freeSlots[n]
+	seg.freeSlots = seg.freeSlots[:n]
+	return a.liveSlot(l, seg, i, size)
+}
+
+// liveSlot hands out slot i of seg, already taken off its free stack.
+func (a *Allocator) liveSlot(l *StreamFreeList, seg *Segment, i int32, size uint64) uintptr {
+	seg.state[i] = slotLive
+	seg.requested[i] = uint32(size)
+	slot := int64(seg.slotSize)
+	if seg.used == 0 {
+		// The segment was empty: it becomes split, its other slots inactive.
+		l.small[seg.class].empty--
+		if seg.inEmpty {
+			l.pool.emptySegs.remove(seg)
+		}
+		a.stats.InactiveSplit.add(StatSmall, int64(seg.nslots-1))
+		a.stats.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
+	} else {
+		a.stats.InactiveSplit.sub(StatSmall, 1)
+		a.stats.InactiveSplitBytes.sub(StatSmall, slot)
+	}
+	seg.used++
+	if len(seg.freeSlots) == 0 {
+		l.small[seg.class].remove(seg)
+	}
+	a.countAlloc(StatSmall, slot, size)
+	p := seg.slotAddr(i)
+	if a.history != nil {
+		a.history.add(actionAlloc, p, uint64(slot), seg.stream)
+	}
+	return p
+}
+
+func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (uintptr, error) {
+	a.stats.CacheMisses++
+	a.pollDeferred()
+	if seg := l.small[c].head; seg != nil { // a deferred free completed into it
+		return a.takeSlot(l, seg, size), nil
+	}
+	p, err := a.poolAlloc(uint64(classSegment[c]), l, size)
+	if err != nil {
+		return 0, err
+	}
+	seg := newSegment(p, c, l)
+	l.refs++
+	a.insertSegment(seg)
+	l.small[c].pushBack(seg)
+	l.small[c].empty++
+	a.stats.Segment.add(StatSmall, 1)
+	a.stats.ReservedBytes.add(StatSmall, int64(seg.size))
+	l.pool.reserved += seg.size
+	if a.history != nil {
+		a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
+	}
+	return a.takeSlot(l, seg, size), nil
+}
+
+func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s arena.Stream) error {
+	if seg.state[i] != slotLive {
+		return a.badInput("double_free", fmt.Sprintf("double free of %#x (%d bytes) on device %d", ptr, size, a.dev.Ordinal()))
+	}
+	req := uint64(seg.requested[i])
+	a.countFree(StatSmall, int64(seg.slotSize), req)
+	if a.history != nil {
+		a.history.add(actionFreeRequested, ptr, seg.slotSize, seg.stream)
+	}
+	warn := a.checkFree(ptr, size, req, s, seg.stream)
+	if a.deferIfRecorded(ptr, seg.list) {
+		seg.state[i] = slotPending
+		return warn
+	}
+	a.releaseSlot(seg, i)
+	return warn
+}
+
+// releaseSlot makes slot i of seg free (its events, if any, completed).
+func (a *Allocator) releaseSlot(seg *Segment, i int32) {
+	slot := int64(seg.slotSize)
+	a.stats.Active.sub(StatSmall, 1)
+	a.stats.ActiveBytes.sub(StatSmall, slot)
+	if a.history != nil {
+		a.history.add(actionFreeCompleted, seg.slotAddr(i), seg.slotSize, seg.stream)
+	}
+	seg.state[i] = slotFree
+	seg.freeSlots = append(seg.freeSlots, i)
+	seg.used--
+	l := seg.list
+	if !seg.inAvail {
+		l.small[seg.class].pushBack(seg)
+	}
+	if seg.used > 0 {
+		a.stats.InactiveSplit.add(StatSmall, 1)
+		a.stats.InactiveSplitBytes.add(StatSmall, slot)
+		return
+	}
+	a.stats.InactiveSplit.sub(StatSmall, int64(seg.nslots-1))
+	a.stats.InactiveSplitBytes.sub(StatSmall, int64(seg.size)-slot)
+	cl := &l.small[seg.class]
+	cl.empty++
+	// The pool keeps the empty segment; past its limits, its rule decides
+	// what goes back (retention.go).
+	p := l.pool
+	p.emptySegs.pushBack(seg)
+	if cl.empty > p.maxEmptyPerClass || p.emptySegs.bytes > p.maxEmptyBytes {
+		p.rule.overEmpty(a, p, seg, cl)
+	}
+}
+
+func (a *Allocator) insertSegment(seg *Segment) {
+	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr > seg.addr })
+	a.segments = append(a.segments, nil)
+	copy(a.segments[i+1:], a.segments[i:])
+	a.segments[i] = seg
+}
+
+func (a *Allocator) removeSegment(seg *Segment) {
+	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr >= seg.addr })
+	a.segments = append(a.segments[:i], a.segments[i+1:]...)
+}
+
+// findSegment returns the small segment holding ptr, or nil.
+func (a *Allocator) findSegment(ptr uintptr) *Segment {
+	s := a.segments
+	lo, hi := 0, len(s)
+	for lo < hi { // first segment with addr > ptr
+		m := int(uint(lo+hi) >> 1)
+		if s[m].addr <= ptr {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	if lo == 0 {
+		return nil
+	}
+	if seg := s[lo-1]; ptr < seg.addr+uintptr(seg.size) {
+		return seg
+	}
+	return nil
+}
