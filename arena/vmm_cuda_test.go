@@ -11,9 +11,14 @@ var _ Device = (*VMM)(nil)
 
 func openVMM(t *testing.T, ordinal int) *VMM {
 	t.Helper()
-	d, err := NewVMM(ordinal)
+	return openVMMPlaced(t, ordinal, DefaultVMMPlacement)
+}
+
+func openVMMPlaced(t *testing.T, ordinal int, p VMMPlacement) *VMM {
+	t.Helper()
+	d, err := NewVMMPlaced(ordinal, p)
 	if err != nil {
-		t.Fatalf("NewVMM(%d): %v", ordinal, err)
+		t.Fatalf("NewVMMPlaced(%d, %s): %v", ordinal, p, err)
 	}
 	t.Cleanup(func() { d.Close() })
 	return d
@@ -147,7 +152,7 @@ func TestVMMCUDADataSurvivesRemap(t *testing.T) {
 // stream until the stream has done the work queued before the free.
 func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 	needCUDA(t, 1)
-	d := openVMM(t, 0)
+	d := openVMMPlaced(t, 0, VMMRanges)
 	s1, err := d.newStream()
 	if err != nil {
 		t.Fatal(err)
@@ -178,7 +183,8 @@ func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 		t.Fatalf("stream 2 got %#x (freed %#x on busy stream 1), %d unmaps", q, p, un1-un0)
 	}
 	d.src.mu.Lock()
-	ev := d.src.eng.ranges[d.src.eng.byBase[p]].event
+	eng := d.src.eng.(*vmmEngine)
+	ev := eng.ranges[eng.byBase[p]].event
 	d.src.mu.Unlock()
 	if done, _ := d.EventDone(ev); ev == 0 || done {
 		t.Log("stream 1 finished its fills before the check; the ordering was not exercised")

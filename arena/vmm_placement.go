@@ -287,7 +287,18 @@ func (e *vmmEngine) putVA(base uintptr, size uint64) {
 }
 
 // Held, Live and HeldHigh are the engine's byte figures.
-func (e *vmmEngine) Held() uint64     { return e.held }
+func (e *vmmEngine) Held() uint64      { return e.held }
+func (e *vmmEngine) resetHigh()        { e.heldHigh = e.held }
+func (e *vmmEngine) granule() uint64   { return e.gran }
+func (e *vmmEngine) putEvent(ev Event) { e.events = append(e.events, ev) }
+
+func (e *vmmEngine) eachLive(f func(va uintptr, size uint64)) {
+	for va, ri := range e.byBase {
+		if r := &e.ranges[ri]; r.live {
+			f(va, r.asked)
+		}
+	}
+}
 func (e *vmmEngine) Live() uint64     { return e.live }
 func (e *vmmEngine) HeldHigh() uint64 { return e.heldHigh }
 
