@@ -333,13 +333,13 @@ func newDevice(f *replayFlags) (arena.Device, error) {
 	// otherwise) serves every policy. The conf was checked by parseReplayFlags.
 	cfg, _ := caching.ParseConfig(f.conf)
 	if f.device == "sim" && cfg.Backend == "vmm" {
-		return arena.NewSimVMM(0, f.simMemory)
+		return arena.NewSimVMMPlaced(0, f.simMemory, cfg.VMMPlacement)
 	}
 	if f.device == "sim" {
 		return arena.NewSim(0, f.simMemory), nil
 	}
 	if cfg.Backend == "vmm" {
-		d, err := arena.NewVMM(0)
+		d, err := arena.NewVMMPlaced(0, cfg.VMMPlacement)
 		if err != nil {
 			return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
 		}
