@@ -412,7 +412,9 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	if paid < f.need {
 		create = f.need - paid
 	}
-	if after := e.held + create; e.cap > 0 && after > e.cap {
+	// Held grows by what is created; above a lowered cap, a request that
+	// needs nothing created still goes through (held does not grow).
+	if after := e.held + create; e.cap > 0 && create > 0 && after > e.cap {
 		return 0, fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, above the cap of %d: %w",
 			create, after, e.cap, ErrOutOfMemory)
 	}

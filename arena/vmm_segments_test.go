@@ -169,6 +169,24 @@ func TestSegmentsCapRefusesBeforeAnyDriverCall(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
+// Under a cap lowered below what is held, a request that moves free memory
+// and creates nothing is served: held does not grow.
+func TestSegmentsLoweredCapStillMovesFreeMemory(t *testing.T) {
+	e, phys, _ := segmentsOnly(t, 1<<30, 0)
+	p, _ := e.Alloc(16*mib, 1)
+	_, err := e.Alloc(16*mib, 2)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 1, true))
+	e.SetCap(16 * mib)
+	_, err = e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 32*mib, e.Held())
+	assert.Equal(t, 16, phys.Calls["cuMemCreate"])
+	_, err = e.Alloc(10*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory, "2 MiB would have to be created")
+	require.NoError(t, e.CheckInvariants())
+}
+
 // The device refusing a handle midway leaves a consistent state: what was
 // unmapped to pay and what was made is released.
 func TestSegmentsDeviceOOMMidway(t *testing.T) {
