@@ -73,6 +73,18 @@
 // unmaps maps again at once, and Trim releases what it unmaps, so held is
 // exactly the mapped granules between calls.
 //
+// Replaying the bundled traces on the simulated device (go test ./arena
+// -run TestVMMPlacementReplay -v): on GPT-2, 28,447 misses made 1.03
+// driver calls each (ranges: 5.11), 98.8% of them none (ranges: 15.4%),
+// and not one cuMemRelease; on ResNet-50, 11,059 misses made 0.57 calls
+// each (ranges: 3.11), 97.2% none. The creates are the peak held, once:
+// held grows only at the peak. Peak physical over peak live stays as low
+// as with ranges: 1.0100 on GPT-2 (ranges: 1.0100), 1.0065 on ResNet-50
+// (ranges: 1.0083). Hence segments are the default placement.
+//
+// Like PyTorch's expandable segments, a segment reserves the device's
+// memory size of VA; it is never given back before Close (VA is free).
+//
 // # Invariants
 //
 // CheckInvariants verifies, after every step of the random-ops test: the
@@ -354,7 +366,8 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 	return best, ok
 }
 
-// payUnit: take granules bytes from the tail of free span base of g.
+// segPay: bytes unmapped from the tail of the free span at base of g, to
+// pay for new granules.
 type segPay struct {
 	g     *vmmSegment
 	base  uintptr
