@@ -4,6 +4,11 @@
 // real thing (cuMemCreate, cuMemMap, ...); vmm_fake.go is an in-memory driver
 // for tests and the simulated device.
 //
+// This is the "ranges" placement (GOALLOC_CONF's vmm_placement:ranges): a
+// fresh VA range per request. The default, "segments", carves and grows a
+// segment per stream instead (vmm_segments.go), so that most misses make no
+// driver call; the source (vmm_source.go) runs either.
+//
 // # Why own the placement
 //
 // With a stream-ordered pool the driver decides where memory lies and how
