@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
 	"github.com/goalloc/goalloc/replay"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -121,4 +122,21 @@ func TestVMMPlacementReplay(t *testing.T) {
 		assert.LessOrEqual(t, seg.ratio, rng.ratio+0.01, path)
 		assert.Less(t, seg.perMiss, rng.perMiss/4, "%s: segments make a quarter of ranges' calls or fewer", path)
 	}
+}
+
+// GOALLOC_CONF's vmm_placement names the placement; a bad name is refused
+// with the key named, and none means the default.
+func TestVMMPlacementConf(t *testing.T) {
+	c, err := caching.ParseConfig("backend:vmm")
+	require.NoError(t, err)
+	assert.Equal(t, arena.DefaultVMMPlacement, c.VMMPlacement)
+	c, err = caching.ParseConfig("backend:vmm,vmm_placement:ranges")
+	require.NoError(t, err)
+	assert.Equal(t, arena.VMMRanges, c.VMMPlacement)
+	c, err = caching.ParseConfig("vmm_placement:segments")
+	require.NoError(t, err)
+	assert.Equal(t, arena.VMMSegments, c.VMMPlacement)
+	_, err = caching.ParseConfig("backend:vmm,vmm_placement:stripes")
+	assert.ErrorContains(t, err, "vmm_placement")
+	assert.ErrorContains(t, err, "neither segments nor ranges")
 }
