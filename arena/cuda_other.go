@@ -53,6 +53,9 @@ var _ Device = (*VMM)(nil)
 // NewVMM always fails in this build.
 func NewVMM(ordinal int) (*VMM, error) { return nil, errNoCUDA }
 
+// NewVMMPlaced always fails in this build.
+func NewVMMPlaced(ordinal int, p VMMPlacement) (*VMM, error) { return nil, errNoCUDA }
+
 func (d *VMM) Ordinal() int                                  { return 0 }
 func (d *VMM) Name() string                                  { return "cuda" }
 func (d *VMM) Alloc(size uint64, s Stream) (uintptr, error)  { return 0, errNoCUDA }

@@ -180,12 +180,12 @@ func (d *cudaRuntime) destroyStream(s Stream) error {
 	return check("cuStreamDestroy", C.gx_stream_destroy(d.ctx, C.uintptr_t(s)))
 }
 
-// engineCounts reads the VMM engine's driver-call counters.
+// engineCounts reads the VMM device's driver-call counters.
 func (d *VMM) engineCounts() (create, mapped, unmapped, released, access uint64) {
 	d.src.mu.Lock()
 	defer d.src.mu.Unlock()
-	e := d.src.eng
-	return e.nCreate, e.nMap, e.nUnmap, e.nRel, e.nAccess
+	p := d.src.drv.(*cudaPhys)
+	return p.nCreate, p.nMap, p.nUnmap, p.nRel, p.nAccess
 }
 
 // CaptureID is cuStreamGetCaptureInfo_v3 (or _v2 on a driver without it):

@@ -19,14 +19,21 @@ var _ Device = (*SimVMM)(nil)
 // simVMMGranule is the simulated allocation granularity.
 const simVMMGranule = 2 << 20
 
-// NewSimVMM makes a simulated VMM device with capacity bytes of memory.
+// NewSimVMM makes a simulated VMM device with capacity bytes of memory and
+// the default placement.
 func NewSimVMM(ordinal int, capacity uint64) (*SimVMM, error) {
+	return NewSimVMMPlaced(ordinal, capacity, DefaultVMMPlacement)
+}
+
+// NewSimVMMPlaced makes a simulated VMM device with capacity bytes of
+// memory that places large requests with placement p.
+func NewSimVMMPlaced(ordinal int, capacity uint64, p VMMPlacement) (*SimVMM, error) {
 	if capacity == 0 {
 		capacity = DefaultSimMemory
 	}
 	sim := NewSim(ordinal, capacity)
 	phys := NewFakePhys(sim, capacity, simVMMGranule)
-	src, err := newVMMSource(phys, 2*capacity, 0)
+	src, err := newVMMSource(phys, p, capacity, 0)
 	if err != nil {
 		return nil, err
 	}

@@ -44,6 +44,8 @@ type cudaPhys struct {
 	rt    *cudaRuntime
 	gran  uint64
 	peers uint64
+	// Calls made, for the tests; the source's lock guards them.
+	nCreate, nMap, nUnmap, nRel, nAccess uint64
 }
 
 func (p *cudaPhys) Granularity() uint64 { return p.gran }
@@ -61,6 +63,7 @@ func (p *cudaPhys) FreeVA(base uintptr, size uint64) error {
 }
 
 func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
+	p.nCreate++
 	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size))
 	if err := check("cuMemCreate", r); err != nil {
 		return 0, err
@@ -69,18 +72,22 @@ func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
 }
 
 func (p *cudaPhys) ReleaseHandle(h PhysHandle) error {
+	p.nRel++
 	return check("cuMemRelease", C.gx_vmm_release(p.rt.ctx, C.ulonglong(h)))
 }
 
 func (p *cudaPhys) Map(va uintptr, size uint64, h PhysHandle) error {
+	p.nMap++
 	return check("cuMemMap", C.gx_vmm_map(p.rt.ctx, C.ulonglong(va), C.size_t(size), C.ulonglong(h)))
 }
 
 func (p *cudaPhys) Unmap(va uintptr, size uint64) error {
+	p.nUnmap++
 	return check("cuMemUnmap", C.gx_vmm_unmap(p.rt.ctx, C.ulonglong(va), C.size_t(size)))
 }
 
 func (p *cudaPhys) SetAccess(va uintptr, size uint64) error {
+	p.nAccess++
 	return check("cuMemSetAccess", C.gx_vmm_set_access(p.rt.ctx, C.ulonglong(va), C.size_t(size),
 		C.int(p.rt.ordinal), C.ulonglong(p.peers)))
 }
@@ -96,8 +103,11 @@ func (p *cudaPhys) DestroyEvent(e Event) error { return p.rt.destroyEvent(e) }
 // NewVMM opens device ordinal with the VMM backend: it retains the
 // device's primary context, reads the allocation granularity, finds the
 // peer devices that can access this one (each range is opened to all of
-// them), and reserves virtual addresses for twice the device's memory.
-func NewVMM(ordinal int) (*VMM, error) {
+// them), and places large requests with the default placement.
+func NewVMM(ordinal int) (*VMM, error) { return NewVMMPlaced(ordinal, DefaultVMMPlacement) }
+
+// NewVMMPlaced is NewVMM with large requests placed by placement p.
+func NewVMMPlaced(ordinal int, p VMMPlacement) (*VMM, error) {
 	d := &VMM{}
 	if err := d.retain(ordinal); err != nil {
 		return nil, err
@@ -125,7 +135,7 @@ func NewVMM(ordinal int) (*VMM, error) {
 		return fail(err)
 	}
 	phys := &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
-	d.src, err = newVMMSource(phys, 2*total, 0)
+	d.src, err = newVMMSource(phys, p, total, 0)
 	if err != nil {
 		return fail(err)
 	}

@@ -11,9 +11,14 @@ var _ Device = (*VMM)(nil)
 
 func openVMM(t *testing.T, ordinal int) *VMM {
 	t.Helper()
-	d, err := NewVMM(ordinal)
+	return openVMMPlaced(t, ordinal, DefaultVMMPlacement)
+}
+
+func openVMMPlaced(t *testing.T, ordinal int, p VMMPlacement) *VMM {
+	t.Helper()
+	d, err := NewVMMPlaced(ordinal, p)
 	if err != nil {
-		t.Fatalf("NewVMM(%d): %v", ordinal, err)
+		t.Fatalf("NewVMMPlaced(%d, %s): %v", ordinal, p, err)
 	}
 	t.Cleanup(func() { d.Close() })
 	return d
@@ -147,7 +152,7 @@ func TestVMMCUDADataSurvivesRemap(t *testing.T) {
 // stream until the stream has done the work queued before the free.
 func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 	needCUDA(t, 1)
-	d := openVMM(t, 0)
+	d := openVMMPlaced(t, 0, VMMRanges)
 	s1, err := d.newStream()
 	if err != nil {
 		t.Fatal(err)
@@ -178,7 +183,8 @@ func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 		t.Fatalf("stream 2 got %#x (freed %#x on busy stream 1), %d unmaps", q, p, un1-un0)
 	}
 	d.src.mu.Lock()
-	ev := d.src.eng.ranges[d.src.eng.byBase[p]].event
+	eng := d.src.eng.(*vmmEngine)
+	ev := eng.ranges[eng.byBase[p]].event
 	d.src.mu.Unlock()
 	if done, _ := d.EventDone(ev); ev == 0 || done {
 		t.Log("stream 1 finished its fills before the check; the ordering was not exercised")
@@ -280,5 +286,169 @@ func TestVMMCUDACloseWithHeldFrees(t *testing.T) {
 	}
 	if err := d.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
+	}
+}
+
+// vmmCounts is the VMM driver calls made so far, as one comparable value.
+type vmmCounts struct{ create, mapped, unmapped, released, access uint64 }
+
+func countsOf(d *VMM) vmmCounts {
+	c, m, u, r, a := d.engineCounts()
+	return vmmCounts{c, m, u, r, a}
+}
+
+// The segments placement on the driver: a split reuses memory in place
+// with no driver call, an extension maps only the missing granules next
+// to memory whose data stays, and a free still in use on a busy stream is
+// not unmapped for another stream. The cost of a miss either way is logged.
+func TestVMMCUDASegments(t *testing.T) {
+	needCUDA(t, 1)
+	d := openVMMPlaced(t, 0, VMMSegments)
+	const n = 8 << 20
+	a, err := d.Alloc(n, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := d.Alloc(n, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b != a+n {
+		t.Errorf("b at %#x, want %#x: the segment grows at its end", b, a+n)
+	}
+	d.memset(a, 0x11, n, 0)
+	d.memset(b, 0x22, n, 0)
+	if err := d.Free(a, n, 0); err != nil {
+		t.Fatal(err)
+	}
+	before := countsOf(d)
+	start := time.Now()
+	c, err := d.Alloc(n/2, 0)
+	took := time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c != a || countsOf(d) != before {
+		t.Errorf("split on the same stream: got %#x (freed %#x), calls %+v -> %+v", c, a, before, countsOf(d))
+	}
+	t.Logf("a miss served by a split: %v", took)
+	d.memset(c, 0x33, n/2, 0)
+	expectBytes(t, d, b, n, 0x22, "b after a's head was reused")
+	expectBytes(t, d, a+n/2, n/2, 0x11, "a's free tail, untouched")
+	// [c live 4 MiB][a's tail + b free 12 MiB][end]: 20 MiB extends the
+	// free span by 8 MiB, four granules.
+	if err := d.Free(b, n, 0); err != nil {
+		t.Fatal(err)
+	}
+	before = countsOf(d)
+	start = time.Now()
+	q, err := d.Alloc(20<<20, 0)
+	took = time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := countsOf(d)
+	if q != c+n/2 || after.mapped-before.mapped != 4 || after.access-before.access != 1 {
+		t.Errorf("extend: got %#x, want %#x; calls %+v -> %+v (want 4 maps, 1 set-access)", q, c+n/2, before, after)
+	}
+	t.Logf("a miss extending the segment by 8 MiB: %v (%d creates, %d maps, %d set-access)",
+		took, after.create-before.create, after.mapped-before.mapped, after.access-before.access)
+	expectBytes(t, d, q, n/2, 0x11, "a's tail, now the head of the extended span")
+	expectBytes(t, d, q+n/2, n, 0x22, "b, inside the extended span")
+	expectBytes(t, d, c, n/2, 0x33, "c, next to the new mappings")
+	if err := d.memset(q, 0x44, 20<<20, 0); err != nil {
+		t.Fatal(err)
+	}
+	expectBytes(t, d, q, 20<<20, 0x44, "the extended span, written whole")
+
+	// Misses of varied sizes on one stream once the segment holds enough:
+	// no driver call at all.
+	var ps []uintptr
+	for i := 1; i <= 8; i++ {
+		p, err := d.Alloc(uint64(i)*(2<<20), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	for i, p := range ps {
+		d.Free(p, uint64(i+1)*(2<<20), 0)
+	}
+	before = countsOf(d)
+	start = time.Now()
+	const rounds = 200
+	for r := 0; r < rounds; r++ {
+		i := uint64(r%8 + 1)
+		p, err := d.Alloc(i*(2<<20), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Free(p, i*(2<<20), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("%d misses reusing the segment: %v per alloc+free, calls %+v -> %+v", rounds, time.Since(start)/rounds, before, countsOf(d))
+	if countsOf(d) != before {
+		t.Errorf("same-stream reuse made driver calls: %+v -> %+v", before, countsOf(d))
+	}
+
+	// A free on a busy stream is not unmapped to pay for another stream.
+	s1, err := d.newStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.destroyStream(s1)
+	s2, _ := d.newStream()
+	defer d.destroyStream(s2)
+	const big = 1 << 30
+	p, err := d.Alloc(big, s1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 200; i++ {
+		if err := d.memset(p, byte(i), big, s1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Free(p, big, s1); err != nil {
+		t.Fatal(err)
+	}
+	before = countsOf(d)
+	start = time.Now()
+	r, err := d.Alloc(big, s2)
+	took = time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after = countsOf(d)
+	t.Logf("a 1 GiB miss on a new stream: %v (%d creates, %d maps, %d unmaps)", took,
+		after.create-before.create, after.mapped-before.mapped, after.unmapped-before.unmapped)
+	if r == p {
+		t.Errorf("stream 2 got stream 1's memory")
+	}
+	// Stream 0's 72 MiB of free memory pay for part; the rest is created
+	// unless stream 1 had finished its fills already (then its memory may
+	// move, rightly).
+	if made := (after.create - before.create) * d.Granularity(); made < big-72<<20 {
+		t.Logf("stream 1 finished before the miss (%d bytes created): ordering not exercised", made)
+	} else {
+		if err := d.streamSync(s1); err != nil {
+			t.Fatal(err)
+		}
+		expectBytes(t, d, p, 1<<20, 199, "stream 1's last fill: its memory was not taken while in use")
+	}
+	if err := d.Free(r, big, s2); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Trim(0); err != nil {
+		t.Fatal(err)
+	}
+	u, _ := d.PoolUsage()
+	t.Logf("after trim: %+v", u)
+	if u.ReservedCurrent != 24<<20 {
+		t.Errorf("held %d after trimming, with 20 MiB and 4 MiB live", u.ReservedCurrent)
 	}
 }

@@ -4,6 +4,11 @@
 // real thing (cuMemCreate, cuMemMap, ...); vmm_fake.go is an in-memory driver
 // for tests and the simulated device.
 //
+// This is the "ranges" placement (GOALLOC_CONF's vmm_placement:ranges): a
+// fresh VA range per request. The default, "segments", carves and grows a
+// segment per stream instead (vmm_segments.go), so that most misses make no
+// driver call; the source (vmm_source.go) runs either.
+//
 // # Why own the placement
 //
 // With a stream-ordered pool the driver decides where memory lies and how
@@ -287,7 +292,18 @@ func (e *vmmEngine) putVA(base uintptr, size uint64) {
 }
 
 // Held, Live and HeldHigh are the engine's byte figures.
-func (e *vmmEngine) Held() uint64     { return e.held }
+func (e *vmmEngine) Held() uint64      { return e.held }
+func (e *vmmEngine) resetHigh()        { e.heldHigh = e.held }
+func (e *vmmEngine) granule() uint64   { return e.gran }
+func (e *vmmEngine) putEvent(ev Event) { e.events = append(e.events, ev) }
+
+func (e *vmmEngine) eachLive(f func(va uintptr, size uint64)) {
+	for va, ri := range e.byBase {
+		if r := &e.ranges[ri]; r.live {
+			f(va, r.asked)
+		}
+	}
+}
 func (e *vmmEngine) Live() uint64     { return e.live }
 func (e *vmmEngine) HeldHigh() uint64 { return e.heldHigh }
 

@@ -53,8 +53,8 @@ type physCell struct {
 	off uint64
 }
 
-func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
-	d, err := NewSimVMM(0, capacity)
+func newVMMHarness(t *testing.T, capacity, limit uint64, p VMMPlacement) *vmmHarness {
+	d, err := NewSimVMMPlaced(0, capacity, p)
 	require.NoError(t, err)
 	d.SetManual(true)
 	d.SetCap(limit)
@@ -194,16 +194,31 @@ func (h *vmmHarness) check() {
 			}
 		}
 	}
-	e := h.d.src.eng
-	assert.Equal(h.t, e.held, h.d.phys.Used(), "held is the physical memory")
-	if e.cap > 0 {
-		assert.LessOrEqual(h.t, e.held, e.cap)
+	assert.Equal(h.t, h.d.src.eng.Held(), h.d.phys.Used(), "held is the physical memory")
+	switch e := h.d.src.eng.(type) {
+	case *vmmEngine:
+		if e.cap > 0 {
+			assert.LessOrEqual(h.t, e.held, e.cap)
+		}
+		ranges := len(e.byBase) + len(e.freed)
+		assert.LessOrEqual(h.t, h.d.phys.Handles(), (maxGather+1)*ranges+maxFree+len(e.freeHandle))
+	case *vmmSegments:
+		if e.cap > 0 {
+			assert.LessOrEqual(h.t, e.held, e.cap)
+		}
+		assert.Equal(h.t, int(e.held/e.gran), h.d.phys.Handles(), "one handle per granule held")
 	}
-	ranges := len(e.byBase) + len(e.freed)
-	assert.LessOrEqual(h.t, h.d.phys.Handles(), (maxGather+1)*ranges+maxFree+len(e.freeHandle))
 }
 
 func TestVMMRandomOps(t *testing.T) {
+	for _, p := range []VMMPlacement{VMMRanges, VMMSegments} {
+		t.Run(string(p), func(t *testing.T) { vmmRandomOps(t, p) })
+	}
+}
+
+// vmmRandomOps drives placement p through random steps, checking every
+// invariant, the cookies and stream order after each.
+func vmmRandomOps(t *testing.T, placement VMMPlacement) {
 	seeds := int64(12)
 	if n, err := strconv.Atoi(os.Getenv("GOALLOC_VMM_SEEDS")); err == nil && n > 0 {
 		seeds = int64(n) // more seeds, for a hunt: GOALLOC_VMM_SEEDS=500 go test -run TestVMMRandomOps ./arena
@@ -216,7 +231,7 @@ func TestVMMRandomOps(t *testing.T) {
 			if seed%2 == 0 {
 				limit = 160 * mib
 			}
-			h := newVMMHarness(t, capacity, limit)
+			h := newVMMHarness(t, capacity, limit, placement)
 			streams := []Stream{1, 2, 3, anyStream}
 			sizes := []uint64{0, 512, 3000, 64 << 10, 300 << 10, mib, 2 * mib, 2*mib + 1, 6 * mib, 10 * mib, 31 * mib}
 			for step := 0; step < 800; step++ {
@@ -238,8 +253,9 @@ func TestVMMRandomOps(t *testing.T) {
 							if limit > 0 {
 								bound = limit
 							}
-							assert.Greater(t, e.live+e.round(size), bound-e.gran*uint64(len(h.d.src.pages)),
-								"OOM with %d live of %d after a synchronise", e.live, bound)
+							live := e.Live()
+							assert.Greater(t, live+e.round(size), bound-h.d.src.gran*uint64(len(h.d.src.pages)),
+								"OOM with %d live of %d after a synchronise", live, bound)
 						}
 					}
 				case r < 9 && len(h.live) > 0:

@@ -10,9 +10,10 @@ import (
 // PhysDriver: the CUDA VMM device (vmm_cuda.go) and the simulated one
 // (SimVMM) are this over their drivers.
 //
-// Requests of a granule or more are ranges of the placement engine
-// (vmm_placement.go), rounded up to the granule. Smaller ones (the caching
-// layer's segments and its blocks under 2 MiB) would waste most of a
+// Requests of a granule or more go to the placement the device was made
+// with (segments, vmm_segments.go, or ranges, vmm_placement.go), rounded up
+// to the granule. Smaller ones (the caching layer's segments and its blocks
+// under 2 MiB) would waste most of a
 // granule each, so they are packed into pages: one-granule ranges, each
 // owned by the stream it was taken for, carved first fit at 512 bytes. A
 // piece freed on its page's stream is reusable by that stream at once (the
@@ -21,7 +22,7 @@ import (
 // empty page goes back to the engine, ordered on its stream.
 type vmmSource struct {
 	mu       sync.Mutex
-	eng      *vmmEngine
+	eng      vmmPlacer
 	drv      PhysDriver
 	gran     uint64
 	pages    map[uintptr]*vmmPage  // by base
@@ -50,12 +51,24 @@ type vmmPiece struct {
 
 const pieceAlign = 512
 
-func newVMMSource(drv PhysDriver, vaStep, limit uint64) (*vmmSource, error) {
-	eng, err := newVMMEngine(drv, vaStep, limit)
+// newVMMSource makes a source placing large requests with placement p.
+// mem is the device's memory: the ranges placement reserves VA in steps of
+// twice that, the segments placement that much per segment.
+func newVMMSource(drv PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource, error) {
+	var eng vmmPlacer
+	var err error
+	switch p {
+	case VMMRanges:
+		eng, err = newVMMEngine(drv, 2*mem, limit)
+	case VMMSegments:
+		eng, err = newVMMSegments(drv, mem, limit)
+	default:
+		_, err = ParseVMMPlacement(string(p))
+	}
 	if err != nil {
 		return nil, err
 	}
-	return &vmmSource{eng: eng, drv: drv, gran: eng.gran, pages: map[uintptr]*vmmPage{},
+	return &vmmSource{eng: eng, drv: drv, gran: eng.granule(), pages: map[uintptr]*vmmPage{},
 		owned: map[Stream][]*vmmPage{}, small: map[uintptr]uint64{}}, nil
 }
 
@@ -137,7 +150,7 @@ func (v *vmmSource) pollPieces() error {
 			if qerr != nil {
 				err = qerr
 			} else if done {
-				v.eng.events = append(v.eng.events, pc.event)
+				v.eng.putEvent(pc.event)
 				pc.page.wait--
 				if perr := v.putPiece(pc.page, pc.base, pc.size); perr != nil {
 					err = perr
@@ -203,7 +216,7 @@ func (v *vmmSource) free(ptr uintptr, size uint64, s Stream) error {
 			return err
 		}
 		if err := v.drv.RecordEvent(ev, s); err != nil {
-			v.eng.events = append(v.eng.events, ev)
+			v.eng.putEvent(ev)
 			return err
 		}
 		delete(v.small, ptr)
@@ -239,13 +252,14 @@ func (v *vmmSource) trim(keep uint64) error {
 func (v *vmmSource) usage() PoolUsage {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return PoolUsage{ReservedCurrent: v.eng.held, ReservedHigh: v.eng.heldHigh, UsedCurrent: v.used, UsedHigh: v.usedHigh}
+	return PoolUsage{ReservedCurrent: v.eng.Held(), ReservedHigh: v.eng.HeldHigh(), UsedCurrent: v.used, UsedHigh: v.usedHigh}
 }
 
 func (v *vmmSource) resetHigh() {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	v.eng.heldHigh, v.usedHigh = v.eng.held, v.used
+	v.eng.resetHigh()
+	v.usedHigh = v.used
 }
 
 // setCap bounds held memory; when it is above the new cap, what is free
@@ -255,7 +269,7 @@ func (v *vmmSource) setCap(limit uint64) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.eng.SetCap(limit)
-	if limit > 0 && v.eng.held > limit && !v.closed {
+	if limit > 0 && v.eng.Held() > limit && !v.closed {
 		_ = v.eng.Trim(limit)
 	}
 }
@@ -263,7 +277,7 @@ func (v *vmmSource) setCap(limit uint64) {
 func (v *vmmSource) held() uint64 {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return v.eng.held
+	return v.eng.Held()
 }
 
 func (v *vmmSource) close() error {
@@ -320,11 +334,11 @@ func (v *vmmSource) checkInvariants() error {
 			return fmt.Errorf("page %#x: %d unused + %d live + %d waiting != %d", pg.base, unused, pg.live, waiting, v.gran)
 		}
 	}
-	for base := range v.eng.byBase {
-		if sz, ok := v.eng.Owns(base); ok && v.pages[base] == nil {
-			used += sz
+	v.eng.eachLive(func(base uintptr, size uint64) {
+		if v.pages[base] == nil {
+			used += size
 		}
-	}
+	})
 	if used != v.used {
 		return fmt.Errorf("used %d, live allocations add up to %d", v.used, used)
 	}

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/units"
 )
 
@@ -42,6 +43,10 @@ type Config struct {
 	// stream-ordered pool per device (the default), or "vmm", physical
 	// handles goalloc maps itself (arena's VMM device).
 	Backend string
+	// VMMPlacement is how the vmm backend places large requests: a
+	// segment per stream grown in place, or a fresh range per request
+	// (arena's VMMSegments, VMMRanges).
+	VMMPlacement arena.VMMPlacement
 }
 
 // DefaultConfig is the configuration with no GOALLOC_CONF.
@@ -52,6 +57,7 @@ func DefaultConfig() Config {
 		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
 		Backend:          "async",
+		VMMPlacement:     arena.DefaultVMMPlacement,
 	}
 }
 
@@ -65,6 +71,7 @@ var confKeys = map[string]string{
 	"large_slack":       "how much larger than a request a cached large block may be, in [0, 1)",
 	"quiet":             "true to silence warnings (OOM lines still print)",
 	"backend":           "where memory comes from: async (a stream-ordered pool) or vmm (handles goalloc maps)",
+	"vmm_placement":     "how backend:vmm places large requests: segments (one per stream, grown in place) or ranges (a fresh range per request)",
 }
 
 // ConfigKeys lists the keys GOALLOC_CONF takes with what each means.
@@ -122,6 +129,8 @@ func ParseConfig(s string) (Config, error) {
 			} else {
 				c.Backend = v
 			}
+		case "vmm_placement":
+			c.VMMPlacement, err = arena.ParseVMMPlacement(v)
 		}
 		if err != nil {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])

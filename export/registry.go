@@ -186,7 +186,7 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	}
 	var dev arena.Device
 	if l.kind == "sim" && l.cfg.Backend == "vmm" {
-		sv, err := arena.NewSimVMM(d, l.simMemory)
+		sv, err := arena.NewSimVMMPlaced(d, l.simMemory, l.cfg.VMMPlacement)
 		if err != nil {
 			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}
@@ -194,7 +194,7 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	} else if l.kind == "sim" {
 		dev = arena.NewSim(d, l.simMemory)
 	} else if l.cfg.Backend == "vmm" {
-		vm, err := arena.NewVMM(d)
+		vm, err := arena.NewVMMPlaced(d, l.cfg.VMMPlacement)
 		if err != nil {
 			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}

@@ -139,14 +139,15 @@ func ConfKeys() []string {
 }
 
 // Backend checks conf, a GOALLOC_CONF string, and returns the memory
-// backend it names: "async" (the default) or "vmm". A replay reads it apart
-// from the goalloc policy because the backend serves every policy.
-func Backend(conf string) (string, error) {
+// backend it names: "async" (the default) or "vmm", with the placement
+// backend:vmm uses (vmm_placement). A replay reads them apart from the
+// goalloc policy because the backend serves every policy.
+func Backend(conf string) (backend string, placement arena.VMMPlacement, err error) {
 	cfg, err := caching.ParseConfig(conf)
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
-	return cfg.Backend, nil
+	return cfg.Backend, cfg.VMMPlacement, nil
 }
 
 // Goalloc is goalloc's caching allocator as a policy.

@@ -454,15 +454,19 @@ func TestErrorsAreOOM(t *testing.T) {
 // The replay command reads the backend and the configuration keys here, so
 // that it needs nothing of package caching.
 func TestBackendAndConfKeys(t *testing.T) {
-	b, err := Backend("")
+	b, pl, err := Backend("")
 	require.NoError(t, err)
 	require.Equal(t, "async", b)
-	b, err = Backend("large_cache:1G,backend:vmm")
+	require.Equal(t, arena.VMMSegments, pl, "the default placement")
+	b, pl, err = Backend("large_cache:1G,backend:vmm,vmm_placement:ranges")
 	require.NoError(t, err)
 	require.Equal(t, "vmm", b)
-	_, err = Backend("backend:tape")
+	require.Equal(t, arena.VMMRanges, pl)
+	_, _, err = Backend("backend:tape")
 	require.Error(t, err)
-	_, err = Backend("no_such_key:1")
+	_, _, err = Backend("vmm_placement:tape")
+	require.Error(t, err)
+	_, _, err = Backend("no_such_key:1")
 	require.ErrorContains(t, err, "no_such_key")
 	keys := ConfKeys()
 	require.True(t, sort.StringsAreSorted(keys))

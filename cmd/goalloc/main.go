@@ -123,7 +123,8 @@ type replayFlags struct {
 	device    string
 	policy    string
 	conf      string
-	backend   string // the memory backend conf names: async or vmm
+	backend   string             // the memory backend conf names: async or vmm
+	placement arena.VMMPlacement // and how backend:vmm places large requests
 	compare   bool
 	json      bool
 	html      string
@@ -213,11 +214,11 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	if f.conf != "" && !f.compare && f.policy != "goalloc" {
 		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
 	}
-	backend, err := policies.Backend(f.conf)
+	backend, placement, err := policies.Backend(f.conf)
 	if err != nil {
 		return nil, usagef("--conf: %v", err)
 	}
-	f.backend = backend
+	f.backend, f.placement = backend, placement
 
 	f.simMemory = arena.DefaultSimMemory
 	source := "--sim-memory"
@@ -327,15 +328,15 @@ var errOOM = errors.New("allocations failed for lack of memory")
 
 func newDevice(f *replayFlags) (arena.Device, error) {
 	// The backend --conf names (backend:vmm; the stream-ordered pool
-	// otherwise) serves every policy.
+	// otherwise) serves every policy, placed as vmm_placement says.
 	if f.device == "sim" && f.backend == "vmm" {
-		return arena.NewSimVMM(0, f.simMemory)
+		return arena.NewSimVMMPlaced(0, f.simMemory, f.placement)
 	}
 	if f.device == "sim" {
 		return arena.NewSim(0, f.simMemory), nil
 	}
 	if f.backend == "vmm" {
-		d, err := arena.NewVMM(0)
+		d, err := arena.NewVMMPlaced(0, f.placement)
 		if err != nil {
 			return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
 		}

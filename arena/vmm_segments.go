@@ -1,0 +1,828 @@
+// The segments placement: the VMM backend's second placement of large
+// requests, in the manner of PyTorch's expandable segments, chosen with
+// GOALLOC_CONF's vmm_placement:segments (the ranges placement of
+// vmm_placement.go is the other). Read vmm_placement.go's essay first: the
+// glossary, the costs and the stream-ordered rules are the same here.
+//
+// # Why a second placement
+//
+// The ranges placement gives almost every miss a fresh VA range and maps
+// handles there: replaying traces/gpt2-train.jsonl.gz on the simulated
+// device, 28,447 misses made 22,037 cuMemCreate, 38,998 cuMemMap and as
+// many cuMemUnmap, 24,055 cuMemSetAccess and 22,037 cuMemRelease. At the
+// H200's prices (create 11-13 us, map 2-5 us, set access about 30 us,
+// unmap about 18 us, release 11-18 us, per call) a miss cost 115 us at the
+// median and 1 ms at p99, against 2 us for the stream-ordered pool, and
+// GPT-2 trained at 0.45x the native allocator's speed. A miss must usually
+// make no driver call at all.
+//
+// # Segments and spans
+//
+// Each stream gets a segment: one large VA reservation (the device's
+// memory size, reserved at the stream's first request; VA costs nothing),
+// into which physical memory is mapped on demand, one handle per granule.
+// The mapped granules of a segment are tiled by spans:
+//
+//	live     handed out to the layer above.
+//	free     given back on the segment's own stream (or complete): the
+//	         segment's stream may reuse it at once, since the stream's later
+//	         work is ordered after its earlier work (the stream-ordered
+//	         pool's own rule). It carries the event recorded at its free,
+//	         which says when its last use has completed (0: it has).
+//	pending  given back on another stream: nobody may use it until the
+//	         event recorded there at the free completes; then it is free.
+//
+// Unmapped granules are the holes between spans. Adjacent free spans are
+// coalesced (their events were recorded on the same stream, so the newer
+// one covers both). A request of S bytes (rounded to the granule) on
+// stream s is placed in s's segment:
+//
+//  1. The smallest free span of at least S bytes is split: no driver call.
+//  2. Else a hole is filled: the free span before a hole is extended into
+//     it, or the free span after it extended back, or both joined through
+//     it, mapping only the missing granules (expandable segments' trick);
+//     or S new granules go into the first hole large enough (the end of
+//     the segment is a hole). The choice maps the fewest granules, the
+//     lowest address on a tie. Access is set once over the new granules.
+//  3. Before mapping, the new granules are paid for: complete free spans
+//     elsewhere (other segments, or this one where not part of the
+//     request), the largest first, give up whole granules from their tail,
+//     unmapped; their handles map at the new place. Only what nothing free
+//     can pay for is created, so held memory grows only when nothing held
+//     is free and complete. Events are polled, never waited on: a free span
+//     whose last use may still run is never unmapped (the driver does not
+//     order cuMemUnmap after queued work).
+//  4. When the cap cannot be met even after that, Alloc fails with
+//     ErrOutOfMemory before any driver call. When the device says no
+//     (cuMemCreate), what was unmapped to pay is released, which leaves a
+//     consistent state; the layer above synchronises (completing every
+//     free) and asks again.
+//
+// A segment with no hole large enough (fragmentation) gets a sibling: the
+// stream reserves another segment.
+//
+// # What it costs
+//
+// A miss served by step 1 makes no driver call (a free records one event,
+// as with ranges). Step 2 costs a map per new granule and one set-access;
+// paying costs an unmap per granule moved, and creates only for growth.
+// Handles are one granule each, so any free granule can be given up
+// without splitting a handle; the price is a call per granule where the
+// ranges placement makes one call per handle of any size, paid only when
+// memory moves or grows. Unmapped handles are not kept: what step 3
+// unmaps maps again at once, and Trim releases what it unmaps, so held is
+// exactly the mapped granules between calls.
+//
+// Replaying the bundled traces on the simulated device (go test ./arena
+// -run TestVMMPlacementReplay -v): on GPT-2, 28,447 misses made 1.03
+// driver calls each (ranges: 5.11), 98.8% of them none (ranges: 15.4%),
+// and not one cuMemRelease; on ResNet-50, 11,059 misses made 0.57 calls
+// each (ranges: 3.11), 97.2% none. The creates are the peak held, once:
+// held grows only at the peak. Peak physical over peak live stays as low
+// as with ranges: 1.0100 on GPT-2 (ranges: 1.0100), 1.0065 on ResNet-50
+// (ranges: 1.0083). Hence segments are the default placement.
+//
+// Like PyTorch's expandable segments, a segment reserves the device's
+// memory size of VA; it is never given back before Close (VA is free).
+//
+// # Invariants
+//
+// CheckInvariants verifies, after every step of the random-ops test: the
+// spans of a segment are sorted, granule-aligned, inside it and do not
+// overlap; their union is its mapped granules, each mapped by exactly one
+// handle, none shared; no two free spans touch; held is the mapped
+// granules (plus handles between unmap and map, none between calls) x the
+// granule; live is the bytes of live spans, each indexed by its base;
+// pending spans are exactly those listed for polling.
+
+package arena
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+)
+
+// VMMPlacement names how the VMM backend places large requests.
+type VMMPlacement string
+
+const (
+	// VMMSegments: a segment per stream, grown and carved in place
+	// (vmm_segments.go).
+	VMMSegments VMMPlacement = "segments"
+	// VMMRanges: a fresh VA range per request, backed by whatever
+	// handles are free (vmm_placement.go).
+	VMMRanges VMMPlacement = "ranges"
+	// DefaultVMMPlacement is the placement when none is named.
+	DefaultVMMPlacement = VMMSegments
+)
+
+// ParseVMMPlacement is the one check of a placement's name.
+func ParseVMMPlacement(s string) (VMMPlacement, error) {
+	switch p := VMMPlacement(s); p {
+	case VMMSegments, VMMRanges:
+		return p, nil
+	case "":
+		return DefaultVMMPlacement, nil
+	}
+	return "", fmt.Errorf("VMM placement %q is neither segments nor ranges", s)
+}
+
+// vmmPlacer is what vmmSource needs of a placement; the caller holds a
+// lock around it.
+type vmmPlacer interface {
+	// Alloc places size bytes (rounded up to the granule) for stream s.
+	Alloc(size uint64, s Stream) (uintptr, error)
+	// Free gives back the live allocation at va, ordered on s; done says
+	// nothing can still use it.
+	Free(va uintptr, s Stream, done bool) error
+	// Owns says whether va is a live allocation, and its rounded size.
+	Owns(va uintptr) (uint64, bool)
+	// eachLive calls f for every live allocation.
+	eachLive(f func(va uintptr, size uint64))
+	Trim(keep uint64) error
+	SetCap(limit uint64)
+	Held() uint64
+	HeldHigh() uint64
+	Live() uint64
+	resetHigh()
+	round(n uint64) uint64
+	granule() uint64
+	// event and putEvent lend spare events to the source's small pieces.
+	event() (Event, error)
+	putEvent(e Event)
+	Close() error
+	CheckInvariants() error
+}
+
+const (
+	spanLive = iota
+	spanFree
+	spanPending
+)
+
+// segSpan is a run of mapped granules of a segment.
+type segSpan struct {
+	base  uintptr
+	size  uint64
+	state uint8
+	// event: free, recorded on the segment's stream at its last free (0:
+	// its last use has completed); pending, recorded on the stream of the
+	// free.
+	event Event
+	seq   uint64 // free with an event: when it was recorded (newer covers older)
+}
+
+func (sp *segSpan) end() uintptr { return sp.base + uintptr(sp.size) }
+
+// vmmSegment is one stream's VA reservation.
+type vmmSegment struct {
+	stream Stream
+	base   uintptr
+	size   uint64
+	spans  []segSpan // sorted by base
+	// handles, by granule from base, up to the highest granule mapped so
+	// far: the handle mapped there, 0 where nothing is.
+	handles []PhysHandle
+	mapped  []bool
+}
+
+func (g *vmmSegment) end() uintptr { return g.base + uintptr(g.size) }
+
+// find is the index of the span starting at va, or -1.
+func (g *vmmSegment) find(va uintptr) int {
+	i := sort.Search(len(g.spans), func(i int) bool { return g.spans[i].base >= va })
+	if i < len(g.spans) && g.spans[i].base == va {
+		return i
+	}
+	return -1
+}
+
+// vmmSegments is the segments placement.
+type vmmSegments struct {
+	drv   PhysDriver
+	gran  uint64
+	cap   uint64 // most bytes held; 0: no cap but the device
+	segVA uint64 // VA reserved per segment
+
+	segs     []*vmmSegment // in creation order
+	byStream map[Stream][]*vmmSegment
+	byBase   map[uintptr]*vmmSegment // live spans by base
+	pending  []segRef                // pending spans, oldest first
+	spare    []PhysHandle            // unmapped handles, between an unmap and a map
+	events   []Event                 // spare events
+	seq      uint64
+
+	held, heldHigh, live, mapped uint64
+}
+
+type segRef struct {
+	g    *vmmSegment
+	base uintptr
+}
+
+func newVMMSegments(drv PhysDriver, segVA, limit uint64) (*vmmSegments, error) {
+	g := drv.Granularity()
+	if g == 0 || g&(g-1) != 0 {
+		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
+	}
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{}}
+	e.segVA = e.round(segVA)
+	return e, nil
+}
+
+func (e *vmmSegments) round(n uint64) uint64 {
+	if n == 0 {
+		return e.gran
+	}
+	return (n + e.gran - 1) &^ (e.gran - 1)
+}
+
+func (e *vmmSegments) granule() uint64     { return e.gran }
+func (e *vmmSegments) Held() uint64        { return e.held }
+func (e *vmmSegments) HeldHigh() uint64    { return e.heldHigh }
+func (e *vmmSegments) Live() uint64        { return e.live }
+func (e *vmmSegments) SetCap(limit uint64) { e.cap = limit }
+func (e *vmmSegments) resetHigh()          { e.heldHigh = e.held }
+func (e *vmmSegments) putEvent(ev Event)   { e.events = append(e.events, ev) }
+
+func (e *vmmSegments) event() (Event, error) {
+	if k := len(e.events); k > 0 {
+		ev := e.events[k-1]
+		e.events = e.events[:k-1]
+		return ev, nil
+	}
+	return e.drv.NewEvent()
+}
+
+func (e *vmmSegments) Owns(va uintptr) (uint64, bool) {
+	g := e.byBase[va]
+	if g == nil {
+		return 0, false
+	}
+	return g.spans[g.find(va)].size, true
+}
+
+func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
+	for va, g := range e.byBase {
+		f(va, g.spans[g.find(va)].size)
+	}
+}
+
+// Alloc places n bytes for stream s (steps 1-4 of the essay).
+func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
+	n := e.round(size)
+	if err := e.pollPending(); err != nil {
+		return 0, err
+	}
+	var bg *vmmSegment
+	bi := -1
+	for _, g := range e.byStream[s] {
+		for i := range g.spans {
+			sp := &g.spans[i]
+			if sp.state == spanFree && sp.size >= n && (bi < 0 || sp.size < bg.spans[bi].size) {
+				bg, bi = g, i
+			}
+		}
+	}
+	if bi >= 0 {
+		sp := &bg.spans[bi]
+		base := sp.base
+		if sp.size > n {
+			// The rest stays free, with the event of its last use.
+			rest := segSpan{base: base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
+			*sp = segSpan{base: base, size: n, state: spanLive}
+			bg.spans = insertSegSpan(bg.spans, bi+1, rest)
+		} else {
+			if sp.event != 0 {
+				e.events = append(e.events, sp.event)
+			}
+			*sp = segSpan{base: base, size: n, state: spanLive}
+		}
+		e.byBase[base] = bg
+		e.live += n
+		return base, nil
+	}
+	return e.grow(n, s)
+}
+
+// fill is where step 2 puts a request: region [start, start+n) of segment
+// g, made of the free span before a hole (left, its whole), the hole's
+// granules [run, run+need), and the head of the free span after it
+// (right bytes of it).
+type fill struct {
+	g          *vmmSegment
+	start, run uintptr
+	need       uint64
+	left       int // index of the free span used whole, or -1
+	right      int // index of the free span whose head is used, or -1
+	rightUse   uint64
+}
+
+// bestFill finds the fill of n bytes in s's segments that maps the fewest
+// granules (the lowest address on a tie); ok false when no hole fits.
+func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
+	consider := func(f fill) {
+		if !ok || f.need < best.need || (f.need == best.need && f.start < best.start) {
+			best, ok = f, true
+		}
+	}
+	for _, g := range e.byStream[s] {
+		for i := 0; i <= len(g.spans); i++ {
+			// The hole before span i (i == len: the segment's end).
+			holeBase, holeEnd := g.base, g.end()
+			if i > 0 {
+				holeBase = g.spans[i-1].end()
+			}
+			if i < len(g.spans) {
+				holeEnd = g.spans[i].base
+			}
+			hole := uint64(holeEnd - holeBase)
+			if hole == 0 {
+				continue
+			}
+			var l, r uint64
+			if i > 0 && g.spans[i-1].state == spanFree {
+				l = g.spans[i-1].size
+			}
+			if i < len(g.spans) && g.spans[i].state == spanFree {
+				r = g.spans[i].size
+			}
+			// Step 1 failed: l < n and r < n.
+			if l > 0 && n-l <= hole {
+				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: n - l, left: i - 1, right: -1})
+			}
+			if r > 0 && n-r <= hole {
+				consider(fill{g: g, start: holeEnd - uintptr(n-r), run: holeEnd - uintptr(n-r), need: n - r, left: -1, right: i, rightUse: r})
+			}
+			if l > 0 && r > 0 && l+hole < n && n <= l+hole+r {
+				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: hole, left: i - 1, right: i, rightUse: n - l - hole})
+			}
+			if hole >= n {
+				consider(fill{g: g, start: holeBase, run: holeBase, need: n, left: -1, right: -1})
+			}
+		}
+	}
+	return best, ok
+}
+
+// segPay: bytes unmapped from the tail of the free span at base of g, to
+// pay for new granules.
+type segPay struct {
+	g     *vmmSegment
+	base  uintptr
+	bytes uint64
+}
+
+// grow is steps 2-4: map what is missing, paid for with free memory.
+func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
+	f, ok := e.bestFill(n, s)
+	newSeg := !ok
+	if newSeg {
+		f = fill{need: n, left: -1, right: -1}
+	}
+	// Step 3: what pays for the new granules.
+	type cand struct {
+		g   *vmmSegment
+		i   int
+		ord int
+	}
+	var cands []cand
+	for si, g := range e.segs {
+		for i := range g.spans {
+			if g.spans[i].state != spanFree || (g == f.g && (i == f.left || i == f.right)) {
+				continue
+			}
+			cands = append(cands, cand{g, i, si})
+		}
+	}
+	sort.SliceStable(cands, func(a, b int) bool {
+		return cands[a].g.spans[cands[a].i].size > cands[b].g.spans[cands[b].i].size
+	})
+	var pays []segPay
+	paid := uint64(len(e.spare)) * e.gran
+	for _, c := range cands {
+		if paid >= f.need {
+			break
+		}
+		sp := &c.g.spans[c.i]
+		if sp.event != 0 {
+			done, err := e.drv.EventDone(sp.event)
+			if err != nil {
+				return 0, err
+			}
+			if !done {
+				continue
+			}
+			e.events = append(e.events, sp.event)
+			sp.event, sp.seq = 0, 0
+		}
+		take := min(sp.size, f.need-paid)
+		pays = append(pays, segPay{c.g, sp.base, take})
+		paid += take
+	}
+	var create uint64
+	if paid < f.need {
+		create = f.need - paid
+	}
+	// Held grows by what is created; above a lowered cap, a request that
+	// needs nothing created still goes through (held does not grow).
+	if after := e.held + create; e.cap > 0 && create > 0 && after > e.cap {
+		return 0, fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, above the cap of %d: %w",
+			create, after, e.cap, ErrOutOfMemory)
+	}
+	// From here on the driver is called; each failure leaves the state
+	// consistent and gives back what was unmapped to pay.
+	if newSeg {
+		size := max(e.segVA, n)
+		base, err := e.drv.ReserveVA(size)
+		if err != nil {
+			return 0, err
+		}
+		g := &vmmSegment{stream: s, base: base, size: size}
+		e.segs = append(e.segs, g)
+		e.byStream[s] = append(e.byStream[s], g)
+		f.g, f.start, f.run = g, base, base
+	}
+	for _, p := range pays {
+		if err := e.unmapTail(p.g, p.base, p.bytes, false); err != nil {
+			return 0, errors.Join(err, e.releaseSpare())
+		}
+	}
+	g := f.g
+	for off := uint64(0); off < f.need; off += e.gran {
+		var h PhysHandle
+		if k := len(e.spare); k > 0 {
+			h = e.spare[k-1]
+			e.spare = e.spare[:k-1]
+		} else {
+			var err error
+			if h, err = e.drv.CreateHandle(e.gran); err != nil {
+				return 0, errors.Join(err, e.unmapRun(g, f.run, off), e.releaseSpare())
+			}
+			e.held += e.gran
+			e.heldHigh = max(e.heldHigh, e.held)
+		}
+		va := f.run + uintptr(off)
+		if err := e.drv.Map(va, e.gran, h); err != nil {
+			e.spare = append(e.spare, h)
+			return 0, errors.Join(err, e.unmapRun(g, f.run, off), e.releaseSpare())
+		}
+		e.setHandle(g, va, h)
+	}
+	if err := e.drv.SetAccess(f.run, f.need); err != nil {
+		return 0, errors.Join(err, e.unmapRun(g, f.run, f.need), e.releaseSpare())
+	}
+	// Commit: the region's spans become one live span.
+	live := segSpan{base: f.start, size: n, state: spanLive}
+	at := sort.Search(len(g.spans), func(i int) bool { return g.spans[i].base >= f.start })
+	if f.left >= 0 {
+		// The whole left span goes into the request: at points at it.
+		if ev := g.spans[at].event; ev != 0 {
+			e.events = append(e.events, ev)
+		}
+		g.spans = append(g.spans[:at], g.spans[at+1:]...)
+	}
+	if f.right >= 0 {
+		r := &g.spans[at]
+		if f.rightUse == r.size {
+			if r.event != 0 {
+				e.events = append(e.events, r.event)
+			}
+			g.spans = append(g.spans[:at], g.spans[at+1:]...)
+		} else {
+			r.base += uintptr(f.rightUse)
+			r.size -= f.rightUse
+		}
+	}
+	g.spans = insertSegSpan(g.spans, at, live)
+	e.byBase[f.start] = g
+	e.live += n
+	return f.start, nil
+}
+
+func insertSegSpan(spans []segSpan, i int, sp segSpan) []segSpan {
+	spans = append(spans, segSpan{})
+	copy(spans[i+1:], spans[i:])
+	spans[i] = sp
+	return spans
+}
+
+func (e *vmmSegments) setHandle(g *vmmSegment, va uintptr, h PhysHandle) {
+	k := int((va - g.base) / uintptr(e.gran))
+	for len(g.handles) <= k {
+		g.handles = append(g.handles, 0)
+		g.mapped = append(g.mapped, false)
+	}
+	g.handles[k], g.mapped[k] = h, true
+	e.mapped += e.gran
+}
+
+// unmapGranule drops the mapping at va of g; its handle becomes spare.
+func (e *vmmSegments) unmapGranule(g *vmmSegment, va uintptr) error {
+	k := int((va - g.base) / uintptr(e.gran))
+	if err := e.drv.Unmap(va, e.gran); err != nil {
+		return err
+	}
+	e.spare = append(e.spare, g.handles[k])
+	g.handles[k], g.mapped[k] = 0, false
+	e.mapped -= e.gran
+	return nil
+}
+
+// unmapRun undoes the first size bytes mapped at run by a failed grow: no
+// work can use them yet.
+func (e *vmmSegments) unmapRun(g *vmmSegment, run uintptr, size uint64) error {
+	var errs []error
+	for off := uint64(0); off < size; off += e.gran {
+		errs = append(errs, e.unmapGranule(g, run+uintptr(off)))
+	}
+	return errors.Join(errs...)
+}
+
+// releaseSpare releases every spare handle.
+func (e *vmmSegments) releaseSpare() error {
+	for len(e.spare) > 0 {
+		k := len(e.spare) - 1
+		if err := e.drv.ReleaseHandle(e.spare[k]); err != nil {
+			return err
+		}
+		e.spare = e.spare[:k]
+		e.held -= e.gran
+	}
+	return nil
+}
+
+// unmapTail unmaps bytes from the tail of the complete free span at base
+// of g, a granule at a time (the span shrinks as it goes, so an error
+// leaves it consistent); the handles become spare, or are released.
+func (e *vmmSegments) unmapTail(g *vmmSegment, base uintptr, bytes uint64, release bool) error {
+	i := g.find(base)
+	for done := uint64(0); done < bytes; done += e.gran {
+		sp := &g.spans[i]
+		if err := e.unmapGranule(g, sp.end()-uintptr(e.gran)); err != nil {
+			return err
+		}
+		sp.size -= e.gran
+		if sp.size == 0 {
+			g.spans = append(g.spans[:i], g.spans[i+1:]...)
+		}
+		if release {
+			if err := e.releaseSpare(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// Free gives back the live span at va, ordered on s. On the segment's own
+// stream it is free at once for that stream; on another, it is pending
+// until the event recorded there completes.
+func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
+	g := e.byBase[va]
+	if g == nil {
+		return fmt.Errorf("arena: VMM: free of %#x, which is not a live range", va)
+	}
+	var ev Event
+	if !done {
+		var err error
+		if ev, err = e.event(); err != nil {
+			return err
+		}
+		if err := e.drv.RecordEvent(ev, s); err != nil {
+			e.events = append(e.events, ev)
+			return err
+		}
+	}
+	i := g.find(va)
+	delete(e.byBase, va)
+	e.live -= g.spans[i].size
+	if done || (s == g.stream && s != anyStream) {
+		e.seq++
+		e.setFree(g, i, ev, e.seq)
+		return nil
+	}
+	g.spans[i].state, g.spans[i].event = spanPending, ev
+	e.pending = append(e.pending, segRef{g, va})
+	return nil
+}
+
+// setFree makes span i of g free with event ev (0: complete), recorded at
+// seq, and coalesces it with free neighbours: the newer event covers both,
+// as both were recorded on the segment's stream.
+func (e *vmmSegments) setFree(g *vmmSegment, i int, ev Event, seq uint64) {
+	if ev == 0 {
+		seq = 0
+	}
+	g.spans[i] = segSpan{base: g.spans[i].base, size: g.spans[i].size, state: spanFree, event: ev, seq: seq}
+	merge := func(a, b int) { // b into a, adjacent free spans
+		x, y := &g.spans[a], &g.spans[b]
+		switch {
+		case y.event == 0:
+		case x.event == 0 || y.seq > x.seq:
+			if x.event != 0 {
+				e.events = append(e.events, x.event)
+			}
+			x.event, x.seq = y.event, y.seq
+		default:
+			e.events = append(e.events, y.event)
+		}
+		if y.base < x.base {
+			x.base = y.base
+		}
+		x.size += y.size
+		g.spans = append(g.spans[:b], g.spans[b+1:]...)
+	}
+	if i+1 < len(g.spans) && g.spans[i+1].state == spanFree && g.spans[i].end() == g.spans[i+1].base {
+		merge(i, i+1)
+	}
+	if i > 0 && g.spans[i-1].state == spanFree && g.spans[i-1].end() == g.spans[i].base {
+		merge(i-1, i)
+	}
+}
+
+// pollPending frees the pending spans whose events have completed.
+func (e *vmmSegments) pollPending() error {
+	keep := e.pending[:0]
+	var err error
+	for _, ref := range e.pending {
+		if err == nil {
+			i := ref.g.find(ref.base)
+			done, qerr := e.drv.EventDone(ref.g.spans[i].event)
+			if qerr != nil {
+				err = qerr
+			} else if done {
+				e.events = append(e.events, ref.g.spans[i].event)
+				e.setFree(ref.g, i, 0, 0)
+				continue
+			}
+		}
+		keep = append(keep, ref)
+	}
+	e.pending = keep
+	return err
+}
+
+// Trim unmaps and releases complete free memory, the largest spans first,
+// from their tails, until at most keep bytes are held or nothing free is
+// complete. Pending spans and free ones still in use keep their memory.
+func (e *vmmSegments) Trim(keep uint64) error {
+	if err := e.pollPending(); err != nil {
+		return err
+	}
+	if err := e.releaseSpare(); err != nil {
+		return err
+	}
+	var free []segRef
+	for _, g := range e.segs {
+		for _, sp := range g.spans {
+			if sp.state == spanFree {
+				free = append(free, segRef{g, sp.base})
+			}
+		}
+	}
+	sort.SliceStable(free, func(a, b int) bool {
+		return free[a].g.spans[free[a].g.find(free[a].base)].size > free[b].g.spans[free[b].g.find(free[b].base)].size
+	})
+	for _, ref := range free {
+		if e.held <= keep {
+			break
+		}
+		sp := &ref.g.spans[ref.g.find(ref.base)]
+		if sp.event != 0 {
+			done, err := e.drv.EventDone(sp.event)
+			if err != nil {
+				return err
+			}
+			if !done {
+				continue
+			}
+			e.events = append(e.events, sp.event)
+			sp.event, sp.seq = 0, 0
+		}
+		bytes := min(sp.size, (e.held-keep+e.gran-1)&^(e.gran-1))
+		if err := e.unmapTail(ref.g, ref.base, bytes, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Close unmaps and releases everything and gives the VA back. Live spans
+// are lost.
+func (e *vmmSegments) Close() error {
+	var errs []error
+	for _, g := range e.segs {
+		for _, sp := range g.spans {
+			for va := sp.base; va < sp.end(); va += uintptr(e.gran) {
+				errs = append(errs, e.unmapGranule(g, va))
+			}
+			if sp.event != 0 {
+				errs = append(errs, e.drv.DestroyEvent(sp.event))
+			}
+		}
+		g.spans = nil
+		errs = append(errs, e.releaseSpare(), e.drv.FreeVA(g.base, g.size))
+	}
+	for _, ev := range e.events {
+		errs = append(errs, e.drv.DestroyEvent(ev))
+	}
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{}}
+	return errors.Join(errs...)
+}
+
+// CheckInvariants verifies the invariants of the essay.
+func (e *vmmSegments) CheckInvariants() error {
+	var mapped, live uint64
+	handles := map[PhysHandle]bool{}
+	nLive, nPending := 0, 0
+	for _, g := range e.segs {
+		if g.base%uintptr(e.gran) != 0 || g.size%e.gran != 0 {
+			return fmt.Errorf("segment %#x+%d is not granule-aligned", g.base, g.size)
+		}
+		var inSpans uint64
+		for i, sp := range g.spans {
+			if sp.size == 0 || sp.size%e.gran != 0 || sp.base%uintptr(e.gran) != 0 {
+				return fmt.Errorf("span %#x+%d is not whole granules", sp.base, sp.size)
+			}
+			if sp.base < g.base || sp.end() > g.end() {
+				return fmt.Errorf("span %#x+%d lies outside its segment %#x+%d", sp.base, sp.size, g.base, g.size)
+			}
+			if i > 0 {
+				prev := g.spans[i-1]
+				if prev.end() > sp.base {
+					return fmt.Errorf("span %#x+%d overlaps %#x", prev.base, prev.size, sp.base)
+				}
+				if prev.end() == sp.base && prev.state == spanFree && sp.state == spanFree {
+					return fmt.Errorf("free spans %#x and %#x touch", prev.base, sp.base)
+				}
+			}
+			for va := sp.base; va < sp.end(); va += uintptr(e.gran) {
+				k := int((va - g.base) / uintptr(e.gran))
+				if k >= len(g.mapped) || !g.mapped[k] {
+					return fmt.Errorf("span %#x+%d: granule %#x is not mapped", sp.base, sp.size, va)
+				}
+				if handles[g.handles[k]] {
+					return fmt.Errorf("handle %d is mapped twice", g.handles[k])
+				}
+				handles[g.handles[k]] = true
+			}
+			inSpans += sp.size
+			switch sp.state {
+			case spanLive:
+				live += sp.size
+				nLive++
+				if e.byBase[sp.base] != g {
+					return fmt.Errorf("live span %#x is not indexed", sp.base)
+				}
+				if sp.event != 0 {
+					return fmt.Errorf("live span %#x holds an event", sp.base)
+				}
+			case spanPending:
+				nPending++
+				if sp.event == 0 {
+					return fmt.Errorf("pending span %#x has no event", sp.base)
+				}
+			case spanFree:
+				if (sp.event == 0) != (sp.seq == 0) {
+					return fmt.Errorf("free span %#x: event %d at %d", sp.base, sp.event, sp.seq)
+				}
+			}
+		}
+		var granules uint64
+		for _, m := range g.mapped {
+			if m {
+				granules += e.gran
+			}
+		}
+		if granules != inSpans {
+			return fmt.Errorf("segment %#x: %d bytes mapped, %d in spans", g.base, granules, inSpans)
+		}
+		mapped += inSpans
+	}
+	if mapped != e.mapped {
+		return fmt.Errorf("mapped %d, spans add up to %d", e.mapped, mapped)
+	}
+	if held := mapped + uint64(len(e.spare))*e.gran; held != e.held {
+		return fmt.Errorf("held %d, mapped and spare handles add up to %d", e.held, held)
+	}
+	if len(e.spare) != 0 {
+		return fmt.Errorf("%d spare handles between calls", len(e.spare))
+	}
+	if live != e.live || live > e.held {
+		return fmt.Errorf("live %d, live spans add up to %d, held %d", e.live, live, e.held)
+	}
+	if nLive != len(e.byBase) {
+		return fmt.Errorf("%d live spans, %d indexed", nLive, len(e.byBase))
+	}
+	if nPending != len(e.pending) {
+		return fmt.Errorf("%d pending spans, %d listed", nPending, len(e.pending))
+	}
+	for _, ref := range e.pending {
+		if i := ref.g.find(ref.base); i < 0 || ref.g.spans[i].state != spanPending {
+			return fmt.Errorf("listed pending %#x is not a pending span", ref.base)
+		}
+	}
+	return nil
+}

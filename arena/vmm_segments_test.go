@@ -1,0 +1,266 @@
+package arena
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// segmentsOnly makes a segments placement over a fake driver on a manual
+// Sim, segments of capacity bytes of VA.
+func segmentsOnly(t *testing.T, capacity, limit uint64) (*vmmSegments, *FakePhys, *Sim) {
+	sim := NewSim(0, capacity)
+	sim.SetManual(true)
+	phys := NewFakePhys(sim, capacity, simVMMGranule)
+	e, err := newVMMSegments(phys, capacity, limit)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.Close() })
+	return e, phys, sim
+}
+
+// spanStates lists the spans of a segment as (offset in MiB, size in MiB,
+// state) triples, for comparisons.
+func spanStates(g *vmmSegment) [][3]uint64 {
+	var out [][3]uint64
+	for _, sp := range g.spans {
+		out = append(out, [3]uint64{uint64(sp.base-g.base) / mib, sp.size / mib, uint64(sp.state)})
+	}
+	return out
+}
+
+func TestSegmentsSplitCoalesceAndSameStreamReuse(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(10*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, 5, phys.Calls["cuMemCreate"], "one handle per granule")
+	assert.Equal(t, 5, phys.Calls["cuMemMap"])
+	assert.Equal(t, 1, phys.Calls["cuMemSetAccess"], "access set once over the new granules")
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := calls(phys)
+	a, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	b, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, a, "the free span is split: its head first")
+	assert.Equal(t, p+4*mib, b, "and its rest next")
+	assert.Equal(t, before, calls(phys), "reuse on the same stream before the free completes calls no driver")
+	g := e.byStream[1][0]
+	assert.Equal(t, [][3]uint64{{0, 4, spanLive}, {4, 6, spanLive}}, spanStates(g))
+	sim.Launch(1)
+	require.NoError(t, e.Free(a, 1, false))
+	require.NoError(t, e.Free(b, 1, false))
+	assert.Equal(t, [][3]uint64{{0, 10, spanFree}}, spanStates(g), "neighbouring frees coalesce")
+	assert.Equal(t, 1, len(e.events), "the older event is spare: the newer covers both")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A free span followed by unmapped VA grows into it: only the missing
+// granules are mapped, and the request starts where the span did.
+func TestSegmentsExtendMapsOnlyTheMissingGranules(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := phys.Calls["cuMemMap"]
+	q, err := e.Alloc(10*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, q, "the free span at the end is extended")
+	assert.Equal(t, 3, phys.Calls["cuMemMap"]-before, "three granules mapped, not five")
+	assert.Equal(t, 5, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 2, phys.Calls["cuMemSetAccess"])
+	assert.EqualValues(t, 10*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A hole between two free spans joins them: the request takes the span
+// before, the hole, and the head of the span after.
+func TestSegmentsFillJoinsFreeSpansThroughAHole(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	x1, _ := e.Alloc(4*mib, 1)
+	x2, _ := e.Alloc(4*mib, 1)
+	x3, _ := e.Alloc(8*mib, 1)
+	_, err := e.Alloc(2*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(x2, 1, true))
+	require.NoError(t, e.Trim(e.Held()-4*mib))
+	require.NoError(t, e.Free(x1, 1, true))
+	sim.Launch(1)
+	require.NoError(t, e.Free(x3, 1, false))
+	g := e.byStream[1][0]
+	require.Equal(t, [][3]uint64{{0, 4, spanFree}, {8, 8, spanFree}, {16, 2, spanLive}}, spanStates(g))
+	maps := phys.Calls["cuMemMap"]
+	p, err := e.Alloc(14*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, x1, p)
+	assert.Equal(t, 2, phys.Calls["cuMemMap"]-maps, "only the hole's two granules are mapped")
+	assert.Equal(t, [][3]uint64{{0, 14, spanLive}, {14, 2, spanFree}, {16, 2, spanLive}}, spanStates(g))
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A span freed on another stream than its segment's is nobody's until the
+// event recorded there completes; then its own stream takes it back.
+func TestSegmentsCrossStreamFreeWaitsForItsEvent(t *testing.T) {
+	e, _, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(2)
+	require.NoError(t, e.Free(p, 2, false))
+	q, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q, "stream 2 may still use it")
+	assert.EqualValues(t, 16*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+	sim.Complete(2)
+	r, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, r, "once stream 2 is done it is free again")
+	assert.EqualValues(t, 16*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Held memory grows only when nothing free is complete: another stream's
+// completed free span gives up its granules, unmapped and mapped again
+// where the request needs them, with no create and no release.
+func TestSegmentsUnmapFreeMemoryToPayForGrowth(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	_, err = e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held(), "stream 1's free has not completed")
+	assert.Zero(t, phys.Calls["cuMemUnmap"], "nothing still in use is unmapped")
+	sim.Complete(1)
+	_, err = e.Alloc(6*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held(), "paid with stream 1's free memory")
+	assert.Equal(t, 8, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 3, phys.Calls["cuMemUnmap"], "three granules moved")
+	assert.Zero(t, phys.Calls["cuMemRelease"])
+	assert.Equal(t, [][3]uint64{{0, 2, spanFree}}, spanStates(e.byStream[1][0]), "from the tail of the free span")
+	assert.EqualValues(t, 16*mib, phys.Used())
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestSegmentsCapRefusesBeforeAnyDriverCall(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 32*mib)
+	p, err := e.Alloc(20*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	before := calls(phys)
+	reserves := phys.Calls["cuMemAddressReserve"]
+	_, err = e.Alloc(20*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory, "stream 1's free has not completed and the cap leaves 12 MiB")
+	assert.Equal(t, before, calls(phys), "a refused request calls no driver")
+	assert.Equal(t, reserves, phys.Calls["cuMemAddressReserve"], "not even to reserve a segment")
+	require.NoError(t, e.CheckInvariants())
+	sim.Complete(1) // what the layer above's synchronise does
+	_, err = e.Alloc(20*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 20*mib, e.Held(), "stream 1's memory moved to stream 2")
+	_, err = e.Alloc(14*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.EqualValues(t, 20*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Under a cap lowered below what is held, a request that moves free memory
+// and creates nothing is served: held does not grow.
+func TestSegmentsLoweredCapStillMovesFreeMemory(t *testing.T) {
+	e, phys, _ := segmentsOnly(t, 1<<30, 0)
+	p, _ := e.Alloc(16*mib, 1)
+	_, err := e.Alloc(16*mib, 2)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 1, true))
+	e.SetCap(16 * mib)
+	_, err = e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 32*mib, e.Held())
+	assert.Equal(t, 16, phys.Calls["cuMemCreate"])
+	_, err = e.Alloc(10*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory, "2 MiB would have to be created")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// The device refusing a handle midway leaves a consistent state: what was
+// unmapped to pay and what was made is released.
+func TestSegmentsDeviceOOMMidway(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 16*mib, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 1, true))
+	_, err = e.Alloc(20*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.Zero(t, e.Held())
+	assert.Zero(t, phys.Used())
+	require.NoError(t, e.CheckInvariants())
+	q, err := e.Alloc(16*mib, 2)
+	require.NoError(t, err, "all of the device is usable after the failure")
+	_ = q
+	_ = sim
+	require.NoError(t, e.CheckInvariants())
+}
+
+func TestSegmentsTrim(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	a, _ := e.Alloc(8*mib, 1)
+	b, _ := e.Alloc(4*mib, 1)
+	c, err := e.Alloc(16*mib, 2)
+	require.NoError(t, err)
+	sim.Launch(1)
+	sim.Launch(2)
+	require.NoError(t, e.Free(a, 1, false))
+	require.NoError(t, e.Free(c, 2, false))
+	require.NoError(t, e.Trim(0))
+	assert.EqualValues(t, 28*mib, e.Held(), "frees still in use keep their memory")
+	sim.Complete(2)
+	require.NoError(t, e.Trim(12*mib))
+	assert.EqualValues(t, 12*mib, e.Held(), "the completed 16 MiB go, down to keep")
+	assert.EqualValues(t, 12*mib, phys.Used())
+	sim.Complete(1)
+	require.NoError(t, e.Trim(0))
+	assert.EqualValues(t, 4*mib, e.Held(), "what is live stays")
+	assert.Equal(t, 2, phys.Handles())
+	require.NoError(t, e.CheckInvariants())
+	_ = b
+}
+
+func TestSegmentsCloseReleasesEverything(t *testing.T) {
+	sim := NewSim(0, 1<<30)
+	sim.SetManual(true)
+	phys := NewFakePhys(sim, 1<<30, simVMMGranule)
+	e, err := newVMMSegments(phys, 1<<30, 0)
+	require.NoError(t, err)
+	live, _ := e.Alloc(6*mib, 1)
+	freed, _ := e.Alloc(4*mib, 1)
+	pending, err := e.Alloc(2*mib, 3)
+	require.NoError(t, err)
+	sim.Launch(1)
+	sim.Launch(2)
+	require.NoError(t, e.Free(freed, 1, false))
+	require.NoError(t, e.Free(pending, 2, false))
+	require.NoError(t, e.CheckInvariants())
+	require.NoError(t, e.Close())
+	assert.Zero(t, phys.Used())
+	assert.Zero(t, phys.Handles())
+	assert.Empty(t, phys.res, "every segment's VA is given back")
+	assert.Zero(t, sim.Events(), "events destroyed")
+	_ = live
+}
+
+func TestParseVMMPlacement(t *testing.T) {
+	for in, want := range map[string]VMMPlacement{"segments": VMMSegments, "ranges": VMMRanges, "": DefaultVMMPlacement} {
+		p, err := ParseVMMPlacement(in)
+		require.NoError(t, err)
+		assert.Equal(t, want, p)
+	}
+	_, err := ParseVMMPlacement("stripes")
+	assert.ErrorContains(t, err, "neither segments nor ranges")
+	_, err = NewSimVMMPlaced(0, 1<<30, "stripes")
+	assert.Error(t, err)
+}
