@@ -15,8 +15,9 @@
 //     current when the calling thread has none: PyTorch's autograd thread
 //     arrives with no context (a stream-ordered call there returns
 //     CUDA_ERROR_INVALID_CONTEXT).
-//   - VMM (vmm_cuda.go, over the placement engine of vmm_placement.go and
-//     vmm_source.go): the same driver, but physical memory comes as handles
+//   - VMM (vmm_cuda.go, over vmm_source.go and one of two placements of
+//     large requests, vmm_segments.go (the default) or vmm_placement.go,
+//     chosen by GOALLOC_CONF's vmm_placement): the same driver, but physical memory comes as handles
 //     (cuMemCreate) that goalloc maps where it likes, so what the device
 //     holds is exactly what goalloc says it holds. Chosen with
 //     GOALLOC_CONF=backend:vmm; it shares the CUDA device's runtime half

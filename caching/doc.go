@@ -149,10 +149,12 @@
 // (Config.Backend). async, the default, is the driver's stream-ordered pool:
 // the driver places memory and keeps what it likes, so the device may hold
 // more than goalloc's reserved figure says. vmm is goalloc's own placement
-// over physical handles (arena/vmm_placement.go): the device holds exactly
-// the backend's reserved figure, the cap is passed down to bound it
-// (arena.Capped), and every miss costs driver calls of tens of
-// microseconds, so the cache above matters more there.
+// over physical handles (arena/vmm_segments.go, arena/vmm_placement.go): the
+// device holds exactly the backend's reserved figure (which includes free
+// memory a segment keeps mapped for its stream, so it can be above
+// goalloc's own reserved), the cap is passed down to bound it
+// (arena.Capped), and a miss is served from a stream's segment without a
+// driver call unless the segment must grow (a create and a map per 2 MiB).
 //
 // # CUDA graphs
 //
