@@ -626,6 +626,14 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
     add(name, ok, how + ".")
 
 
+def first_number(*vs: Any) -> Any:
+    """The first of vs that is a number, else None."""
+    for v in vs:
+        if number(v) is not None:
+            return v
+    return None
+
+
 def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
     """Where a goalloc configuration's peak memory goes, from its own
     counters (medians).
@@ -635,7 +643,10 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
     """
     runs = runs_of(doc, workload, config)
     pool = collect(runs, lambda r: dig(r, "allocator", "pool_reserved_max_read")).median
-    res = collect(runs, lambda r: dig(r, "allocator", "reserved_peak")).median
+    # goalloc's own reserved peak: its own key where the library has it (with
+    # backend:vmm reserved_bytes.all is the physical memory, the pool figure).
+    res = collect(runs, lambda r: first_number(dig(r, "allocator", "stats", "goalloc.own_reserved_bytes.peak"),
+                                                dig(r, "allocator", "reserved_peak"))).median
     alloc = collect(runs, lambda r: dig(r, "allocator", "allocated_peak")).median
     req = collect(runs, lambda r: dig(r, "allocator", "requested_peak")).median
     parts = []

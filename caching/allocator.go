@@ -34,7 +34,10 @@ type Allocator struct {
 	// counting counts the calls that reach the device (num_device_alloc,
 	// num_device_free).
 	counting *arena.Counting
-	cfg      Config
+	// held reads what the device holds after each call, for a device whose
+	// figure is exact (held.go); nil otherwise.
+	held *heldObserver
+	cfg  Config
 	// total is the device's memory, read once at creation.
 	total uint64
 	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
@@ -106,7 +109,15 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	// calls that reached the device; on an out-of-memory, from the cap or
 	// the device, the hook reclaims cached memory and says whether to retry.
 	a.limited = arena.NewLimited(dev, limit)
-	a.counting = arena.NewCounting(a.limited)
+	var counted arena.MemorySource = a.limited
+	if observesHeld(dev) {
+		// Above the cap, so that the cap still reaches a device that caps
+		// itself; every call that can change what the device holds passes.
+		a.held = &heldObserver{MemorySource: a.limited, st: &a.stats}
+		a.stats.heldExact = true
+		counted = a.held
+	}
+	a.counting = arena.NewCounting(counted)
 	a.mem = arena.NewRetrying(a.counting, a.retryAfterOOM)
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
@@ -116,7 +127,19 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 			return nil, err
 		}
 	}
+	a.mu.Lock()
+	a.refreshHeld()
+	a.mu.Unlock()
 	return a, nil
+}
+
+// refreshHeld reads what the device holds, where that figure is exact, after
+// something changed it outside the memory stack (pre-warming, a new cap, a
+// reset of its high-water mark). Called with a.mu held.
+func (a *Allocator) refreshHeld() {
+	if a.held != nil {
+		a.held.refresh()
+	}
 }
 
 // prewarm makes the pool reserve n bytes by allocating and freeing them, so
@@ -264,6 +287,7 @@ func (a *Allocator) SetLimit(limit uint64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.limited.SetLimit(limit)
+	defer a.refreshHeld() // a device that caps itself releases free memory at once
 	if limit > 0 && a.reserved() > limit {
 		return a.releaseAll()
 	}

@@ -74,8 +74,9 @@ func (m *statsMutex) Unlock() {
 	if s := m.stats; s != nil {
 		m.set(ScalarAllocatedBytes, s.AllocatedBytes[StatAll].Current)
 		m.set(ScalarAllocatedBytesPeak, s.AllocatedBytes[StatAll].Peak)
-		m.set(ScalarReservedBytes, s.ReservedBytes[StatAll].Current)
-		m.set(ScalarReservedBytesPeak, s.ReservedBytes[StatAll].Peak)
+		r, rp := s.reservedAll()
+		m.set(ScalarReservedBytes, r)
+		m.set(ScalarReservedBytesPeak, rp)
 	}
 	m.Mutex.Unlock()
 }

@@ -85,6 +85,17 @@ type Stats struct {
 	// Calls of the three graph hooks, and releases that emptied a pool.
 	GraphBegins, GraphEnds, GraphReleases int64
 	BadInput                              map[string]int64
+
+	// OwnReserved is reserved_bytes.all as goalloc counts it, its segments
+	// and blocks: the same figure, except on a device whose own figure is
+	// exact (held.go), where reserved_bytes.all is the device's.
+	OwnReserved Stat
+
+	// heldExact: the device's own reserved figure is exact (held.go), and
+	// heldNow and heldHigh are it, as of the last call that reached the
+	// device; reserved_bytes.all reports them (reservedAll).
+	heldExact         bool
+	heldNow, heldHigh int64
 }
 
 // Map flattens s into PyTorch's memory_stats() keys, e.g.
@@ -126,6 +137,8 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.cache_misses"] = s.CacheMisses
 	m["goalloc.deferred_frees"] = s.DeferredFrees
 	m["goalloc.event_errors"] = s.EventErrors
+	m["goalloc.own_reserved_bytes.current"] = s.OwnReserved.Current
+	m["goalloc.own_reserved_bytes.peak"] = s.OwnReserved.Peak
 	m["goalloc.device_alloc_ns.count"] = s.DeviceAllocCount
 	m["goalloc.device_alloc_ns.p50"] = s.DeviceAllocP50Ns
 	m["goalloc.device_alloc_ns.p99"] = s.DeviceAllocP99Ns
@@ -222,6 +235,9 @@ func (a *Allocator) Stats() Stats {
 	st.DeviceAllocP50Ns, st.DeviceAllocP99Ns = int64(lat.Quantile(0.50)), int64(lat.Quantile(0.99))
 	pools, bytes := a.graphPoolBytes()
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
+	st.OwnReserved = st.ReservedBytes[StatAll]
+	r := &st.ReservedBytes[StatAll]
+	r.Current, r.Peak = st.reservedAll()
 	return st
 }
 
@@ -230,7 +246,9 @@ func (a *Allocator) ResetPeakStats() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.stats.resetPeaks()
-	return a.dev.ResetPoolHigh()
+	err := a.dev.ResetPoolHigh()
+	a.refreshHeld()
+	return err
 }
 
 // ResetAccumulatedStats zeroes the allocated and freed totals and counters.

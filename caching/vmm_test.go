@@ -90,3 +90,71 @@ func TestPropertyRandomOpsVMM(t *testing.T) {
 		})
 	}
 }
+
+// On the VMM backend memory_reserved() and max_memory_reserved() are the
+// physical memory the device holds (granule rounding and the free memory a
+// segment keeps mapped included), published lock-free and in memory_stats
+// alike; the small and large parts stay goalloc's own. On the stream-ordered
+// pool they stay goalloc's own figure.
+func TestReservedIsWhatAVMMDeviceHolds(t *testing.T) {
+	dev, err := arena.NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	cfg := DefaultConfig()
+	cfg.LargeCache = 0 // a freed block goes back to the device at once
+	a, err := New(dev, cfg)
+	require.NoError(t, err)
+	held := func() (uint64, uint64) {
+		u, err := dev.PoolUsage()
+		require.NoError(t, err)
+		return u.ReservedCurrent, u.ReservedHigh
+	}
+	check := func(what string) {
+		t.Helper()
+		cur, high := held()
+		st := a.Stats()
+		m := st.Map()
+		assert.Equal(t, int64(cur), m["reserved_bytes.all.current"], what)
+		assert.Equal(t, int64(high), m["reserved_bytes.all.peak"], what)
+		assert.Equal(t, int64(cur), a.Scalar(ScalarReservedBytes), "%s: published", what)
+		assert.Equal(t, int64(high), a.Scalar(ScalarReservedBytesPeak), "%s: published", what)
+		requirePublishedEqualsStats(t, a, what)
+		require.NoError(t, a.CheckInvariants(), what)
+	}
+	check("fresh")
+	p, err := a.Malloc(5<<19, 0) // 2.5 MiB: two 2 MiB granules
+	require.NoError(t, err)
+	q, err := a.Malloc(1000, 0) // a small segment in a 2 MiB page
+	require.NoError(t, err)
+	check("two allocations")
+	st := a.Stats()
+	m := st.Map()
+	own := m["reserved_bytes.small_pool.current"] + m["reserved_bytes.large_pool.current"]
+	assert.Greater(t, m["reserved_bytes.all.current"], own, "the device holds more than goalloc's segments")
+	assert.Equal(t, own, m["goalloc.own_reserved_bytes.current"])
+	require.NoError(t, a.Free(p, 5<<19, 0))
+	check("a block given back (the segment keeps it mapped)")
+	require.NoError(t, a.EmptyCache())
+	check("empty_cache")
+	require.NoError(t, a.ResetPeakStats())
+	check("peaks reset")
+	cur, high := held()
+	assert.Equal(t, cur, high, "the high-water mark restarts at what is held")
+	require.NoError(t, a.SetLimit(8<<20))
+	check("a cap")
+	require.NoError(t, a.Free(q, 1000, 0))
+	require.NoError(t, a.EmptyCache())
+	check("everything freed")
+
+	// The stream-ordered pool: goalloc's own figure, whatever the pool holds.
+	sim := arena.NewSim(0, 1<<30)
+	b, err := New(sim, DefaultConfig())
+	require.NoError(t, err)
+	r, err := b.Malloc(5<<19, 0)
+	require.NoError(t, err)
+	bst := b.Stats()
+	bm := bst.Map()
+	assert.Equal(t, bm["reserved_bytes.small_pool.current"]+bm["reserved_bytes.large_pool.current"], bm["reserved_bytes.all.current"])
+	assert.Equal(t, bm["reserved_bytes.all.current"], bm["goalloc.own_reserved_bytes.current"])
+	assert.Equal(t, bm["reserved_bytes.all.peak"], bm["goalloc.own_reserved_bytes.peak"])
+	require.NoError(t, b.Free(r, 5<<19, 0))
+}

@@ -901,3 +901,19 @@ def test_render_into_replaces_only_the_suite_section(tmp_path):
         pass
     else:
         raise AssertionError("splice without markers must fail")
+
+
+def test_breakdown_prefers_goallocs_own_reserved_key():
+    """With backend:vmm the library reports the physical memory as
+    reserved_bytes.all; the breakdown then takes goalloc's own reserved peak
+    from goalloc.own_reserved_bytes.peak."""
+    doc = fake_doc()
+    for run in doc["runs"]:
+        if run.get("workload") == "gpt2" and run.get("config") == "goalloc-vmm" and run.get("status") == "ok":
+            al = run["result"]["allocator"]
+            own = al["reserved_peak"] - (50 << 20)
+            al["reserved_peak"] = al["pool_reserved_max_read"]  # reserved is the physical figure now
+            al.setdefault("stats", {})["goalloc.own_reserved_bytes.peak"] = own
+    text = render.render(doc)
+    assert ("  - where goalloc-vmm's goes (its own counters; differences of peaks): mapped physical memory over "
+            "goalloc's own reserved peak 152.4 MiB;") in text

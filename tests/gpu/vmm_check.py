@@ -126,6 +126,12 @@ def main():
         # The backend's figure is the physical memory: at least goalloc's
         # reserved, and what the device lost, up to CUDA's own overhead.
         check(v["backend_reserved"] >= v["reserved"], "vmm: backend reserved below goalloc's reserved")
+        # memory_reserved() and max_memory_reserved() report the physical
+        # memory itself on this backend (caching/held.go).
+        check(v["reserved"] == v["backend_reserved"],
+              f"vmm: memory_reserved() {v['reserved']}, the backend holds {v['backend_reserved']}")
+        check(v["reserved_peak"] == v["backend_reserved_high"],
+              f"vmm: max_memory_reserved() {v['reserved_peak']}, the backend's high-water {v['backend_reserved_high']}")
         check(abs(v["device_lost"] - v["backend_reserved"]) <= OVERHEAD,
               f"vmm: the device lost {v['device_lost']} bytes, the backend holds {v['backend_reserved']}")
         a = v["after_empty_cache"]
