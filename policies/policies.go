@@ -164,10 +164,13 @@ func NewGoalloc(dev arena.Device, cfg caching.Config) (*Goalloc, error) {
 	return &Goalloc{a}, nil
 }
 
-// PeakReserved is goalloc's own reserved_bytes.all.peak.
+// PeakReserved is goalloc's own reserved peak: what it held from its memory
+// source (goalloc.own_reserved_bytes.peak; with backend:vmm
+// reserved_bytes.all is the device's physical figure, which the replay
+// reports as the device's peak).
 func (g *Goalloc) PeakReserved() uint64 {
 	st := g.Stats()
-	return uint64(st.ReservedBytes[caching.StatAll].Peak)
+	return uint64(st.OwnReserved.Peak)
 }
 
 // PeakAllocated is goalloc's own allocated_bytes.all.peak.

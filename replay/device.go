@@ -28,6 +28,22 @@ func newCountingDevice(dev arena.Device) *countingDevice {
 	return d
 }
 
+// asDevice is d as the policy sees it: over a device that caps its own
+// physical memory (arena.Capped, the VMM backend) it stays one, so that a
+// cache above passes its cap down and reports the device's figure, as it
+// does in the library.
+func (d *countingDevice) asDevice() arena.Device {
+	if _, ok := d.Device.(arena.Capped); ok {
+		return cappedCountingDevice{d}
+	}
+	return d
+}
+
+// cappedCountingDevice is a countingDevice over an arena.Capped device.
+type cappedCountingDevice struct{ *countingDevice }
+
+func (d cappedCountingDevice) SetCap(limit uint64) { d.Device.(arena.Capped).SetCap(limit) }
+
 func (d *countingDevice) readPool() {
 	u, err := d.Device.PoolUsage()
 	if err != nil {

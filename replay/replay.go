@@ -159,7 +159,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		res.Conf = opt.Conf
 	}
 	cd := newCountingDevice(dev)
-	a, err := policies.New(name, cd, opt.Conf)
+	a, err := policies.New(name, cd.asDevice(), opt.Conf)
 	if err != nil {
 		dev.Close()
 		return nil, err

@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
@@ -23,8 +24,28 @@ func TestReplayVMM(t *testing.T) {
 			r, err := Replay(tr, dev, Options{Policy: "goalloc", Conf: conf})
 			require.NoError(t, err)
 			require.LessOrEqual(t, r.Ratio, 1.03, path)
+			// goalloc's own peak (what it held from the device) is below what
+			// the device held at its peak: granules and free mapped spans.
+			require.Less(t, r.AllocatorPeakReservedBytes, r.PeakReservedBytes, path)
+			require.GreaterOrEqual(t, r.AllocatorPeakReservedBytes, r.PeakLiveBytes, path)
 			t.Logf("%s, %s: ratio %.4f, %d device allocs, %d frees; driver calls (the final close included) %v",
 				path, conf, r.Ratio, r.DeviceAllocs, r.DeviceFrees, dev.Calls())
 		}
 	}
+}
+
+// The replay hands the policy a device that still caps its own physical
+// memory, as the library does: a cap between goalloc's own peak and the
+// physical peak bounds what the simulated VMM device holds.
+func TestReplayVMMCapReachesTheDevice(t *testing.T) {
+	tr, err := Open(bundled[0]) // GPT-2: 23.64 GiB live, 23.87 GiB physical at the peak
+	require.NoError(t, err)
+	const memory = 100 << 30
+	dev, err := arena.NewSimVMM(0, memory)
+	require.NoError(t, err)
+	const fraction = 0.2375 // 23.75 GiB
+	r, err := Replay(tr, dev, Options{Policy: "goalloc", Conf: fmt.Sprintf("backend:vmm,fraction:%v", fraction)})
+	require.NoError(t, err)
+	require.LessOrEqual(t, r.PeakReservedBytes, uint64(fraction*memory), "the device held more than the cap")
+	t.Logf("physical peak %d under a cap of %d; %d allocations refused", r.PeakReservedBytes, uint64(fraction*memory), r.OOMs)
 }
