@@ -159,6 +159,7 @@ const (
 	spanLive = iota
 	spanFree
 	spanPending
+	spanDraining
 )
 
 // segSpan is a run of mapped granules of a segment.
@@ -168,7 +169,7 @@ type segSpan struct {
 	state uint8
 	// event: free, recorded on the segment's stream at its last free (0:
 	// its last use has completed); pending, recorded on the stream of the
-	// free.
+	// free; draining, the event of the free it was before.
 	event Event
 	seq   uint64 // free with an event: when it was recorded (newer covers older)
 }
@@ -209,6 +210,10 @@ type vmmSegments struct {
 	byStream map[Stream][]*vmmSegment
 	byBase   map[uintptr]*vmmSegment // live spans by base
 	pending  []segRef                // pending spans, oldest first
+	draining []segRef                // draining spans, oldest first
+	// drainMaps counts, per handle, its mappings in draining spans: those
+	// are besides the one in the span that owns it.
+	drainMaps map[PhysHandle]int32
 	spare    []PhysHandle            // unmapped handles, between an unmap and a map
 	events   []Event                 // spare events
 	seq      uint64
@@ -226,7 +231,8 @@ func newVMMSegments(drv PhysDriver, segVA, limit uint64) (*vmmSegments, error) {
 	if g == 0 || g&(g-1) != 0 {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
-	e := &vmmSegments{drv: drv, gran: g, cap: limit, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{}}
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
+		drainMaps: map[PhysHandle]int32{}}
 	e.segVA = e.round(segVA)
 	return e, nil
 }
@@ -273,6 +279,9 @@ func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
 func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 	n := e.round(size)
 	if err := e.pollPending(); err != nil {
+		return 0, err
+	}
+	if err := e.pollDraining(); err != nil {
 		return 0, err
 	}
 	var bg *vmmSegment
@@ -366,12 +375,16 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 	return best, ok
 }
 
-// segPay: bytes unmapped from the tail of the free span at base of g, to
-// pay for new granules.
+// segPay: bytes from the tail of the free span at base of g that pay for
+// new granules: unmapped now when its last use has completed; else
+// (drain) mapped at the new place too, and left mapped here, draining,
+// until the event of its free completes.
 type segPay struct {
 	g     *vmmSegment
 	base  uintptr
 	bytes uint64
+	drain bool
+	event Event // drain of part of the span: recorded now, for the rest
 }
 
 // grow is steps 2-4: map what is missing, paid for with free memory.
@@ -400,6 +413,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		return cands[a].g.spans[cands[a].i].size > cands[b].g.spans[cands[b].i].size
 	})
 	var pays []segPay
+	var later []cand // s's own free spans still in use, largest first
 	paid := uint64(len(e.spare)) * e.gran
 	for _, c := range cands {
 		if paid >= f.need {
@@ -412,14 +426,63 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 				return 0, err
 			}
 			if !done {
+				if c.g.stream == s && s != anyStream {
+					later = append(later, c)
+				}
 				continue
 			}
 			e.events = append(e.events, sp.event)
 			sp.event, sp.seq = 0, 0
 		}
+		if e.drainMapped(c.g, sp.base, sp.size) {
+			continue
+		}
 		take := min(sp.size, f.need-paid)
-		pays = append(pays, segPay{c.g, sp.base, take})
+		pays = append(pays, segPay{g: c.g, base: sp.base, bytes: take})
 		paid += take
+	}
+	// Then s's own free spans whose last use may still run: their work
+	// and the request's are ordered on s, so their handles serve it at
+	// once, mapped at both places until the free completes.
+	var borrowed []PhysHandle
+	for _, c := range later {
+		if paid >= f.need {
+			break
+		}
+		sp := &c.g.spans[c.i]
+		take := min(sp.size, f.need-paid)
+		p := segPay{g: c.g, base: sp.base, bytes: take, drain: true}
+		if take < sp.size {
+			// The rest stays free and needs an event of its own: one
+			// recorded now on s comes after the free's.
+			ev, err := e.event()
+			if err == nil {
+				if err = e.drv.RecordEvent(ev, s); err != nil {
+					e.events = append(e.events, ev)
+				}
+			}
+			if err != nil {
+				for _, q := range pays {
+					if q.event != 0 {
+						e.events = append(e.events, q.event)
+					}
+				}
+				return 0, err
+			}
+			p.event = ev
+		}
+		for va := sp.end() - uintptr(take); va < sp.end(); va += uintptr(e.gran) {
+			borrowed = append(borrowed, c.g.handles[(va-c.g.base)/uintptr(e.gran)])
+		}
+		pays = append(pays, p)
+		paid += take
+	}
+	unpay := func() {
+		for _, p := range pays {
+			if p.event != 0 {
+				e.events = append(e.events, p.event)
+			}
+		}
 	}
 	var create uint64
 	if paid < f.need {
@@ -428,6 +491,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	// Held grows by what is created; above a lowered cap, a request that
 	// needs nothing created still goes through (held does not grow).
 	if after := e.held + create; e.cap > 0 && create > 0 && after > e.cap {
+		unpay()
 		return 0, fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, above the cap of %d: %w",
 			create, after, e.cap, ErrOutOfMemory)
 	}
@@ -437,6 +501,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		size := max(e.segVA, n)
 		base, err := e.drv.ReserveVA(size)
 		if err != nil {
+			unpay()
 			return 0, err
 		}
 		g := &vmmSegment{stream: s, base: base, size: size}
@@ -445,35 +510,56 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		f.g, f.start, f.run = g, base, base
 	}
 	for _, p := range pays {
+		if p.drain {
+			continue
+		}
 		if err := e.unmapTail(p.g, p.base, p.bytes, false); err != nil {
+			unpay()
 			return 0, errors.Join(err, e.releaseSpare())
 		}
 	}
 	g := f.g
+	// Borrowed handles map first, so that a failure knows which of the
+	// new granules are theirs.
+	nb := uint64(len(borrowed)) * e.gran
 	for off := uint64(0); off < f.need; off += e.gran {
 		var h PhysHandle
-		if k := len(e.spare); k > 0 {
+		switch k := len(e.spare); {
+		case off < nb:
+			h = borrowed[off/e.gran]
+		case k > 0:
 			h = e.spare[k-1]
 			e.spare = e.spare[:k-1]
-		} else {
+		default:
 			var err error
 			if h, err = e.drv.CreateHandle(e.gran); err != nil {
-				return 0, errors.Join(err, e.unmapRun(g, f.run, off), e.releaseSpare())
+				unpay()
+				return 0, errors.Join(err, e.unmapRun(g, f.run, off, nb), e.releaseSpare())
 			}
 			e.held += e.gran
 			e.heldHigh = max(e.heldHigh, e.held)
 		}
 		va := f.run + uintptr(off)
 		if err := e.drv.Map(va, e.gran, h); err != nil {
-			e.spare = append(e.spare, h)
-			return 0, errors.Join(err, e.unmapRun(g, f.run, off), e.releaseSpare())
+			if off >= nb {
+				e.spare = append(e.spare, h)
+			}
+			unpay()
+			return 0, errors.Join(err, e.unmapRun(g, f.run, off, nb), e.releaseSpare())
 		}
 		e.setHandle(g, va, h)
 	}
 	if err := e.drv.SetAccess(f.run, f.need); err != nil {
-		return 0, errors.Join(err, e.unmapRun(g, f.run, f.need), e.releaseSpare())
+		unpay()
+		return 0, errors.Join(err, e.unmapRun(g, f.run, f.need, nb), e.releaseSpare())
 	}
-	// Commit: the region's spans become one live span.
+	// Commit: the borrowed tails drain, and the region's spans become one
+	// live span.
+	for _, p := range pays {
+		if p.drain {
+			e.drain(p)
+		}
+	}
 	live := segSpan{base: f.start, size: n, state: spanLive}
 	at := sort.Search(len(g.spans), func(i int) bool { return g.spans[i].base >= f.start })
 	if f.left >= 0 {
@@ -499,6 +585,93 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	e.byBase[f.start] = g
 	e.live += n
 	return f.start, nil
+}
+
+// drain makes the tail of p's free span draining: still mapped, its
+// handles now owned by the span they were just mapped into as well. The
+// tail keeps the free's event; the rest, if any, takes p.event.
+func (e *vmmSegments) drain(p segPay) {
+	g := p.g
+	i := g.find(p.base)
+	sp := &g.spans[i]
+	tail := segSpan{base: sp.end() - uintptr(p.bytes), size: p.bytes, state: spanDraining, event: sp.event, seq: sp.seq}
+	if p.bytes < sp.size {
+		e.seq++
+		sp.size -= p.bytes
+		sp.event, sp.seq = p.event, e.seq
+		i++
+		g.spans = insertSegSpan(g.spans, i, tail)
+	} else {
+		*sp = tail
+	}
+	for va := tail.base; va < tail.end(); va += uintptr(e.gran) {
+		e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]]++
+	}
+	e.mapped -= p.bytes
+	e.draining = append(e.draining, segRef{g, tail.base})
+}
+
+// drainMapped says whether a granule of [base, base+size) of g has a
+// handle also mapped in a draining span: such a handle must not be
+// released, so its span does not pay. The free that made the draining
+// span came before this span's last use, so this is rare once
+// pollDraining has run.
+func (e *vmmSegments) drainMapped(g *vmmSegment, base uintptr, size uint64) bool {
+	if len(e.drainMaps) == 0 {
+		return false
+	}
+	for va := base; va < base+uintptr(size); va += uintptr(e.gran) {
+		if e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]] > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// pollDraining unmaps the draining spans whose frees have completed:
+// their VA becomes a hole.
+func (e *vmmSegments) pollDraining() error {
+	keep := e.draining[:0]
+	var err error
+	for _, ref := range e.draining {
+		if err == nil {
+			i := ref.g.find(ref.base)
+			done, qerr := e.drv.EventDone(ref.g.spans[i].event)
+			if qerr != nil {
+				err = qerr
+			} else if done {
+				if err = e.unmapDraining(ref.g, i); err == nil {
+					continue
+				}
+			}
+		}
+		keep = append(keep, ref)
+	}
+	e.draining = keep
+	return err
+}
+
+// unmapDraining drops the mappings of draining span i of g, from its tail
+// (the span shrinks as it goes, so an error leaves it consistent; it goes
+// when empty). The handles stay with their owners.
+func (e *vmmSegments) unmapDraining(g *vmmSegment, i int) error {
+	sp := &g.spans[i]
+	for sp.size > 0 {
+		va := sp.end() - uintptr(e.gran)
+		k := int((va - g.base) / uintptr(e.gran))
+		if err := e.drv.Unmap(va, e.gran); err != nil {
+			return err
+		}
+		h := g.handles[k]
+		if e.drainMaps[h]--; e.drainMaps[h] == 0 {
+			delete(e.drainMaps, h)
+		}
+		g.handles[k], g.mapped[k] = 0, false
+		sp.size -= e.gran
+	}
+	e.events = append(e.events, sp.event)
+	g.spans = append(g.spans[:i], g.spans[i+1:]...)
+	return nil
 }
 
 func insertSegSpan(spans []segSpan, i int, sp segSpan) []segSpan {
@@ -531,11 +704,23 @@ func (e *vmmSegments) unmapGranule(g *vmmSegment, va uintptr) error {
 }
 
 // unmapRun undoes the first size bytes mapped at run by a failed grow: no
-// work can use them yet.
-func (e *vmmSegments) unmapRun(g *vmmSegment, run uintptr, size uint64) error {
+// work can use them yet. The first borrowed bytes map handles borrowed
+// from a free span, which keeps them.
+func (e *vmmSegments) unmapRun(g *vmmSegment, run uintptr, size, borrowed uint64) error {
 	var errs []error
 	for off := uint64(0); off < size; off += e.gran {
-		errs = append(errs, e.unmapGranule(g, run+uintptr(off)))
+		va := run + uintptr(off)
+		if off >= borrowed {
+			errs = append(errs, e.unmapGranule(g, va))
+			continue
+		}
+		if err := e.drv.Unmap(va, e.gran); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		k := int((va - g.base) / uintptr(e.gran))
+		g.handles[k], g.mapped[k] = 0, false
+		e.mapped -= e.gran
 	}
 	return errors.Join(errs...)
 }
@@ -671,6 +856,9 @@ func (e *vmmSegments) Trim(keep uint64) error {
 	if err := e.pollPending(); err != nil {
 		return err
 	}
+	if err := e.pollDraining(); err != nil {
+		return err
+	}
 	if err := e.releaseSpare(); err != nil {
 		return err
 	}
@@ -701,6 +889,9 @@ func (e *vmmSegments) Trim(keep uint64) error {
 			e.events = append(e.events, sp.event)
 			sp.event, sp.seq = 0, 0
 		}
+		if e.drainMapped(ref.g, sp.base, sp.size) {
+			continue
+		}
 		bytes := min(sp.size, (e.held-keep+e.gran-1)&^(e.gran-1))
 		if err := e.unmapTail(ref.g, ref.base, bytes, true); err != nil {
 			return err
@@ -713,6 +904,12 @@ func (e *vmmSegments) Trim(keep uint64) error {
 // are lost.
 func (e *vmmSegments) Close() error {
 	var errs []error
+	// Draining mappings go first: a handle is released only once mapped
+	// nowhere.
+	for _, ref := range e.draining {
+		errs = append(errs, e.unmapDraining(ref.g, ref.g.find(ref.base)))
+	}
+	e.draining = nil
 	for _, g := range e.segs {
 		for _, sp := range g.spans {
 			for va := sp.base; va < sp.end(); va += uintptr(e.gran) {
@@ -728,7 +925,8 @@ func (e *vmmSegments) Close() error {
 	for _, ev := range e.events {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
-	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{}}
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
+		drainMaps: map[PhysHandle]int32{}}
 	return errors.Join(errs...)
 }
 
@@ -736,7 +934,8 @@ func (e *vmmSegments) Close() error {
 func (e *vmmSegments) CheckInvariants() error {
 	var mapped, live uint64
 	handles := map[PhysHandle]bool{}
-	nLive, nPending := 0, 0
+	drained := map[PhysHandle]int32{}
+	nLive, nPending, nDraining := 0, 0, 0
 	for _, g := range e.segs {
 		if g.base%uintptr(e.gran) != 0 || g.size%e.gran != 0 {
 			return fmt.Errorf("segment %#x+%d is not granule-aligned", g.base, g.size)
@@ -763,12 +962,19 @@ func (e *vmmSegments) CheckInvariants() error {
 				if k >= len(g.mapped) || !g.mapped[k] {
 					return fmt.Errorf("span %#x+%d: granule %#x is not mapped", sp.base, sp.size, va)
 				}
+				if sp.state == spanDraining {
+					drained[g.handles[k]]++
+					continue
+				}
 				if handles[g.handles[k]] {
 					return fmt.Errorf("handle %d is mapped twice", g.handles[k])
 				}
 				handles[g.handles[k]] = true
 			}
 			inSpans += sp.size
+			if sp.state != spanDraining {
+				mapped += sp.size
+			}
 			switch sp.state {
 			case spanLive:
 				live += sp.size
@@ -788,6 +994,13 @@ func (e *vmmSegments) CheckInvariants() error {
 				if (sp.event == 0) != (sp.seq == 0) {
 					return fmt.Errorf("free span %#x: event %d at %d", sp.base, sp.event, sp.seq)
 				}
+			case spanDraining:
+				nDraining++
+				if sp.event == 0 {
+					return fmt.Errorf("draining span %#x has no event", sp.base)
+				}
+			default:
+				return fmt.Errorf("span %#x in state %d", sp.base, sp.state)
 			}
 		}
 		var granules uint64
@@ -799,7 +1012,19 @@ func (e *vmmSegments) CheckInvariants() error {
 		if granules != inSpans {
 			return fmt.Errorf("segment %#x: %d bytes mapped, %d in spans", g.base, granules, inSpans)
 		}
-		mapped += inSpans
+	}
+	// A draining mapping's handle is owned by exactly one other span,
+	// which held counts.
+	for h, n := range drained {
+		if !handles[h] {
+			return fmt.Errorf("handle %d is mapped only by draining spans", h)
+		}
+		if e.drainMaps[h] != n {
+			return fmt.Errorf("handle %d: %d draining mappings, %d counted", h, n, e.drainMaps[h])
+		}
+	}
+	if len(drained) != len(e.drainMaps) {
+		return fmt.Errorf("%d handles in draining spans, %d counted", len(drained), len(e.drainMaps))
 	}
 	if mapped != e.mapped {
 		return fmt.Errorf("mapped %d, spans add up to %d", e.mapped, mapped)
@@ -822,6 +1047,14 @@ func (e *vmmSegments) CheckInvariants() error {
 	for _, ref := range e.pending {
 		if i := ref.g.find(ref.base); i < 0 || ref.g.spans[i].state != spanPending {
 			return fmt.Errorf("listed pending %#x is not a pending span", ref.base)
+		}
+	}
+	if nDraining != len(e.draining) {
+		return fmt.Errorf("%d draining spans, %d listed", nDraining, len(e.draining))
+	}
+	for _, ref := range e.draining {
+		if i := ref.g.find(ref.base); i < 0 || ref.g.spans[i].state != spanDraining {
+			return fmt.Errorf("listed draining %#x is not a draining span", ref.base)
 		}
 	}
 	return nil
