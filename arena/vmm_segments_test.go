@@ -264,3 +264,134 @@ func TestParseVMMPlacement(t *testing.T) {
 	_, err = NewSimVMMPlaced(0, 1<<30, "stripes")
 	assert.Error(t, err)
 }
+
+// drainSetup leaves stream 1's segment as two free spans of 8 MiB, each
+// before a live span of 2 MiB, whose frees have not completed.
+func drainSetup(t *testing.T) (e *vmmSegments, phys *FakePhys, sim *Sim, p1, p2 uintptr) {
+	e, phys, sim = segmentsOnly(t, 1<<30, 0)
+	p1, _ = e.Alloc(8*mib, 1)
+	_, _ = e.Alloc(2*mib, 1)
+	p2, _ = e.Alloc(8*mib, 1)
+	_, err := e.Alloc(2*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p1, 1, false))
+	require.NoError(t, e.Free(p2, 1, false))
+	require.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}}, spanStates(e.byStream[1][0]))
+	return e, phys, sim, p1, p2
+}
+
+// A stream's free spans still in use pay for its larger request: their
+// handles are mapped at the new place too, nothing is created, and the
+// old mappings stay, their VA handed to nobody, until the free completes;
+// then they are unmapped and become holes. Another stream never gets them.
+func TestSegmentsSameStreamPaysWithFreeSpansInUse(t *testing.T) {
+	e, phys, sim, p1, p2 := drainSetup(t)
+	h1, _ := phys.HandleAt(p1)
+	var unmapped []uintptr
+	phys.OnUnmap = func(va uintptr, size uint64) error {
+		unmapped = append(unmapped, va)
+		return nil
+	}
+
+	// Another stream: its request is new memory, nothing of stream 1's.
+	creates := phys.Calls["cuMemCreate"]
+	o, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.Equal(t, 4, phys.Calls["cuMemCreate"]-creates, "stream 2 may not use stream 1's frees in flight")
+	assert.Empty(t, unmapped)
+	require.NoError(t, e.Free(o, 2, true))
+	require.NoError(t, e.Trim(20*mib))
+	require.EqualValues(t, 20*mib, e.Held())
+	unmapped = nil
+
+	creates = phys.Calls["cuMemCreate"]
+	q, err := e.Alloc(12*mib, 1)
+	require.NoError(t, err)
+	g := e.byStream[1][0]
+	assert.Equal(t, g.base+20*mib, q, "no free span fits: the hole at the end")
+	assert.Equal(t, creates, phys.Calls["cuMemCreate"], "paid with the free spans in use: no handle created")
+	assert.EqualValues(t, 20*mib, e.Held(), "a handle mapped twice is held once")
+	assert.EqualValues(t, 20*mib, phys.Used())
+	assert.Empty(t, unmapped, "nothing in use is unmapped")
+	for off := uintptr(0); off < 8*mib; off += 2 * mib {
+		hq, _ := phys.HandleAt(q + off)
+		hp, ok := phys.HandleAt(p1 + off)
+		require.True(t, ok, "the old mapping stays")
+		assert.Equal(t, hp, hq, "the same memory at both places")
+	}
+	for off := uintptr(0); off < 4*mib; off += 2 * mib {
+		hq, _ := phys.HandleAt(q + 8*mib + off)
+		hp, _ := phys.HandleAt(p2 + 4*mib + off)
+		assert.Equal(t, hp, hq, "the tail of the second span")
+	}
+	assert.Equal(t, [][3]uint64{{0, 8, spanDraining}, {8, 2, spanLive}, {10, 4, spanFree}, {14, 4, spanDraining}, {18, 2, spanLive}, {20, 12, spanLive}},
+		spanStates(g), "the whole first span and the tail of the second drain")
+	require.NoError(t, e.CheckInvariants())
+
+	// The draining VA goes to nobody and stays mapped until the free
+	// completes.
+	r, err := e.Alloc(2*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p2, r, "the free head of the second span, not the draining VA")
+	require.NoError(t, e.Free(r, 1, false))
+	require.NoError(t, e.Trim(0))
+	assert.Empty(t, unmapped, "Trim leaves what is in use")
+	require.NoError(t, e.CheckInvariants())
+
+	sim.Complete(1)
+	require.NoError(t, e.Trim(e.Held()))
+	assert.ElementsMatch(t, []uintptr{p1, p1 + 2*mib, p1 + 4*mib, p1 + 6*mib, p2 + 4*mib, p2 + 6*mib}, unmapped,
+		"once the free completed, the old mappings go")
+	_, ok := phys.HandleAt(p1)
+	assert.False(t, ok)
+	hq, _ := phys.HandleAt(q)
+	assert.Equal(t, h1, hq, "the handle lives on at the new place only")
+	assert.Equal(t, [][3]uint64{{8, 2, spanLive}, {10, 4, spanFree}, {18, 2, spanLive}, {20, 12, spanLive}}, spanStates(g), "holes where they drained")
+	assert.EqualValues(t, 20*mib, e.Held())
+	assert.Equal(t, 10, phys.Handles())
+	require.NoError(t, e.CheckInvariants())
+
+	// The holes are filled again like any other: the free 4 MiB extend
+	// into the one after them.
+	s, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p2, s)
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Complete free memory pays before memory still in use.
+func TestSegmentsCompleteFreeMemoryPaysFirst(t *testing.T) {
+	e, phys, _, p1, _ := drainSetup(t)
+	o, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(o, 2, true))
+	unmaps := phys.Calls["cuMemUnmap"]
+	_, err = e.Alloc(12*mib, 1)
+	require.NoError(t, err)
+	assert.EqualValues(t, 28*mib, e.Held())
+	assert.Equal(t, 4, phys.Calls["cuMemUnmap"]-unmaps, "stream 2's complete 8 MiB moved")
+	assert.Equal(t, [][3]uint64{{0, 4, spanFree}, {4, 4, spanDraining}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}, {20, 12, spanLive}},
+		spanStates(e.byStream[1][0]), "then 4 MiB of stream 1's own")
+	_ = p1
+	require.NoError(t, e.CheckInvariants())
+}
+
+// The device refusing a handle after borrowed ones were mapped leaves the
+// free spans as they were, their handles kept.
+func TestSegmentsDeviceOOMAfterBorrowing(t *testing.T) {
+	e, phys, sim, _, _ := drainSetup(t)
+	phys.FailCreate = func(uint64) error { return ErrOutOfMemory }
+	_, err := e.Alloc(20*mib, 1)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	g := e.byStream[1][0]
+	assert.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}}, spanStates(g))
+	assert.EqualValues(t, 20*mib, e.Held())
+	assert.EqualValues(t, 20*mib, phys.Used())
+	require.NoError(t, e.CheckInvariants())
+	phys.FailCreate = nil
+	sim.Complete(1)
+	_, err = e.Alloc(20*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.CheckInvariants())
+}
