@@ -31,6 +31,10 @@
 //	         which says when its last use has completed (0: it has).
 //	pending  given back on another stream: nobody may use it until the
 //	         event recorded there at the free completes; then it is free.
+//	draining a free span whose handles paid for a later request of the
+//	         segment's stream (step 3) while its last use could still run:
+//	         still mapped, its VA handed to nobody, until the event of its
+//	         free completes; then it is unmapped and becomes a hole.
 //
 // Unmapped granules are the holes between spans. Adjacent free spans are
 // coalesced (their events were recorded on the same stream, so the newer
@@ -47,11 +51,19 @@
 //  3. Before mapping, the new granules are paid for: complete free spans
 //     elsewhere (other segments, or this one where not part of the
 //     request), the largest first, give up whole granules from their tail,
-//     unmapped; their handles map at the new place. Only what nothing free
-//     can pay for is created, so held memory grows only when nothing held
-//     is free and complete. Events are polled, never waited on: a free span
-//     whose last use may still run is never unmapped (the driver does not
-//     order cuMemUnmap after queued work).
+//     unmapped; their handles map at the new place. Then s's own free
+//     spans whose last use may still run (on a GPU the CPU runs ahead, so
+//     this step's earlier frees usually have), the largest first, lend the
+//     handles of their tail: mapped at the new place too (a handle may be
+//     mapped at several VAs), the tail draining at the old. This is safe
+//     because the request's work is queued on s after the free, so after
+//     every use of the old VA; the rest of a span lent in part gets an
+//     event recorded now on s. Only what nothing free can pay for is
+//     created, so held memory grows only when nothing held is free (and
+//     complete, but for s's own). Events are polled, never waited on: a
+//     span whose last use may still run is never unmapped (the driver does
+//     not order cuMemUnmap after queued work). Other streams' spans in use
+//     stay untouched.
 //  4. When the cap cannot be met even after that, Alloc fails with
 //     ErrOutOfMemory before any driver call. When the device says no
 //     (cuMemCreate), what was unmapped to pay is released, which leaves a
@@ -71,7 +83,8 @@
 // ranges placement makes one call per handle of any size, paid only when
 // memory moves or grows. Unmapped handles are not kept: what step 3
 // unmaps maps again at once, and Trim releases what it unmaps, so held is
-// exactly the mapped granules between calls.
+// exactly the mapped granules, draining ones left out, between calls. A
+// draining granule costs one more unmap, when its free has completed.
 //
 // Replaying the bundled traces on the simulated device (go test ./arena
 // -run TestVMMPlacementReplay -v): on GPT-2, 28,447 misses made 1.03
@@ -89,11 +102,17 @@
 //
 // CheckInvariants verifies, after every step of the random-ops test: the
 // spans of a segment are sorted, granule-aligned, inside it and do not
-// overlap; their union is its mapped granules, each mapped by exactly one
-// handle, none shared; no two free spans touch; held is the mapped
-// granules (plus handles between unmap and map, none between calls) x the
-// granule; live is the bytes of live spans, each indexed by its base;
-// pending spans are exactly those listed for polling.
+// overlap; their union is its mapped granules; each handle is owned by
+// exactly one span that is not draining, and a handle in a draining span
+// is also owned so (mapped there too; counted per handle); no two free
+// spans touch; held is the granules of spans that are not draining (plus
+// handles between unmap and map, none between calls) x the granule, so a
+// handle mapped twice counts once; live is the bytes of live spans, each
+// indexed by its base; pending and draining spans are exactly those listed
+// for polling. A handle is released only once no draining span maps it
+// (a complete free span whose handles still drain elsewhere neither pays
+// nor is trimmed; the drain's free came first, so this lasts only until
+// the next poll).
 
 package arena
 
@@ -214,9 +233,9 @@ type vmmSegments struct {
 	// drainMaps counts, per handle, its mappings in draining spans: those
 	// are besides the one in the span that owns it.
 	drainMaps map[PhysHandle]int32
-	spare    []PhysHandle            // unmapped handles, between an unmap and a map
-	events   []Event                 // spare events
-	seq      uint64
+	spare     []PhysHandle // unmapped handles, between an unmap and a map
+	events    []Event      // spare events
+	seq       uint64
 
 	held, heldHigh, live, mapped uint64
 }
