@@ -533,14 +533,12 @@ def run_cross_stream(torch: Any, alloc: Allocator, mem: DeviceMemory, args: argp
     }
 
 
-def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]:
-    """GPT-2 124M from its default config, randomly initialised on the device
-    (nothing is downloaded), with AdamW. tiny: 2 narrow layers (--smoke-cpu)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64) if tiny else GPT2Config()
+def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any) -> tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]:
+    """A causal language model of model_cls from cfg, randomly initialised on
+    the device (nothing is downloaded), with AdamW; forward((batch, length))
+    draws random tokens and returns the loss and the tokens it took."""
     with dev:
-        model = GPT2LMHeadModel(cfg)
+        model = model_cls(cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = cfg.vocab_size
@@ -552,6 +550,13 @@ def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Call
         return loss, b * s
 
     return model, opt, forward
+
+
+def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]:
+    """GPT-2 124M from its default config. tiny: 2 narrow layers (--smoke-cpu)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return causal_lm(torch, dev, GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64) if tiny else GPT2Config())
 
 
 # The LLaMA of the llama workload: 12 layers of hidden size 2048, 16 query
@@ -564,24 +569,10 @@ LLAMA_TINY_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layer
 
 
 def build_llama(torch: Any, dev: Any, tiny: bool = False) -> tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]:
-    """LlamaForCausalLM from LLAMA_CONFIG, randomly initialised on the device
-    (nothing is downloaded), with AdamW."""
+    """LlamaForCausalLM from LLAMA_CONFIG (LLAMA_TINY_CONFIG with tiny)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**(LLAMA_TINY_CONFIG if tiny else LLAMA_CONFIG))
-    with dev:
-        model = LlamaForCausalLM(cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    vocab = cfg.vocab_size
-
-    def forward(shape: tuple[int, int]) -> tuple[Any, int]:
-        b, s = shape
-        ids = torch.randint(0, vocab, (b, s), device=dev)
-        loss = model(input_ids=ids, labels=ids).loss
-        return loss, b * s
-
-    return model, opt, forward
+    return causal_lm(torch, dev, LlamaForCausalLM, LlamaConfig(**(LLAMA_TINY_CONFIG if tiny else LLAMA_CONFIG)))
 
 
 BUILDERS = {"gpt2": build_gpt2, "llama": build_llama}
