@@ -15,8 +15,9 @@ import "github.com/goalloc/goalloc/arena"
 // so that they agree with what the device lost (torch.cuda.mem_get_info) up
 // to memory outside the allocator; the small_pool and large_pool parts of
 // reserved_bytes stay goalloc's own segments. The stream-ordered pool's
-// figure is not used this way: it is a driver call per read, and the pool
-// releases memory on its own at synchronisations.
+// figure is not used this way (yet): reading it is a driver call, the pool
+// may release memory on its own at synchronisations (below its release
+// threshold), and the cap does not bound it.
 
 // heldObserver is a MemorySource adaptor that, after every call that can
 // change what its device holds, reads the device's figure into Stats. Every
