@@ -153,26 +153,8 @@ func TestVMMCUDADataSurvivesRemap(t *testing.T) {
 func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 	needCUDA(t, 1)
 	d := openVMMPlaced(t, 0, VMMRanges)
-	s1, err := d.newStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.destroyStream(s1)
-	s2, _ := d.newStream()
-	defer d.destroyStream(s2)
 	const n = 1 << 30
-	p, err := d.Alloc(n, s1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i < 200; i++ { // some 50 ms or more of fills queued on s1
-		if err := d.memset(p, byte(i), n, s1); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := d.Free(p, n, s1); err != nil {
-		t.Fatal(err)
-	}
+	s1, s2, p := freeOnBusyStream(t, d, n)
 	_, _, un0, _, _ := d.engineCounts()
 	q, err := d.Alloc(n, s2)
 	if err != nil {
@@ -393,26 +375,8 @@ func TestVMMCUDASegments(t *testing.T) {
 	}
 
 	// A free on a busy stream is not unmapped to pay for another stream.
-	s1, err := d.newStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.destroyStream(s1)
-	s2, _ := d.newStream()
-	defer d.destroyStream(s2)
 	const big = 1 << 30
-	p, err := d.Alloc(big, s1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i < 200; i++ {
-		if err := d.memset(p, byte(i), big, s1); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := d.Free(p, big, s1); err != nil {
-		t.Fatal(err)
-	}
+	s1, s2, p := freeOnBusyStream(t, d, big)
 	before = countsOf(d)
 	start = time.Now()
 	r, err := d.Alloc(big, s2)
@@ -451,4 +415,34 @@ func TestVMMCUDASegments(t *testing.T) {
 	if u.ReservedCurrent != 24<<20 {
 		t.Errorf("held %d after trimming, with 20 MiB and 4 MiB live", u.ReservedCurrent)
 	}
+}
+
+// freeOnBusyStream makes two streams, allocates n bytes on the first, queues
+// some 50 ms or more of fills of them there and frees them there at once: a
+// free whose last use is still running. The streams go at the test's end.
+func freeOnBusyStream(t *testing.T, d *VMM, n uint64) (s1, s2 Stream, p uintptr) {
+	t.Helper()
+	s1, err := d.newStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.destroyStream(s1) })
+	s2, err = d.newStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.destroyStream(s2) })
+	p, err = d.Alloc(n, s1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 200; i++ {
+		if err := d.memset(p, byte(i), n, s1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Free(p, n, s1); err != nil {
+		t.Fatal(err)
+	}
+	return s1, s2, p
 }

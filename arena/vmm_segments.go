@@ -654,24 +654,34 @@ func (e *vmmSegments) drainMapped(g *vmmSegment, base uintptr, size uint64) bool
 // pollDraining unmaps the draining spans whose frees have completed:
 // their VA becomes a hole.
 func (e *vmmSegments) pollDraining() error {
-	keep := e.draining[:0]
 	var err error
-	for _, ref := range e.draining {
+	e.draining, err = e.pollSpans(e.draining, e.unmapDraining)
+	return err
+}
+
+// pollSpans polls the events of the spans refs lists (pending or draining,
+// oldest first): done is called for each span whose event completed, and a
+// span it handled without error leaves the list. Polling stops at the first
+// error (the rest stay listed, as they were). Events are polled, never
+// waited on.
+func (e *vmmSegments) pollSpans(refs []segRef, done func(g *vmmSegment, i int) error) ([]segRef, error) {
+	keep := refs[:0]
+	var err error
+	for _, ref := range refs {
 		if err == nil {
 			i := ref.g.find(ref.base)
-			done, qerr := e.drv.EventDone(ref.g.spans[i].event)
+			ok, qerr := e.drv.EventDone(ref.g.spans[i].event)
 			if qerr != nil {
 				err = qerr
-			} else if done {
-				if err = e.unmapDraining(ref.g, i); err == nil {
+			} else if ok {
+				if err = done(ref.g, i); err == nil {
 					continue
 				}
 			}
 		}
 		keep = append(keep, ref)
 	}
-	e.draining = keep
-	return err
+	return keep, err
 }
 
 // unmapDraining drops the mappings of draining span i of g, from its tail
@@ -852,23 +862,12 @@ func (e *vmmSegments) setFree(g *vmmSegment, i int, ev Event, seq uint64) {
 
 // pollPending frees the pending spans whose events have completed.
 func (e *vmmSegments) pollPending() error {
-	keep := e.pending[:0]
 	var err error
-	for _, ref := range e.pending {
-		if err == nil {
-			i := ref.g.find(ref.base)
-			done, qerr := e.drv.EventDone(ref.g.spans[i].event)
-			if qerr != nil {
-				err = qerr
-			} else if done {
-				e.events = append(e.events, ref.g.spans[i].event)
-				e.setFree(ref.g, i, 0, 0)
-				continue
-			}
-		}
-		keep = append(keep, ref)
-	}
-	e.pending = keep
+	e.pending, err = e.pollSpans(e.pending, func(g *vmmSegment, i int) error {
+		e.events = append(e.events, g.spans[i].event)
+		e.setFree(g, i, 0, 0)
+		return nil
+	})
 	return err
 }
 
