@@ -295,6 +295,7 @@ func (e *vmmEngine) putVA(base uintptr, size uint64) {
 func (e *vmmEngine) Held() uint64      { return e.held }
 func (e *vmmEngine) resetHigh()        { e.heldHigh = e.held }
 func (e *vmmEngine) granule() uint64   { return e.gran }
+func (e *vmmEngine) quantum() uint64   { return e.gran }
 func (e *vmmEngine) putEvent(ev Event) { e.events = append(e.events, ev) }
 
 func (e *vmmEngine) eachLive(f func(va uintptr, size uint64)) {

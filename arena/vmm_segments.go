@@ -21,7 +21,9 @@
 // Each stream gets a segment: one large VA reservation (the device's
 // memory size, reserved at the stream's first request; VA costs nothing),
 // into which physical memory is mapped on demand, one handle per granule.
-// The mapped granules of a segment are tiled by spans:
+// The mapped granules of a segment are tiled by spans, runs of bytes in
+// steps of segQuantum (512 bytes), so that neighbours share the granule
+// between them:
 //
 //	live     handed out to the layer above.
 //	free     given back on the segment's own stream (or complete): the
@@ -36,29 +38,35 @@
 //	         still mapped, its VA handed to nobody, until the event of its
 //	         free completes; then it is unmapped and becomes a hole.
 //
-// Unmapped granules are the holes between spans. Adjacent free spans are
-// coalesced (their events were recorded on the same stream, so the newer
-// one covers both). A request of S bytes (rounded to the granule) on
+// Unmapped granules are the holes between spans: a span next to a hole
+// ends on a granule. A span's whole granules are those it covers alone;
+// its ends beyond them share a granule with its neighbours. Adjacent free
+// spans are coalesced (their events were recorded on the same stream, so
+// the newer one covers both). A request of S bytes (rounded to 512) on
 // stream s is placed in s's segment:
 //
 //  1. The smallest free span of at least S bytes is split: no driver call.
 //  2. Else a hole is filled: the free span before a hole is extended into
 //     it, or the free span after it extended back, or both joined through
 //     it, mapping only the missing granules (expandable segments' trick);
-//     or S new granules go into the first hole large enough (the end of
-//     the segment is a hole). The choice maps the fewest granules, the
-//     lowest address on a tie. Access is set once over the new granules.
+//     or new granules go into the first hole large enough (the end of the
+//     segment is a hole). The choice maps the fewest granules, the lowest
+//     address on a tie. Access is set once over the new granules. What
+//     they hold beyond the request, less than a granule, is a free span
+//     that the next request of s starts in.
 //  3. Before mapping, the new granules are paid for: complete free spans
 //     elsewhere (other segments, or this one where not part of the
-//     request), the largest first, give up whole granules from their tail,
-//     unmapped; their handles map at the new place. Then s's own free
-//     spans whose last use may still run (on a GPU the CPU runs ahead, so
-//     this step's earlier frees usually have), the largest first, lend the
-//     handles of their tail: mapped at the new place too (a handle may be
-//     mapped at several VAs), the tail draining at the old. This is safe
-//     because the request's work is queued on s after the free, so after
-//     every use of the old VA; the rest of a span lent in part gets an
-//     event recorded now on s. Only what nothing free can pay for is
+//     request), the largest first, give up their whole granules from the
+//     tail, unmapped; their handles map at the new place. Then s's own
+//     free spans whose last use may still run (on a GPU the CPU runs
+//     ahead, so this step's earlier frees usually have), the largest
+//     first, lend the handles of their whole granules' tail: mapped at the
+//     new place too (a handle may be mapped at several VAs), the tail
+//     draining at the old. This is safe because the request's work is
+//     queued on s after the free, so after every use of the old VA; the
+//     pieces of a span left free (before the lent granules, and its end in
+//     a shared granule) each get an event recorded now on s. Only what
+//     nothing free can pay for is
 //     created, so held memory grows only when nothing held is free (and
 //     complete, but for s's own). Events are polled, never waited on: a
 //     span whose last use may still run is never unmapped (the driver does
@@ -86,18 +94,31 @@
 // exactly the mapped granules, draining ones left out, between calls. A
 // draining granule costs one more unmap, when its free has completed.
 //
+// # What it wastes
+//
+// Held memory beyond live is free spans: those too small for the requests
+// that came (a request larger than every free span of its stream maps new
+// granules, paid for by the whole granules of free spans anywhere), and
+// the ends of free spans in granules shared with a live neighbour. A
+// granule is wasted only in part, and only where a free span meets a live
+// one: packing at 512 bytes pays the granule's rounding once per run of
+// spans. Rounding each request up to the granule, as the first version of
+// this placement did, wasted about half a granule per live request: in
+// GPT-2 training on the H200 (bench/, goalloc-vmm), 401 large blocks were
+// live at the peak, and the physical peak was 366 MiB (3.2% of live) above
+// goalloc's own reserved peak.
+//
 // Replaying the bundled traces on the simulated device (go test ./arena
-// -run TestVMMPlacementReplay -v): on GPT-2, 28,447 misses made 1.03
+// -run TestVMMPlacementReplay -v): on GPT-2, 28,447 misses made 1.02
 // driver calls each (ranges: 5.11), 98.8% of them none (ranges: 15.4%),
 // and not one cuMemRelease; on ResNet-50, 11,059 misses made 0.57 calls
-// each (ranges: 3.11), 97.2% none. The creates are the peak held, once:
-// held grows only at the peak. Peak physical over peak live stays as low
-// as with ranges: 1.0100 on GPT-2 (ranges: 1.0100), 1.0065 on ResNet-50
-// (ranges: 1.0083). Hence segments are the default placement. The
-// simulated device completes events at once, so no span drains in these
-// replays (the figures were the same before step 3 lent spans in use); on
-// a GPU it is what keeps held from growing while the step's own frees are
-// still queued.
+// each (ranges: 3.11), 97.4% none. The creates are the peak held, once:
+// held grows only at the peak. Peak physical over peak live: 1.0016 on
+// GPT-2 (rounding each request to the granule: 1.0100; ranges: 1.0100),
+// 1.0027 on ResNet-50 (1.0065; ranges: 1.0083). Hence segments are the
+// default placement. The simulated device completes events at once, so no
+// span drains in these replays; on a GPU it is what keeps held from
+// growing while the step's own frees are still queued.
 //
 // Like PyTorch's expandable segments, a segment reserves the device's
 // memory size of VA; it is never given back before Close (VA is free).
@@ -105,15 +126,17 @@
 // # Invariants
 //
 // CheckInvariants verifies, after every step of the random-ops test: the
-// spans of a segment are sorted, granule-aligned, inside it and do not
-// overlap; their union is its mapped granules; each handle is owned by
-// exactly one span that is not draining, and a handle in a draining span
+// spans of a segment are sorted, in steps of 512 bytes, inside it and do
+// not overlap; a span next to a hole ends on a granule, and a draining
+// span is whole granules; the granules the spans touch are exactly the
+// segment's mapped ones; each mapped granule's handle is owned once, by
+// the spans that are not draining there, and a handle in a draining span
 // is also owned so (mapped there too; counted per handle); no two free
-// spans touch; held is the granules of spans that are not draining (plus
-// handles between unmap and map, none between calls) x the granule, so a
-// handle mapped twice counts once; live is the bytes of live spans, each
-// indexed by its base; pending and draining spans are exactly those listed
-// for polling. A handle is released only once no draining span maps it
+// spans touch; held is the granules the spans that are not draining touch
+// (plus handles between unmap and map, none between calls) x the granule,
+// so a handle mapped twice counts once; live is the bytes of live spans,
+// each indexed by its base; pending and draining spans are exactly those
+// listed for polling. A handle is released only once no draining span maps it
 // (a complete free span whose handles still drain elsewhere neither pays
 // nor is trimmed; the drain's free came first, so this lasts only until
 // the next poll).
@@ -154,7 +177,7 @@ func ParseVMMPlacement(s string) (VMMPlacement, error) {
 // vmmPlacer is what vmmSource needs of a placement; the caller holds a
 // lock around it.
 type vmmPlacer interface {
-	// Alloc places size bytes (rounded up to the granule) for stream s.
+	// Alloc places size bytes (rounded up to the quantum) for stream s.
 	Alloc(size uint64, s Stream) (uintptr, error)
 	// Free gives back the live allocation at va, ordered on s; done says
 	// nothing can still use it.
@@ -169,8 +192,12 @@ type vmmPlacer interface {
 	HeldHigh() uint64
 	Live() uint64
 	resetHigh()
+	// round is n rounded up to the quantum, the size Alloc places.
 	round(n uint64) uint64
 	granule() uint64
+	// quantum is what places are aligned to: the granule (ranges) or
+	// segQuantum (segments, which pack requests below a granule too).
+	quantum() uint64
 	// event and putEvent lend spare events to the source's small pieces.
 	event() (Event, error)
 	putEvent(e Event)
@@ -256,18 +283,38 @@ func newVMMSegments(drv PhysDriver, segVA, limit uint64) (*vmmSegments, error) {
 	}
 	e := &vmmSegments{drv: drv, gran: g, cap: limit, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
 		drainMaps: map[PhysHandle]int32{}}
-	e.segVA = e.round(segVA)
+	e.segVA = e.roundGranule(segVA)
 	return e, nil
 }
 
+// segQuantum is the alignment of spans: requests are packed at this step,
+// so the granule's rounding is paid once per run of spans, not once per
+// request.
+const segQuantum = pieceAlign
+
 func (e *vmmSegments) round(n uint64) uint64 {
 	if n == 0 {
-		return e.gran
+		return segQuantum
 	}
-	return (n + e.gran - 1) &^ (e.gran - 1)
+	return (n + segQuantum - 1) &^ (segQuantum - 1)
+}
+
+func (e *vmmSegments) roundGranule(n uint64) uint64 { return (n + e.gran - 1) &^ (e.gran - 1) }
+
+// whole is the part of sp made of whole granules, [lo, hi): the granules
+// it covers alone, which it may unmap or lend. Its ends beyond them share
+// a granule with the neighbouring span.
+func (e *vmmSegments) whole(sp *segSpan) (lo, hi uintptr) {
+	g := uintptr(e.gran)
+	lo, hi = (sp.base+g-1)&^(g-1), sp.end()&^(g-1)
+	if hi < lo {
+		hi = lo
+	}
+	return lo, hi
 }
 
 func (e *vmmSegments) granule() uint64     { return e.gran }
+func (e *vmmSegments) quantum() uint64     { return segQuantum }
 func (e *vmmSegments) Held() uint64        { return e.held }
 func (e *vmmSegments) HeldHigh() uint64    { return e.heldHigh }
 func (e *vmmSegments) Live() uint64        { return e.live }
@@ -339,9 +386,10 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 }
 
 // fill is where step 2 puts a request: region [start, start+n) of segment
-// g, made of the free span before a hole (left, its whole), the hole's
-// granules [run, run+need), and the head of the free span after it
-// (right bytes of it).
+// g, made of the free span before a hole (left, its whole), granules of
+// the hole, [run, run+need), and the head of the free span after it
+// (rightUse bytes of it). What the new granules hold beyond the request,
+// less than a granule, becomes a free span.
 type fill struct {
 	g          *vmmSegment
 	start, run uintptr
@@ -380,34 +428,41 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 			if i < len(g.spans) && g.spans[i].state == spanFree {
 				r = g.spans[i].size
 			}
-			// Step 1 failed: l < n and r < n.
-			if l > 0 && n-l <= hole {
-				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: n - l, left: i - 1, right: -1})
+			// Step 1 failed: l < n and r < n. A hole's ends are on
+			// granules, so need (whole granules) starts at one.
+			if m := e.roundGranule(n - l); l > 0 && m <= hole {
+				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: m, left: i - 1, right: -1})
 			}
-			if r > 0 && n-r <= hole {
-				consider(fill{g: g, start: holeEnd - uintptr(n-r), run: holeEnd - uintptr(n-r), need: n - r, left: -1, right: i, rightUse: r})
+			if m := e.roundGranule(n - r); r > 0 && m <= hole {
+				f := fill{g: g, start: holeEnd - uintptr(m), run: holeEnd - uintptr(m), need: m, left: -1, right: -1}
+				if n > m { // else the request fits the new granules, and their rest joins the span
+					f.right, f.rightUse = i, n-m
+				}
+				consider(f)
 			}
 			if l > 0 && r > 0 && l+hole < n && n <= l+hole+r {
 				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: hole, left: i - 1, right: i, rightUse: n - l - hole})
 			}
-			if hole >= n {
-				consider(fill{g: g, start: holeBase, run: holeBase, need: n, left: -1, right: -1})
+			if m := e.roundGranule(n); m <= hole {
+				consider(fill{g: g, start: holeBase, run: holeBase, need: m, left: -1, right: -1})
 			}
 		}
 	}
 	return best, ok
 }
 
-// segPay: bytes from the tail of the free span at base of g that pay for
-// new granules: unmapped now when its last use has completed; else
-// (drain) mapped at the new place too, and left mapped here, draining,
-// until the event of its free completes.
+// segPay: bytes from the tail of the whole granules of the free span at
+// base of g that pay for new granules: unmapped now when its last use has
+// completed; else (drain) mapped at the new place too, and left mapped
+// here, draining, until the event of its free completes.
 type segPay struct {
 	g     *vmmSegment
 	base  uintptr
 	bytes uint64
 	drain bool
-	event Event // drain of part of the span: recorded now, for the rest
+	// A drain leaves up to two free pieces of the span, before and after
+	// the draining granules; each takes an event recorded now.
+	events [2]Event
 }
 
 // grow is steps 2-4: map what is missing, paid for with free memory.
@@ -415,7 +470,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	f, ok := e.bestFill(n, s)
 	newSeg := !ok
 	if newSeg {
-		f = fill{need: n, left: -1, right: -1}
+		f = fill{need: e.roundGranule(n), left: -1, right: -1}
 	}
 	// Step 3: what pays for the new granules.
 	type cand struct {
@@ -429,12 +484,16 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			if g.spans[i].state != spanFree || (g == f.g && (i == f.left || i == f.right)) {
 				continue
 			}
-			cands = append(cands, cand{g, i, si})
+			if lo, hi := e.whole(&g.spans[i]); hi > lo {
+				cands = append(cands, cand{g, i, si})
+			}
 		}
 	}
-	sort.SliceStable(cands, func(a, b int) bool {
-		return cands[a].g.spans[cands[a].i].size > cands[b].g.spans[cands[b].i].size
-	})
+	wholeBytes := func(c cand) uint64 {
+		lo, hi := e.whole(&c.g.spans[c.i])
+		return uint64(hi - lo)
+	}
+	sort.SliceStable(cands, func(a, b int) bool { return wholeBytes(cands[a]) > wholeBytes(cands[b]) })
 	var pays []segPay
 	var later []cand // s's own free spans still in use, largest first
 	paid := uint64(len(e.spare)) * e.gran
@@ -457,10 +516,10 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			e.events = append(e.events, sp.event)
 			sp.event, sp.seq = 0, 0
 		}
-		if e.drainMapped(c.g, sp.base, sp.size) {
+		if e.drainMapped(c.g, sp) {
 			continue
 		}
-		take := min(sp.size, f.need-paid)
+		take := min(wholeBytes(c), f.need-paid)
 		pays = append(pays, segPay{g: c.g, base: sp.base, bytes: take})
 		paid += take
 	}
@@ -468,16 +527,33 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	// and the request's are ordered on s, so their handles serve it at
 	// once, mapped at both places until the free completes.
 	var borrowed []PhysHandle
+	unpay := func() {
+		for _, p := range pays {
+			for _, ev := range p.events {
+				if ev != 0 {
+					e.events = append(e.events, ev)
+				}
+			}
+		}
+	}
 	for _, c := range later {
 		if paid >= f.need {
 			break
 		}
 		sp := &c.g.spans[c.i]
-		take := min(sp.size, f.need-paid)
+		_, hi := e.whole(sp)
+		take := min(wholeBytes(c), f.need-paid)
 		p := segPay{g: c.g, base: sp.base, bytes: take, drain: true}
-		if take < sp.size {
-			// The rest stays free and needs an event of its own: one
-			// recorded now on s comes after the free's.
+		// The pieces left free need events of their own: ones recorded
+		// now on s come after the free's.
+		pieces := 0
+		if hi-uintptr(take) > sp.base {
+			pieces++
+		}
+		if hi < sp.end() {
+			pieces++
+		}
+		for k := 0; k < pieces; k++ {
 			ev, err := e.event()
 			if err == nil {
 				if err = e.drv.RecordEvent(ev, s); err != nil {
@@ -485,27 +561,21 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 				}
 			}
 			if err != nil {
-				for _, q := range pays {
-					if q.event != 0 {
-						e.events = append(e.events, q.event)
+				for _, ev := range p.events {
+					if ev != 0 {
+						e.events = append(e.events, ev)
 					}
 				}
+				unpay()
 				return 0, err
 			}
-			p.event = ev
+			p.events[k] = ev
 		}
-		for va := sp.end() - uintptr(take); va < sp.end(); va += uintptr(e.gran) {
+		for va := hi - uintptr(take); va < hi; va += uintptr(e.gran) {
 			borrowed = append(borrowed, c.g.handles[(va-c.g.base)/uintptr(e.gran)])
 		}
 		pays = append(pays, p)
 		paid += take
-	}
-	unpay := func() {
-		for _, p := range pays {
-			if p.event != 0 {
-				e.events = append(e.events, p.event)
-			}
-		}
 	}
 	var create uint64
 	if paid < f.need {
@@ -521,7 +591,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	// From here on the driver is called; each failure leaves the state
 	// consistent and gives back what was unmapped to pay.
 	if newSeg {
-		size := max(e.segVA, n)
+		size := max(e.segVA, f.need)
 		base, err := e.drv.ReserveVA(size)
 		if err != nil {
 			unpay()
@@ -536,7 +606,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		if p.drain {
 			continue
 		}
-		if err := e.unmapTail(p.g, p.base, p.bytes, false); err != nil {
+		if err := e.unmapWhole(p.g, p.base, p.bytes, false); err != nil {
 			unpay()
 			return 0, errors.Join(err, e.releaseSpare())
 		}
@@ -605,27 +675,42 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		}
 	}
 	g.spans = insertSegSpan(g.spans, at, live)
+	if end, mapped := f.start+uintptr(n), f.run+uintptr(f.need); end < mapped {
+		// The new granules' rest: free, complete, joined to a free span
+		// after it.
+		g.spans = insertSegSpan(g.spans, at+1, segSpan{base: end, size: uint64(mapped - end)})
+		e.setFree(g, at+1, 0, 0)
+	}
 	e.byBase[f.start] = g
 	e.live += n
 	return f.start, nil
 }
 
-// drain makes the tail of p's free span draining: still mapped, its
-// handles now owned by the span they were just mapped into as well. The
-// tail keeps the free's event; the rest, if any, takes p.event.
+// drain makes the tail of the whole granules of p's free span draining:
+// still mapped, its handles now owned by the span they were just mapped
+// into as well. The draining granules keep the free's event; the pieces
+// of the span before and after them, if any, stay free with p.events.
 func (e *vmmSegments) drain(p segPay) {
 	g := p.g
 	i := g.find(p.base)
-	sp := &g.spans[i]
-	tail := segSpan{base: sp.end() - uintptr(p.bytes), size: p.bytes, state: spanDraining, event: sp.event, seq: sp.seq}
-	if p.bytes < sp.size {
+	sp := g.spans[i]
+	_, hi := e.whole(&sp)
+	tail := segSpan{base: hi - uintptr(p.bytes), size: p.bytes, state: spanDraining, event: sp.event, seq: sp.seq}
+	pieces := make([]segSpan, 0, 3)
+	k := 0
+	if tail.base > sp.base {
 		e.seq++
-		sp.size -= p.bytes
-		sp.event, sp.seq = p.event, e.seq
-		i++
-		g.spans = insertSegSpan(g.spans, i, tail)
-	} else {
-		*sp = tail
+		pieces = append(pieces, segSpan{base: sp.base, size: uint64(tail.base - sp.base), state: spanFree, event: p.events[k], seq: e.seq})
+		k++
+	}
+	pieces = append(pieces, tail)
+	if hi < sp.end() {
+		e.seq++
+		pieces = append(pieces, segSpan{base: hi, size: uint64(sp.end() - hi), state: spanFree, event: p.events[k], seq: e.seq})
+	}
+	g.spans[i] = pieces[0]
+	for j, piece := range pieces[1:] {
+		g.spans = insertSegSpan(g.spans, i+1+j, piece)
 	}
 	for va := tail.base; va < tail.end(); va += uintptr(e.gran) {
 		e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]]++
@@ -634,16 +719,16 @@ func (e *vmmSegments) drain(p segPay) {
 	e.draining = append(e.draining, segRef{g, tail.base})
 }
 
-// drainMapped says whether a granule of [base, base+size) of g has a
-// handle also mapped in a draining span: such a handle must not be
-// released, so its span does not pay. The free that made the draining
-// span came before this span's last use, so this is rare once
-// pollDraining has run.
-func (e *vmmSegments) drainMapped(g *vmmSegment, base uintptr, size uint64) bool {
+// drainMapped says whether a whole granule of sp, of g, has a handle also
+// mapped in a draining span: such a handle must not be released, so its
+// span does not pay. The free that made the draining span came before
+// this span's last use, so this is rare once pollDraining has run.
+func (e *vmmSegments) drainMapped(g *vmmSegment, sp *segSpan) bool {
 	if len(e.drainMaps) == 0 {
 		return false
 	}
-	for va := base; va < base+uintptr(size); va += uintptr(e.gran) {
+	lo, hi := e.whole(sp)
+	for va := lo; va < hi; va += uintptr(e.gran) {
 		if e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]] > 0 {
 			return true
 		}
@@ -771,19 +856,32 @@ func (e *vmmSegments) releaseSpare() error {
 	return nil
 }
 
-// unmapTail unmaps bytes from the tail of the complete free span at base
-// of g, a granule at a time (the span shrinks as it goes, so an error
-// leaves it consistent); the handles become spare, or are released.
-func (e *vmmSegments) unmapTail(g *vmmSegment, base uintptr, bytes uint64, release bool) error {
-	i := g.find(base)
+// unmapWhole unmaps bytes from the tail of the whole granules of the
+// complete free span at base of g, a granule at a time; the handles become
+// spare, or are released. Each unmapped granule cuts the span: what lies
+// before it keeps the base, what lies after it (the span's end, in a
+// granule shared with the next span) becomes a free span of its own, and
+// the granule a hole between them; so an error leaves a consistent state.
+// bytes is at most the span's whole granules, so the span at base lasts
+// until the last granule.
+func (e *vmmSegments) unmapWhole(g *vmmSegment, base uintptr, bytes uint64, release bool) error {
 	for done := uint64(0); done < bytes; done += e.gran {
-		sp := &g.spans[i]
-		if err := e.unmapGranule(g, sp.end()-uintptr(e.gran)); err != nil {
+		i := g.find(base)
+		sp := g.spans[i]
+		_, hi := e.whole(&sp)
+		va := hi - uintptr(e.gran)
+		if err := e.unmapGranule(g, va); err != nil {
 			return err
 		}
-		sp.size -= e.gran
-		if sp.size == 0 {
+		after := segSpan{base: va + uintptr(e.gran), size: uint64(sp.end() - va - uintptr(e.gran)), state: spanFree}
+		if va > sp.base {
+			g.spans[i].size = uint64(va - sp.base)
+			i++
+		} else {
 			g.spans = append(g.spans[:i], g.spans[i+1:]...)
+		}
+		if after.size > 0 {
+			g.spans = insertSegSpan(g.spans, i, after)
 		}
 		if release {
 			if err := e.releaseSpare(); err != nil {
@@ -892,9 +990,11 @@ func (e *vmmSegments) Trim(keep uint64) error {
 			}
 		}
 	}
-	sort.SliceStable(free, func(a, b int) bool {
-		return free[a].g.spans[free[a].g.find(free[a].base)].size > free[b].g.spans[free[b].g.find(free[b].base)].size
-	})
+	wholeBytes := func(ref segRef) uint64 {
+		lo, hi := e.whole(&ref.g.spans[ref.g.find(ref.base)])
+		return uint64(hi - lo)
+	}
+	sort.SliceStable(free, func(a, b int) bool { return wholeBytes(free[a]) > wholeBytes(free[b]) })
 	for _, ref := range free {
 		if e.held <= keep {
 			break
@@ -911,11 +1011,14 @@ func (e *vmmSegments) Trim(keep uint64) error {
 			e.events = append(e.events, sp.event)
 			sp.event, sp.seq = 0, 0
 		}
-		if e.drainMapped(ref.g, sp.base, sp.size) {
+		if e.drainMapped(ref.g, sp) {
 			continue
 		}
-		bytes := min(sp.size, (e.held-keep+e.gran-1)&^(e.gran-1))
-		if err := e.unmapTail(ref.g, ref.base, bytes, true); err != nil {
+		bytes := min(wholeBytes(ref), e.roundGranule(e.held-keep))
+		if bytes == 0 {
+			continue
+		}
+		if err := e.unmapWhole(ref.g, ref.base, bytes, true); err != nil {
 			return err
 		}
 	}
@@ -933,10 +1036,12 @@ func (e *vmmSegments) Close() error {
 	}
 	e.draining = nil
 	for _, g := range e.segs {
-		for _, sp := range g.spans {
-			for va := sp.base; va < sp.end(); va += uintptr(e.gran) {
-				errs = append(errs, e.unmapGranule(g, va))
+		for k, m := range g.mapped {
+			if m {
+				errs = append(errs, e.unmapGranule(g, g.base+uintptr(k)*uintptr(e.gran)))
 			}
+		}
+		for _, sp := range g.spans {
 			if sp.event != 0 {
 				errs = append(errs, e.drv.DestroyEvent(sp.event))
 			}
@@ -962,13 +1067,30 @@ func (e *vmmSegments) CheckInvariants() error {
 		if g.base%uintptr(e.gran) != 0 || g.size%e.gran != 0 {
 			return fmt.Errorf("segment %#x+%d is not granule-aligned", g.base, g.size)
 		}
-		var inSpans uint64
+		// covered: per granule, 1 when spans cover it, 2 when a draining
+		// span does (alone: a draining span is whole granules).
+		covered := make([]uint8, len(g.mapped))
 		for i, sp := range g.spans {
-			if sp.size == 0 || sp.size%e.gran != 0 || sp.base%uintptr(e.gran) != 0 {
-				return fmt.Errorf("span %#x+%d is not whole granules", sp.base, sp.size)
+			if sp.size == 0 || sp.size%segQuantum != 0 || sp.base%segQuantum != 0 {
+				return fmt.Errorf("span %#x+%d is not whole quanta", sp.base, sp.size)
+			}
+			if sp.state == spanDraining && (sp.size%e.gran != 0 || sp.base%uintptr(e.gran) != 0) {
+				return fmt.Errorf("draining span %#x+%d is not whole granules", sp.base, sp.size)
 			}
 			if sp.base < g.base || sp.end() > g.end() {
 				return fmt.Errorf("span %#x+%d lies outside its segment %#x+%d", sp.base, sp.size, g.base, g.size)
+			}
+			// Spans tile runs of mapped granules: next to a hole, a
+			// span ends on a granule.
+			if i == 0 || g.spans[i-1].end() != sp.base {
+				if sp.base%uintptr(e.gran) != 0 {
+					return fmt.Errorf("span %#x+%d begins after a hole, off a granule", sp.base, sp.size)
+				}
+			}
+			if i+1 == len(g.spans) || sp.end() != g.spans[i+1].base {
+				if sp.end()%uintptr(e.gran) != 0 {
+					return fmt.Errorf("span %#x+%d ends before a hole, off a granule", sp.base, sp.size)
+				}
 			}
 			if i > 0 {
 				prev := g.spans[i-1]
@@ -979,23 +1101,28 @@ func (e *vmmSegments) CheckInvariants() error {
 					return fmt.Errorf("free spans %#x and %#x touch", prev.base, sp.base)
 				}
 			}
-			for va := sp.base; va < sp.end(); va += uintptr(e.gran) {
-				k := int((va - g.base) / uintptr(e.gran))
+			first := int((sp.base - g.base) / uintptr(e.gran))
+			last := int((sp.end() - 1 - g.base) / uintptr(e.gran))
+			for k := first; k <= last; k++ {
 				if k >= len(g.mapped) || !g.mapped[k] {
-					return fmt.Errorf("span %#x+%d: granule %#x is not mapped", sp.base, sp.size, va)
+					return fmt.Errorf("span %#x+%d: granule %d is not mapped", sp.base, sp.size, k)
 				}
 				if sp.state == spanDraining {
+					covered[k] = 2
 					drained[g.handles[k]]++
 					continue
 				}
-				if handles[g.handles[k]] {
-					return fmt.Errorf("handle %d is mapped twice", g.handles[k])
+				if covered[k] == 2 {
+					return fmt.Errorf("span %#x+%d shares a draining granule", sp.base, sp.size)
 				}
-				handles[g.handles[k]] = true
-			}
-			inSpans += sp.size
-			if sp.state != spanDraining {
-				mapped += sp.size
+				if covered[k] == 0 {
+					covered[k] = 1
+					if handles[g.handles[k]] {
+						return fmt.Errorf("handle %d is mapped twice", g.handles[k])
+					}
+					handles[g.handles[k]] = true
+					mapped += e.gran
+				}
 			}
 			switch sp.state {
 			case spanLive:
@@ -1025,14 +1152,10 @@ func (e *vmmSegments) CheckInvariants() error {
 				return fmt.Errorf("span %#x in state %d", sp.base, sp.state)
 			}
 		}
-		var granules uint64
-		for _, m := range g.mapped {
-			if m {
-				granules += e.gran
+		for k, m := range g.mapped {
+			if m && covered[k] == 0 {
+				return fmt.Errorf("segment %#x: granule %d is mapped, in no span", g.base, k)
 			}
-		}
-		if granules != inSpans {
-			return fmt.Errorf("segment %#x: %d bytes mapped, %d in spans", g.base, granules, inSpans)
 		}
 	}
 	// A draining mapping's handle is owned by exactly one other span,

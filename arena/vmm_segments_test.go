@@ -395,3 +395,103 @@ func TestSegmentsDeviceOOMAfterBorrowing(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, e.CheckInvariants())
 }
+
+// Requests are packed at segQuantum, not at the granule: neighbours share
+// the granule between them, so the granule's rounding is paid once per run
+// of spans (a free rest at its end), not once per request.
+func TestSegmentsPackRequestsAcrossGranules(t *testing.T) {
+	e, phys, _ := segmentsOnly(t, 1<<30, 0)
+	a, err := e.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	g := e.byStream[1][0]
+	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}}, spanStates(g), "the second granule's rest is free")
+	b, err := e.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, a+3*mib, b, "the next request starts in the shared granule")
+	assert.EqualValues(t, 6*mib, e.Held(), "three granules, not four")
+	assert.Equal(t, 3, phys.Calls["cuMemCreate"])
+	c, err := e.Alloc(5000, 1)
+	require.NoError(t, err)
+	assert.Equal(t, b+3*mib, c)
+	assert.EqualValues(t, 6*mib+5120, e.Live(), "live is rounded to 512 bytes")
+	sz, ok := e.Owns(c)
+	assert.True(t, ok)
+	assert.EqualValues(t, 5120, sz)
+	assert.EqualValues(t, 8*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+
+	// Freed, the neighbours coalesce with the rest, and Trim gives back
+	// every granule: nothing is live.
+	for _, p := range []uintptr{b, a, c} {
+		require.NoError(t, e.Free(p, 1, true))
+		require.NoError(t, e.CheckInvariants())
+	}
+	assert.Equal(t, [][3]uint64{{0, 8, spanFree}}, spanStates(g))
+	require.NoError(t, e.Trim(0))
+	assert.Zero(t, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A free span that shares granules with its neighbours pays with the
+// granules it covers alone: each one unmapped cuts it, its ends staying
+// free in the shared granules.
+func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
+	e, phys, _ := segmentsOnly(t, 1<<30, 8*mib)
+	_, err := e.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	b, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	_, err = e.Alloc(1*mib, 1)
+	require.NoError(t, err)
+	g := e.byStream[1][0]
+	require.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 4, spanLive}, {7, 1, spanLive}}, spanStates(g))
+	require.EqualValues(t, 8*mib, e.Held())
+	require.NoError(t, e.Free(b, 1, true))
+	// [3, 7) covers the granule [4, 6) alone; [3, 4) and [6, 7) share.
+	q, err := e.Alloc(2*mib, 2)
+	require.NoError(t, err, "paid with the one whole granule, under the cap")
+	assert.EqualValues(t, 8*mib, e.Held())
+	assert.Equal(t, 4, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 1, phys.Calls["cuMemUnmap"])
+	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}, {6, 1, spanFree}, {7, 1, spanLive}}, spanStates(g))
+	require.NoError(t, e.CheckInvariants())
+	_, err = e.Alloc(2*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory, "the pieces left share their granules: they cannot pay")
+	require.NoError(t, e.Free(q, 2, true))
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A stream's free span still in use lends the granules it covers alone;
+// its pieces in shared granules stay free, each with an event recorded at
+// the lending, and the lent granules drain into a hole.
+func TestSegmentsLendTheWholeGranulesOfASpanInUse(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 14*mib)
+	_, err := e.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	b, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	_, err = e.Alloc(1*mib, 1)
+	require.NoError(t, err)
+	g := e.byStream[1][0]
+	require.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 6, spanLive}, {9, 1, spanLive}}, spanStates(g))
+	sim.Launch(1)
+	require.NoError(t, e.Free(b, 1, false))
+	creates := phys.Calls["cuMemCreate"]
+	d, err := e.Alloc(7*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, g.base+10*mib, d)
+	assert.Equal(t, 2, phys.Calls["cuMemCreate"]-creates, "two of the four granules lent, two created")
+	assert.EqualValues(t, 14*mib, e.Held())
+	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}, {4, 4, spanDraining}, {8, 1, spanFree}, {9, 1, spanLive},
+		{10, 7, spanLive}, {17, 1, spanFree}}, spanStates(g))
+	for _, i := range []int{1, 3} {
+		assert.NotZero(t, g.spans[i].event, "a piece left free carries an event of its own")
+	}
+	assert.NotEqual(t, g.spans[1].event, g.spans[3].event)
+	require.NoError(t, e.CheckInvariants())
+	sim.Complete(1)
+	require.NoError(t, e.Trim(e.Held()))
+	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}, {8, 1, spanFree}, {9, 1, spanLive},
+		{10, 7, spanLive}, {17, 1, spanFree}}, spanStates(g), "the lent granules are a hole once drained")
+	require.NoError(t, e.CheckInvariants())
+}

@@ -10,11 +10,12 @@ import (
 // PhysDriver: the CUDA VMM device (vmm_cuda.go) and the simulated one
 // (SimVMM) are this over their drivers.
 //
-// Requests of a granule or more go to the placement the device was made
-// with (segments, vmm_segments.go, or ranges, vmm_placement.go), rounded up
-// to the granule. Smaller ones (the caching layer's segments and its blocks
-// under 2 MiB) would waste most of a
-// granule each, so they are packed into pages: one-granule ranges, each
+// Requests go to the placement the device was made with (segments,
+// vmm_segments.go, or ranges, vmm_placement.go). The segments placement
+// packs every request at 512 bytes, so it takes them all. The ranges
+// placement rounds up to the granule, so under it smaller requests (the
+// caching layer's segments and its blocks under 2 MiB), which would waste
+// most of a granule each, are packed into pages: one-granule ranges, each
 // owned by the stream it was taken for, carved first fit at 512 bytes. A
 // piece freed on its page's stream is reusable by that stream at once (the
 // stream's later work is ordered after it); one freed on another stream, or
@@ -84,7 +85,7 @@ func (v *vmmSource) alloc(size uint64, s Stream) (uintptr, error) {
 	if n == 0 {
 		n = pieceAlign
 	}
-	if n < v.gran {
+	if n < v.gran && v.eng.quantum() == v.gran {
 		p, err := v.allocSmall(n, s)
 		if err == nil {
 			v.count(int64(n))

@@ -25,8 +25,9 @@ func TestParseConfigBackend(t *testing.T) {
 }
 
 // The allocator passes its cap to a VMM device, so the cap bounds physical
-// memory: a block of 2.5 MiB holds 4 MiB there (two 2 MiB granules), so a
-// 20 MiB cap fits 5 of them, not the 8 goalloc's own count would allow.
+// memory: a block of 2.5 MiB alone on its stream holds 4 MiB there (two
+// 2 MiB granules of the stream's segment), so a 20 MiB cap fits 5 of them
+// on 8 streams, not the 8 goalloc's own count would allow.
 func TestVMMCapBoundsPhysicalMemory(t *testing.T) {
 	dev, err := arena.NewSimVMM(0, 1<<30)
 	require.NoError(t, err)
@@ -37,7 +38,7 @@ func TestVMMCapBoundsPhysicalMemory(t *testing.T) {
 	require.NoError(t, a.SetLimit(20<<20))
 	n := 0
 	for ; n < 8; n++ {
-		if _, err := a.Malloc(5<<19, 0); err != nil {
+		if _, err := a.Malloc(5<<19, arena.Stream(n+1)); err != nil {
 			require.True(t, errors.Is(err, arena.ErrOutOfMemory), "%v", err)
 			break
 		}
