@@ -91,12 +91,18 @@ func (m *statsMutex) set(k Scalar, v int64) {
 
 // Scalar returns one published figure without taking the mutex: its value
 // after the last call that completed. k must be in [0, NumScalars).
-func (a *Allocator) Scalar(k Scalar) int64 { return a.mu.published[k].Load() }
+func (a *Allocator) Scalar(k Scalar) int64 {
+	a.reservedFigure(k)
+	return a.mu.published[k].Load()
+}
 
 // Scalars fills out with the published figures in Scalar order, as many as
 // fit, without taking the mutex, and returns how many it wrote.
 func (a *Allocator) Scalars(out []int64) int {
 	n := min(len(out), int(NumScalars))
+	if n > int(ScalarReservedBytes) {
+		a.reservedFigure(ScalarReservedBytes)
+	}
 	for i := range n {
 		out[i] = a.mu.published[i].Load()
 	}
