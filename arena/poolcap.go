@@ -13,19 +13,17 @@ import (
 // so it can hold more than the bytes handed out. It is a Capped source, so
 // Limited, above it, passes it the cap.
 //
-// The pool says nothing before it maps memory, so the rule works around
-// each allocation, off the cache-hit path:
-//
-//   - Before: when what the pool holds plus the request would pass the cap,
-//     the pool may have to grow; it first gives back the memory it holds
-//     idle beyond what the request leaves room for (Trim), so that idle
-//     memory never causes a refusal.
-//   - After: when the allocation took the pool over the cap, it is given
-//     back, the frees are let complete (settle: a device synchronisation
-//     where one is allowed, as the out-of-memory path makes), the pool is
-//     trimmed, and the allocation fails with ErrCapReached, which the
-//     caller's out-of-memory path (Retrying) meets as it meets the driver's
-//     own out-of-memory: it reclaims and asks again.
+// The pool says nothing before it maps memory, so the rule is checked
+// after each allocation, off the cache-hit path: when the allocation took
+// the pool over the cap, it is given back, the frees are let complete
+// (settle: a device synchronisation where one is allowed, as the
+// out-of-memory path makes), the pool is trimmed, and the allocation fails
+// with ErrCapReached, which the caller's out-of-memory path (Retrying)
+// meets as it meets the driver's own out-of-memory: it reclaims and asks
+// again, and the pool places the request in what is left. Nothing is
+// trimmed before: the pool moves an idle physical chunk under any part of
+// its range (simpool.go), so memory it holds idle never makes it grow, and
+// trimming it first would only make it map that memory again.
 //
 // So after every call returns the pool holds at most the cap, except where
 // settling is not allowed (a CUDA graph capture is open): then the refused
@@ -101,11 +99,6 @@ func (c *PoolCapped) capped(size uint64, alloc func() (uintptr, error), undo fun
 	before, err := c.MemorySource.PoolUsage()
 	if err != nil {
 		return 0, err
-	}
-	if before.ReservedCurrent+size > limit {
-		if err := c.MemorySource.Trim(limit - size); err != nil {
-			return 0, err
-		}
 	}
 	p, err := alloc()
 	if err != nil {
