@@ -41,7 +41,7 @@ type Allocator struct {
 	// synchronisations goalloc does not see (a release threshold below the
 	// maximum), so its figure is read again when it is read (held.go).
 	heldDrifts bool
-	cfg  Config
+	cfg        Config
 	// total is the device's memory, read once at creation.
 	total uint64
 	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
