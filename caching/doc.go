@@ -93,7 +93,10 @@
 // stack of small adaptors over it (arena/limit.go, counting.go,
 // oomretry.go, in the manner of RAPIDS RMM's resource adaptors), each
 // adding one behaviour: the cap on reserved memory (arena.Limited refuses
-// an allocation that would pass it, before the device is asked), the
+// an allocation that would pass it, before the device is asked, and
+// passes the cap to the device's source, which bounds what the device
+// holds: the VMM backend itself, the stream-ordered pool through
+// arena.PoolCapped), what the device holds (held.go), the
 // counts of device calls and held bytes (arena.Counting: num_device_alloc,
 // num_device_free), and the out-of-memory hook (arena.Retrying calls the
 // allocator's retryAfterOOM, which reclaims and says whether to retry).
