@@ -112,19 +112,19 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	// before the device is asked and passes itself down (arena.Capped), so
 	// that the cap bounds what the device holds, which the device's
 	// placement and rounding make more than goalloc's own count; the
-	// observer of what the device holds (held.go); the counts, which see
-	// only calls that reached the device; on an out-of-memory, from the cap
-	// or the device, the hook reclaims cached memory and says whether to
-	// retry.
+	// counts, which see only calls that reached the device (and time them,
+	// without the reads above them); the observer of what the device holds
+	// (held.go); on an out-of-memory, from the cap or the device, the hook
+	// reclaims cached memory and says whether to retry.
 	var src arena.MemorySource = dev
 	if _, ok := dev.(arena.Capped); !ok {
 		src = arena.NewPoolCapped(dev, a.settle)
 		a.heldDrifts = cfg.ReleaseThreshold != math.MaxUint64
 	}
 	a.limited = arena.NewLimited(src, limit)
-	a.held = &heldObserver{MemorySource: a.limited, st: &a.stats}
-	a.counting = arena.NewCounting(a.held)
-	a.mem = arena.NewRetrying(a.counting, a.retryAfterOOM)
+	a.counting = arena.NewCounting(a.limited)
+	a.held = &heldObserver{MemorySource: a.counting, st: &a.stats}
+	a.mem = arena.NewRetrying(a.held, a.retryAfterOOM)
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
 	}

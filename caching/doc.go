@@ -96,9 +96,9 @@
 // an allocation that would pass it, before the device is asked, and
 // passes the cap to the device's source, which bounds what the device
 // holds: the VMM backend itself, the stream-ordered pool through
-// arena.PoolCapped), what the device holds (held.go), the
-// counts of device calls and held bytes (arena.Counting: num_device_alloc,
-// num_device_free), and the out-of-memory hook (arena.Retrying calls the
+// arena.PoolCapped), the counts of device calls and held bytes
+// (arena.Counting: num_device_alloc, num_device_free), what the device
+// holds (held.go), and the out-of-memory hook (arena.Retrying calls the
 // allocator's retryAfterOOM, which reclaims and says whether to retry).
 // Only a cache miss reaches the stack, so a hit pays nothing for it.
 // Segment history (the segment_alloc and segment_free entries of the
