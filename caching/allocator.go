@@ -179,7 +179,21 @@ func (a *Allocator) prewarm(n uint64) error {
 		return fmt.Errorf("goalloc: pre-warming device %d: %w", a.dev.Ordinal(), err)
 	}
 	a.reserveBytes = n
-	return a.dev.Synchronize()
+	if err := a.dev.Synchronize(); err != nil {
+		return err
+	}
+	// The stream-ordered pool maps whole chunks: a reserve just under the
+	// cap can leave it holding more than the cap. The cap wins.
+	if limit := a.limited.Limit(); limit > 0 {
+		if u, err := a.dev.PoolUsage(); err == nil && u.ReservedCurrent > limit {
+			a.reserveBytes = 0
+			if err := a.dev.Trim(0); err != nil {
+				return fmt.Errorf("goalloc: pre-warming device %d: %w", a.dev.Ordinal(), err)
+			}
+			return a.limited.ResetPoolHigh()
+		}
+	}
+	return nil
 }
 
 // Device is the device this allocator takes memory from.

@@ -180,3 +180,22 @@ func TestPropertyPoolHeldUnderTheCap(t *testing.T) {
 		})
 	}
 }
+
+// A reserve just under the cap would leave the pool holding a chunk past
+// it (40 MiB pre-warmed: two 32 MiB chunks under a 40 MiB cap): the cap
+// wins, and the pool starts empty, its high-water mark too.
+func TestReserveNeverLeavesThePoolAboveTheCap(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Fraction = float64(40<<20) / float64(16<<30)
+	cfg.Reserve = cfg.Fraction
+	a, sim := newTestAllocator(t, cfg)
+	u, err := sim.PoolUsage()
+	require.NoError(t, err)
+	assert.LessOrEqual(t, u.ReservedCurrent, a.Limit())
+	assert.LessOrEqual(t, a.Scalar(ScalarReservedBytes), int64(a.Limit()))
+	assert.LessOrEqual(t, a.Scalar(ScalarReservedBytesPeak), int64(a.Limit()))
+	p, err := a.Malloc(20<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 20<<20, 0))
+	require.NoError(t, a.EmptyCache())
+}
