@@ -15,9 +15,10 @@ import (
 //
 // The pool says nothing before it maps memory, so the rule is checked
 // after each allocation, off the cache-hit path: when the allocation took
-// the pool over the cap, it is given back, the frees are let complete
-// (settle: a device synchronisation where one is allowed, as the
-// out-of-memory path makes), the pool is trimmed, and the allocation fails
+// the pool over the cap, it is given back and the pool trimmed (where the
+// pool still holds more than the cap, because the free has not completed,
+// the frees are let complete first: settle, a device synchronisation where
+// one is allowed, as the out-of-memory path makes), and the allocation fails
 // with ErrCapReached, which the caller's out-of-memory path (Retrying)
 // meets as it meets the driver's own out-of-memory: it reclaims and asks
 // again, and the pool places the request in what is left. Nothing is
@@ -112,8 +113,13 @@ func (c *PoolCapped) capped(size uint64, alloc func() (uintptr, error), undo fun
 		// The allocation cannot be given back: keep it rather than lose it.
 		return p, nil
 	}
-	c.settle()
+	// A trim releases only memory whose free it has seen complete; when
+	// the free is still pending on its stream, let it complete first.
 	_ = c.MemorySource.Trim(0)
+	if u, uerr := c.MemorySource.PoolUsage(); uerr != nil || u.ReservedCurrent > limit {
+		c.settle()
+		_ = c.MemorySource.Trim(0)
+	}
 	c.floor.ReservedHigh = max(c.floor.ReservedHigh, before.ReservedHigh)
 	c.floor.UsedHigh = max(c.floor.UsedHigh, before.UsedHigh)
 	_ = c.MemorySource.ResetPoolHigh()
