@@ -152,3 +152,84 @@ func TestStackedAdaptors(t *testing.T) {
 	assert.Equal(t, lim.Held(), cnt.Held())
 	assert.Equal(t, uint64(4<<20), cnt.Peak())
 }
+
+// PoolCapped over the simulated pool: an allocation the pool can place
+// within the cap passes; one that makes the pool map past it is given back
+// (on its stream, or, for AllocUncaptured, on the side stream), the pool is
+// trimmed and the call fails with ErrCapReached; the high-water mark it
+// reports leaves that moment out, until ResetPoolHigh restarts it.
+func TestPoolCappedUndoesWhatPassesTheCap(t *testing.T) {
+	sim := NewSim(0, 1<<30)
+	settles := 0
+	c := NewPoolCapped(sim, func() { settles++; _ = sim.Synchronize() })
+	var _ Capped = c
+	c.SetCap(48 << 20)
+	p, err := c.Alloc(20<<20, 0)
+	require.NoError(t, err, "one 32 MiB chunk")
+	for _, alloc := range []func() (uintptr, error){
+		func() (uintptr, error) { return c.Alloc(20<<20, 0) },
+		func() (uintptr, error) { return c.AllocUncaptured(20 << 20) },
+	} {
+		_, err = alloc()
+		require.ErrorIs(t, err, ErrCapReached, "[20, 40) MiB needs a second chunk: 64 MiB")
+		require.ErrorIs(t, err, ErrOutOfMemory)
+		raw, err := sim.PoolUsage()
+		require.NoError(t, err)
+		assert.EqualValues(t, 32<<20, raw.ReservedCurrent, "given back and trimmed")
+		assert.Equal(t, 1, sim.LiveAllocations())
+		u, err := c.PoolUsage()
+		require.NoError(t, err)
+		assert.EqualValues(t, 32<<20, u.ReservedHigh, "the undone allocation is no peak")
+	}
+	assert.Zero(t, settles, "the frees completed at once: nothing to wait for")
+	// With work still running on the stream, the free of the allocation
+	// given back waits for it: the cap lets it complete before trimming.
+	sim.SetManual(true)
+	sim.Launch(0)
+	_, err = c.Alloc(20<<20, 0)
+	require.ErrorIs(t, err, ErrCapReached)
+	assert.Equal(t, 1, settles)
+	raw, err := sim.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, 32<<20, raw.ReservedCurrent, "given back and trimmed once the free completed")
+	sim.SetManual(false)
+	q, err := c.Alloc(8<<20, 0)
+	require.NoError(t, err, "[20, 28) MiB fits in the chunk in use")
+	require.NoError(t, c.Free(q, 8<<20, 0))
+	c.SetCap(0)
+	q, err = c.Alloc(20<<20, 0)
+	require.NoError(t, err, "no cap")
+	require.NoError(t, c.Free(q, 20<<20, 0))
+	u, err := c.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, 64<<20, u.ReservedHigh)
+	require.NoError(t, c.Trim(0))
+	require.NoError(t, c.ResetPoolHigh())
+	u, err = c.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, 32<<20, u.ReservedHigh, "restarted at what the pool holds")
+	require.NoError(t, c.Free(p, 20<<20, 0))
+}
+
+// Idle memory never makes the cap refuse: the pool holds 64 MiB of which
+// one chunk is idle; a request that needs a second chunk in use passes
+// under a 64 MiB cap, the idle chunk moved under it, with no trim and
+// nothing given back.
+func TestPoolCappedPassesWhatIdleMemoryHolds(t *testing.T) {
+	sim := NewSim(0, 1<<30)
+	c := NewPoolCapped(sim, func() { t.Fatal("nothing to give back") })
+	p, err := c.Alloc(40<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, c.Free(p, 40<<20, 0))
+	q, err := c.Alloc(1<<20, 0)
+	require.NoError(t, err)
+	c.SetCap(64 << 20)
+	r, err := c.Alloc(50<<20, 0)
+	require.NoError(t, err)
+	assert.Zero(t, sim.Trims)
+	u, err := sim.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, 64<<20, u.ReservedCurrent)
+	require.NoError(t, c.Free(r, 50<<20, 0))
+	require.NoError(t, c.Free(q, 1<<20, 0))
+}

@@ -291,6 +291,17 @@ func (d *CUDA) AllocUncaptured(size uint64) (uintptr, error) {
 	return uintptr(r.v[0]), nil
 }
 
+// FreeUncaptured gives back an allocation of AllocUncaptured at once, on
+// the side stream and outside any capture (see gx_free_uncaptured): the
+// pool's cap (PoolCapped) undoes an allocation that took it over the cap
+// this way while a capture is open.
+func (d *CUDA) FreeUncaptured(ptr uintptr, size uint64) error {
+	if d.closed.Load() {
+		return errCUDAClosed
+	}
+	return check("cuMemFreeAsync", C.gx_free_uncaptured(d.ctx, C.ulonglong(ptr), d.side))
+}
+
 // Ordinal is the device index.
 func (d *cudaRuntime) Ordinal() int { return d.ordinal }
 

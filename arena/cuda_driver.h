@@ -438,6 +438,25 @@ static inline gx_ret gx_alloc_uncaptured(uintptr_t ctx, uintptr_t pool, size_t s
 	GX_END()
 }
 
+// gx_free_uncaptured gives back an allocation of gx_alloc_uncaptured at
+// once: in relaxed capture mode, as that call allocates, it frees on the
+// side stream and waits for that stream, so that the pool may release the
+// memory (a trim cannot release a free whose completion it has not seen).
+static inline gx_ret gx_free_uncaptured(uintptr_t ctx, unsigned long long ptr, uintptr_t side) {
+	GX_BEGIN(ctx)
+	int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+	int have_mode = p_cuThreadExchangeStreamCaptureMode != NULL &&
+		p_cuThreadExchangeStreamCaptureMode(&mode) == 0;
+	out.res = p_cuMemFreeAsync((CUdeviceptr)ptr, (CUstream)side);
+	if (out.res == 0) {
+		out.res = p_cuStreamSynchronize((CUstream)side);
+	}
+	if (have_mode) {
+		p_cuThreadExchangeStreamCaptureMode(&mode);
+	}
+	GX_END()
+}
+
 static inline gx_ret gx_stream_create(uintptr_t ctx) {
 	GX_BEGIN(ctx)
 	CUstream s = NULL;

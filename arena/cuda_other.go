@@ -26,6 +26,7 @@ func (d *CUDA) Name() string                                  { return "cuda" }
 func (d *CUDA) Alloc(size uint64, s Stream) (uintptr, error)  { return 0, errNoCUDA }
 func (d *CUDA) Free(ptr uintptr, size uint64, s Stream) error { return errNoCUDA }
 func (d *CUDA) AllocUncaptured(size uint64) (uintptr, error)  { return 0, errNoCUDA }
+func (d *CUDA) FreeUncaptured(ptr uintptr, size uint64) error { return errNoCUDA }
 func (d *CUDA) Trim(keep uint64) error                        { return errNoCUDA }
 func (d *CUDA) SetReleaseThreshold(bytes uint64) error        { return errNoCUDA }
 func (d *CUDA) PoolUsage() (PoolUsage, error)                 { return PoolUsage{}, errNoCUDA }

@@ -417,3 +417,75 @@ func TestCUDAEventOnAnotherDevicesStream(t *testing.T) {
 		t.Fatalf("own event after synchronize: done %v, err %v", done, err)
 	}
 }
+
+// The pool's cap on the real driver (PoolCapped): the pool maps physical
+// memory in chunks (g, read from the pool after its first allocation, 32 MiB
+// on an H200), so under a cap of 1.5 g blocks of g/4 fit while they lie in
+// the first chunk, and the one that would take a second is given back and
+// refused, for Alloc and for AllocUncaptured (given back on the side
+// stream) alike; after every call the pool holds at most the cap, and the
+// high-water mark reported leaves the refused moment out.
+func TestCUDAPoolCapped(t *testing.T) {
+	needCUDA(t, 1)
+	d := openCUDA(t, 0)
+	c := NewPoolCapped(d, func() { _ = d.Synchronize() })
+	first, err := c.Alloc(1<<20, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := d.PoolUsage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := u.ReservedCurrent
+	limit := g + g/2
+	c.SetCap(limit)
+	live := []uintptr{first}
+	sizes := []uint64{1 << 20}
+	within := func(what string) {
+		t.Helper()
+		u, err := c.PoolUsage()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.ReservedCurrent > limit || u.ReservedHigh > limit {
+			t.Fatalf("%s: the pool holds %d (high %d) under a cap of %d", what, u.ReservedCurrent, u.ReservedHigh, limit)
+		}
+	}
+	refused := false
+	for i := 0; i < 8 && !refused; i++ {
+		p, err := c.Alloc(g/4, 0)
+		within("Alloc")
+		if errors.Is(err, ErrCapReached) {
+			refused = true
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		live, sizes = append(live, p), append(sizes, g/4)
+	}
+	if !refused || len(live) < 2 {
+		t.Fatalf("%d blocks of %d under a cap of %d, refused: %v", len(live)-1, g/4, limit, refused)
+	}
+	if _, err := c.AllocUncaptured(g / 2); !errors.Is(err, ErrCapReached) {
+		t.Fatalf("AllocUncaptured over the cap: %v", err)
+	}
+	within("AllocUncaptured")
+	for i, p := range live {
+		if err := c.Free(p, sizes[i], 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	p, err := c.Alloc(g/2, 0)
+	if err != nil {
+		t.Fatalf("a block that fits in the chunk the pool holds: %v", err)
+	}
+	within("after the frees")
+	if err := c.Free(p, g/2, 0); err != nil {
+		t.Fatal(err)
+	}
+}

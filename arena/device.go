@@ -33,7 +33,8 @@
 // Behaviour that does not depend on the backend is stacked on a MemorySource
 // as small adaptors, each a MemorySource itself (RAPIDS RMM's resource
 // adaptors are the model): Limited (limit.go) refuses to hold more than a
-// cap, Counting (counting.go) counts the calls that succeed and the bytes
+// cap, PoolCapped (poolcap.go) bounds what a stream-ordered pool holds by
+// that cap (the pool places memory itself, in chunks), Counting (counting.go) counts the calls that succeed and the bytes
 // held, with their high-water mark, and Retrying (oomretry.go) calls a hook
 // that can free memory when an allocation runs out of it. The caching layer
 // builds its stack under its cache, so a cache hit never reaches one.

@@ -10,8 +10,10 @@ import "go.uber.org/atomic"
 //
 // Only allocations and frees that pass through it count, so the cap bounds
 // exactly what its user reserved through it. The source under it may hold
-// more than that (the VMM backend rounds to its granularity); a source that
-// can cap itself (Capped) is given the same cap.
+// more than that (the VMM backend rounds to its granularity, the
+// stream-ordered pool maps whole chunks and keeps freed memory); a source
+// that caps what it holds (Capped: the VMM backend, or the pool under
+// PoolCapped) is given the same cap.
 //
 // A cap of 0 means none. Concurrent calls are safe: an allocation claims its
 // bytes before it asks the source and gives them back if the source says no.

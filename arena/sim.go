@@ -37,9 +37,14 @@ type Sim struct {
 	capture map[Stream]CaptureStatus
 	stalled map[Stream]bool
 	closed  bool
+	// releaseThreshold is the idle memory the pool keeps across a
+	// synchronisation (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD); above it,
+	// Synchronize trims the pool down to it, as the driver does.
+	releaseThreshold uint64
 
-	// Counters tests read: how often each primitive ran.
-	Allocs, Frees, Syncs, Trims uint64
+	// Counters tests read: how often each primitive ran (UsageReads:
+	// PoolUsage, a driver call on the GPU).
+	Allocs, Frees, Syncs, Trims, UsageReads uint64
 }
 
 type simStream struct {
@@ -65,6 +70,9 @@ func NewSim(ordinal int, capacity uint64) *Sim {
 		events:  map[Event]*simEvent{},
 		capture: map[Stream]CaptureStatus{},
 		stalled: map[Stream]bool{},
+		// Never release on its own until told otherwise (the library sets
+		// its Config.ReleaseThreshold, the maximum by default).
+		releaseThreshold: ^uint64(0),
 	}
 }
 
@@ -222,6 +230,26 @@ func (d *Sim) Free(ptr uintptr, size uint64, s Stream) error {
 	return nil
 }
 
+// FreeUncaptured gives back an AllocUncaptured allocation on the side
+// stream AllocUncaptured uses, whose work completes at once.
+func (d *Sim) FreeUncaptured(ptr uintptr, size uint64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return errClosed
+	}
+	if r, ok := d.pool.used[uint64(ptr)]; ok && r.size != d.pool.roundSize(size) {
+		return fmt.Errorf("sim: cuMemFreeAsync of %#x with size %d, allocated with %d", ptr, size, r.size)
+	}
+	seq := d.enqueue(simSideStream)
+	d.stream(simSideStream).completed = seq
+	if err := d.pool.freeRange(uint64(ptr), simSideStream, seq, true); err != nil {
+		return err
+	}
+	d.Frees++
+	return nil
+}
+
 func (d *Sim) Trim(keep uint64) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -230,11 +258,17 @@ func (d *Sim) Trim(keep uint64) error {
 	return nil
 }
 
-func (d *Sim) SetReleaseThreshold(uint64) error { return nil }
+func (d *Sim) SetReleaseThreshold(bytes uint64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.releaseThreshold = bytes
+	return nil
+}
 
 func (d *Sim) PoolUsage() (PoolUsage, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.UsageReads++
 	p := d.pool
 	return PoolUsage{ReservedCurrent: p.reserved, ReservedHigh: p.reservedHigh,
 		UsedCurrent: p.usedBytes, UsedHigh: p.usedHigh}, nil
@@ -304,7 +338,8 @@ func (d *Sim) DestroyEvent(e Event) error {
 }
 
 // Synchronize completes all work on every stream, as cuCtxSynchronize waits
-// for it. A stalled stream never completes: the real call would hang there,
+// for it, and then, like the driver, releases the pool's idle memory above
+// its release threshold. A stalled stream never completes: the real call would hang there,
 // so the simulation completes every other stream and returns an error that
 // says so, and the caller must not treat the device as idle.
 func (d *Sim) Synchronize() error {
@@ -326,6 +361,9 @@ func (d *Sim) Synchronize() error {
 	}
 	if hung > 0 {
 		return fmt.Errorf("sim: cuCtxSynchronize would hang: %d stalled stream(s) never complete", hung)
+	}
+	if d.pool.reserved > d.releaseThreshold {
+		d.pool.trim(d.releaseThreshold, d.completed)
 	}
 	return nil
 }

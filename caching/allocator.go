@@ -2,6 +2,7 @@ package caching
 
 import (
 	"fmt"
+	"math"
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/streams"
@@ -34,10 +35,13 @@ type Allocator struct {
 	// counting counts the calls that reach the device (num_device_alloc,
 	// num_device_free).
 	counting *arena.Counting
-	// held reads what the device holds after each call, for a device whose
-	// figure is exact (held.go); nil otherwise.
+	// held reads what the device holds after each call (held.go).
 	held *heldObserver
-	cfg  Config
+	// heldDrifts: the device's pool may release memory on its own, at
+	// synchronisations goalloc does not see (a release threshold below the
+	// maximum), so its figure is read again when it is read (held.go).
+	heldDrifts bool
+	cfg        Config
 	// total is the device's memory, read once at creation.
 	total uint64
 	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
@@ -102,23 +106,25 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	if cfg.Fraction > 0 {
 		limit = fractionLimit(cfg.Fraction, total)
 	}
-	// The stack, bottom up: the cap refuses before the device is asked (and
-	// passes itself to a device that caps its physical memory, the VMM
-	// backend, so that the cap bounds what the device holds, which rounding
-	// makes a little more than goalloc's own count); the counts see only
-	// calls that reached the device; on an out-of-memory, from the cap or
-	// the device, the hook reclaims cached memory and says whether to retry.
-	a.limited = arena.NewLimited(dev, limit)
-	var counted arena.MemorySource = a.limited
-	if observesHeld(dev) {
-		// Above the cap, so that the cap still reaches a device that caps
-		// itself; every call that can change what the device holds passes.
-		a.held = &heldObserver{MemorySource: a.limited, st: &a.stats}
-		a.stats.heldExact = true
-		counted = a.held
+	// The stack, bottom up: the device's memory source, capped in what it
+	// holds (the VMM backend caps itself; the stream-ordered pool gets
+	// arena.PoolCapped); the cap on goalloc's own count, which refuses
+	// before the device is asked and passes itself down (arena.Capped), so
+	// that the cap bounds what the device holds, which the device's
+	// placement and rounding make more than goalloc's own count; the
+	// counts, which see only calls that reached the device (and time them,
+	// without the reads above them); the observer of what the device holds
+	// (held.go); on an out-of-memory, from the cap or the device, the hook
+	// reclaims cached memory and says whether to retry.
+	var src arena.MemorySource = dev
+	if _, ok := dev.(arena.Capped); !ok {
+		src = arena.NewPoolCapped(dev, a.settle)
+		a.heldDrifts = cfg.ReleaseThreshold != math.MaxUint64
 	}
-	a.counting = arena.NewCounting(counted)
-	a.mem = arena.NewRetrying(a.counting, a.retryAfterOOM)
+	a.limited = arena.NewLimited(src, limit)
+	a.counting = arena.NewCounting(a.limited)
+	a.held = &heldObserver{MemorySource: a.counting, st: &a.stats}
+	a.mem = arena.NewRetrying(a.held, a.retryAfterOOM)
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
 	}
@@ -133,12 +139,21 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	return a, nil
 }
 
-// refreshHeld reads what the device holds, where that figure is exact, after
-// something changed it outside the memory stack (pre-warming, a new cap, a
-// reset of its high-water mark). Called with a.mu held.
-func (a *Allocator) refreshHeld() {
-	if a.held != nil {
-		a.held.refresh()
+// refreshHeld reads what the device holds after something changed it
+// outside the memory stack (pre-warming, a new cap, a reset of its
+// high-water mark, empty_cache's synchronisations). Called with a.mu held.
+func (a *Allocator) refreshHeld() { a.held.refresh() }
+
+// settle is the pool cap's wait for the free of an allocation it undid
+// (arena.PoolCapped): a device synchronisation, as the out-of-memory path
+// makes, except while a capture is open, which it would break. Called from
+// the memory stack, with a.mu held.
+func (a *Allocator) settle() {
+	if a.capturing() {
+		return
+	}
+	if a.dev.Synchronize() == nil {
+		a.stats.NumSyncAllStreams++
 	}
 }
 
@@ -164,7 +179,21 @@ func (a *Allocator) prewarm(n uint64) error {
 		return fmt.Errorf("goalloc: pre-warming device %d: %w", a.dev.Ordinal(), err)
 	}
 	a.reserveBytes = n
-	return a.dev.Synchronize()
+	if err := a.dev.Synchronize(); err != nil {
+		return err
+	}
+	// The stream-ordered pool maps whole chunks: a reserve just under the
+	// cap can leave it holding more than the cap. The cap wins.
+	if limit := a.limited.Limit(); limit > 0 {
+		if u, err := a.dev.PoolUsage(); err == nil && u.ReservedCurrent > limit {
+			a.reserveBytes = 0
+			if err := a.dev.Trim(0); err != nil {
+				return fmt.Errorf("goalloc: pre-warming device %d: %w", a.dev.Ordinal(), err)
+			}
+			return a.limited.ResetPoolHigh()
+		}
+	}
+	return nil
 }
 
 // Device is the device this allocator takes memory from.
@@ -288,7 +317,12 @@ func (a *Allocator) SetLimit(limit uint64) error {
 	defer a.mu.Unlock()
 	a.limited.SetLimit(limit)
 	defer a.refreshHeld() // a device that caps itself releases free memory at once
-	if limit > 0 && a.reserved() > limit {
+	a.refreshHeld()
+	if held, _ := a.stats.reservedAll(); limit > 0 && max(a.reserved(), uint64(held)) > limit {
+		if a.capturing() { // synchronising would break the capture
+			a.reclaim(false)
+			return nil
+		}
 		return a.releaseAll()
 	}
 	return nil

@@ -55,11 +55,13 @@ func TestSmallAllocationStats(t *testing.T) {
 	assert.EqualValues(t, classSegment[0]+classSegment[1], st.ReservedBytes[StatSmall].Current, "one segment per class")
 	assert.EqualValues(t, 2, st.Segment[StatAll].Current)
 	assert.EqualValues(t, 2, sim.Allocs)
+	reads := sim.UsageReads
 	require.NoError(t, a.Free(p1, 100, 0))
 	p3, err := a.Malloc(200, 0)
 	require.NoError(t, err)
 	assert.Equal(t, p1, p3, "a freed slot is reused by its stream at once")
 	assert.EqualValues(t, 2, sim.Allocs, "a cache hit calls no driver")
+	assert.Equal(t, reads, sim.UsageReads, "nor reads the pool's figures")
 	st = a.Stats()
 	assert.EqualValues(t, 2, st.CacheMisses)
 	assert.EqualValues(t, 1, st.CacheHits)
@@ -189,8 +191,8 @@ func TestCapOOMAndRecovery(t *testing.T) {
 	assert.True(t, errors.Is(err, arena.ErrOutOfMemory))
 	assert.EqualValues(t, 60<<20, oom.Requested)
 	assert.EqualValues(t, 100<<20, oom.Limit)
-	assert.EqualValues(t, 60<<20, oom.Reserved)
-	for _, want := range []string{"device 0", "60.00 MiB requested", "cap 100.00 MiB", "reserved 60.00 MiB", "allocated 60.00 MiB", "largest free cached block"} {
+	assert.EqualValues(t, 64<<20, oom.Reserved, "what the pool holds: two 32 MiB chunks")
+	for _, want := range []string{"device 0", "60.00 MiB requested", "cap 100.00 MiB", "reserved 64.00 MiB", "allocated 60.00 MiB", "largest free cached block"} {
 		assert.Contains(t, err.Error(), want)
 	}
 	assert.EqualValues(t, 1, a.Stats().NumOOMs)
@@ -407,7 +409,7 @@ func TestSnapshotMatchesStats(t *testing.T) {
 		assert.Equal(t, seg.TotalSize, sum, "blocks tile the segment %#x", seg.Address)
 	}
 	st := a.Stats()
-	assert.EqualValues(t, st.ReservedBytes[StatAll].Current, total)
+	assert.EqualValues(t, st.OwnReserved.Current, total)
 	assert.EqualValues(t, st.AllocatedBytes[StatAll].Current, allocated)
 	assert.EqualValues(t, 3000+5<<20, requested)
 	var actions []string

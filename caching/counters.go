@@ -90,13 +90,22 @@ func (m *statsMutex) set(k Scalar, v int64) {
 }
 
 // Scalar returns one published figure without taking the mutex: its value
-// after the last call that completed. k must be in [0, NumScalars).
-func (a *Allocator) Scalar(k Scalar) int64 { return a.mu.published[k].Load() }
+// after the last call that completed. k must be in [0, NumScalars). (The
+// one exception: a reserved figure of a pool that releases memory on its
+// own is read again first, under the mutex; see reservedFigure.)
+func (a *Allocator) Scalar(k Scalar) int64 {
+	a.reservedFigure(k)
+	return a.mu.published[k].Load()
+}
 
 // Scalars fills out with the published figures in Scalar order, as many as
-// fit, without taking the mutex, and returns how many it wrote.
+// fit, without taking the mutex (but for reservedFigure's exception), and
+// returns how many it wrote.
 func (a *Allocator) Scalars(out []int64) int {
 	n := min(len(out), int(NumScalars))
+	if n > int(ScalarReservedBytes) {
+		a.reservedFigure(ScalarReservedBytes)
+	}
 	for i := range n {
 		out[i] = a.mu.published[i].Load()
 	}

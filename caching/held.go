@@ -2,22 +2,38 @@ package caching
 
 import "github.com/goalloc/goalloc/arena"
 
-// What the device holds for this allocator, when the device can say so
-// exactly.
+// What the device holds for this allocator.
 //
 // goalloc's own reserved figure counts its segments and blocks: what it took
-// from its memory source. A source that places physical memory itself, the
-// VMM backend, holds more than that: its page and granule rounding, and
-// free memory it keeps mapped for a stream's next request (arena's
-// segments). Its PoolUsage is the physical memory it holds, exactly, and
-// the cap already bounds that figure (arena.Capped). For such a source
-// memory_reserved() and max_memory_reserved() report the physical figure,
-// so that they agree with what the device lost (torch.cuda.mem_get_info) up
-// to memory outside the allocator; the small_pool and large_pool parts of
-// reserved_bytes stay goalloc's own segments. The stream-ordered pool's
-// figure is not used this way (yet): reading it is a driver call, the pool
-// may release memory on its own at synchronisations (below its release
-// threshold), and the cap does not bound it.
+// from its memory source. The source holds more than that, on both
+// backends. The VMM backend rounds to its 2 MiB granules and keeps free
+// memory mapped for a stream's next request (arena's segments). The
+// stream-ordered pool (backend:async) maps physical memory in 32 MiB chunks
+// that one live allocation pins, and keeps what goalloc frees to it until it
+// is trimmed. Each says exactly what it holds (PoolUsage: for the pool,
+// CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT and _HIGH), and the cap bounds that
+// figure, not goalloc's own (arena.Capped: the VMM backend caps itself, the
+// pool is capped by arena.PoolCapped). So memory_reserved() and
+// max_memory_reserved() report the device's figure, and agree with what the
+// device lost (torch.cuda.mem_get_info) up to memory outside the allocator;
+// the small_pool and large_pool parts of reserved_bytes stay goalloc's own
+// segments and blocks, and goalloc.own_reserved_bytes is goalloc's own
+// total.
+//
+// The figure is read after every call that reaches the memory source (a
+// miss, a free to the source, a trim) and after the calls that change it
+// outside the stack (empty_cache, a new cap, a reset of the peaks), never
+// on the cache-hit path: reading it is a driver call. Between those calls
+// the VMM backend's figure cannot change. The pool's can, in one case: it
+// releases idle memory on its own at a synchronisation (of a stream, event
+// or the context) when it holds more than its release threshold. goalloc
+// sets the threshold to the maximum (Config.ReleaseThreshold), so by
+// default the pool releases memory only when goalloc trims it, and the
+// figure read after each call is exact. A user who sets release_threshold
+// below the maximum lets the pool release at synchronisations goalloc does
+// not see; then the figure is read again whenever it is read (Stats, and
+// the published scalars, see reservedFigure): one driver call more per
+// memory_reserved().
 
 // heldObserver is a MemorySource adaptor that, after every call that can
 // change what its device holds, reads the device's figure into Stats. Every
@@ -25,14 +41,6 @@ import "github.com/goalloc/goalloc/arena"
 type heldObserver struct {
 	arena.MemorySource
 	st *Stats
-}
-
-// observesHeld says whether dev's own reserved figure is exact, the
-// physical memory it holds for this allocator: a device that caps that
-// memory itself.
-func observesHeld(dev arena.Device) bool {
-	_, ok := dev.(arena.Capped)
-	return ok
 }
 
 // refresh reads the device's figure; a failed read keeps the last one.
@@ -67,10 +75,17 @@ func (o *heldObserver) Trim(keep uint64) error {
 }
 
 // reservedAll is reserved_bytes.all's current and peak as reported: the
-// device's figure where it is exact, goalloc's own otherwise.
-func (s *Stats) reservedAll() (current, peak int64) {
-	if s.heldExact {
-		return s.heldNow, s.heldHigh
+// device's figure, as of the last read.
+func (s *Stats) reservedAll() (current, peak int64) { return s.heldNow, s.heldHigh }
+
+// reservedFigure reads again what a pool that releases memory on its own
+// holds (heldDrifts) before a reserved figure is read; it is the published
+// scalars' only path to the driver, and only with a release threshold below
+// the maximum. The Unlock publishes what it read.
+func (a *Allocator) reservedFigure(k Scalar) {
+	if a.heldDrifts && (k == ScalarReservedBytes || k == ScalarReservedBytesPeak) {
+		a.mu.Lock()
+		a.refreshHeld()
+		a.mu.Unlock()
 	}
-	return s.ReservedBytes[StatAll].Current, s.ReservedBytes[StatAll].Peak
 }

@@ -61,7 +61,7 @@ type OOMError struct {
 	Device                      int
 	Requested                   uint64
 	Limit, Total                uint64
-	Reserved, Allocated, Cached uint64
+	Reserved, Allocated, Cached uint64 // Reserved: what the device holds, the figure the cap bounds (held.go)
 	LargestFree                 uint64
 	Cause                       error
 }
@@ -84,9 +84,10 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 	if a.history != nil {
 		a.history.add(actionOOM, 0, size, 0)
 	}
+	held, _ := a.stats.reservedAll()
 	return &OOMError{
 		Device: a.dev.Ordinal(), Requested: size, Limit: a.limited.Limit(), Total: a.total,
-		Reserved: a.reserved(), Allocated: uint64(a.stats.AllocatedBytes[StatAll].Current),
+		Reserved: uint64(held), Allocated: uint64(a.stats.AllocatedBytes[StatAll].Current),
 		Cached: f.FreeBytes, LargestFree: f.LargestFreeBlock, Cause: cause,
 	}
 }

@@ -87,14 +87,12 @@ type Stats struct {
 	BadInput                              map[string]int64
 
 	// OwnReserved is reserved_bytes.all as goalloc counts it, its segments
-	// and blocks: the same figure, except on a device whose own figure is
-	// exact (held.go), where reserved_bytes.all is the device's.
+	// and blocks; reserved_bytes.all is what the device holds (held.go).
 	OwnReserved Stat
 
-	// heldExact: the device's own reserved figure is exact (held.go), and
-	// heldNow and heldHigh are it, as of the last call that reached the
-	// device; reserved_bytes.all reports them (reservedAll).
-	heldExact         bool
+	// heldNow and heldHigh are what the device holds and its high-water
+	// mark, as of the last read (held.go); reserved_bytes.all reports them
+	// (reservedAll).
 	heldNow, heldHigh int64
 }
 
@@ -227,6 +225,9 @@ func (a *Allocator) Stats() Stats {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.pollDeferred()
+	if a.heldDrifts {
+		a.refreshHeld()
+	}
 	st := a.stats.clone()
 	st.NumDeviceAlloc, st.NumDeviceFree = int64(a.counting.Allocs()), int64(a.counting.Frees())
 	st.EventErrors = int64(a.deferred.Errors)
@@ -246,7 +247,7 @@ func (a *Allocator) ResetPeakStats() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.stats.resetPeaks()
-	err := a.dev.ResetPoolHigh()
+	err := a.mem.ResetPoolHigh() // through the pool's cap, which keeps a mark of its own
 	a.refreshHeld()
 	return err
 }

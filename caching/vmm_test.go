@@ -95,8 +95,8 @@ func TestPropertyRandomOpsVMM(t *testing.T) {
 // On the VMM backend memory_reserved() and max_memory_reserved() are the
 // physical memory the device holds (granule rounding and the free memory a
 // segment keeps mapped included), published lock-free and in memory_stats
-// alike; the small and large parts stay goalloc's own. On the stream-ordered
-// pool they stay goalloc's own figure.
+// alike; the small and large parts stay goalloc's own. (The stream-ordered
+// pool: TestReservedIsWhatThePoolHolds.)
 func TestReservedIsWhatAVMMDeviceHolds(t *testing.T) {
 	dev, err := arena.NewSimVMM(0, 1<<30)
 	require.NoError(t, err)
@@ -145,17 +145,4 @@ func TestReservedIsWhatAVMMDeviceHolds(t *testing.T) {
 	require.NoError(t, a.Free(q, 1000, 0))
 	require.NoError(t, a.EmptyCache())
 	check("everything freed")
-
-	// The stream-ordered pool: goalloc's own figure, whatever the pool holds.
-	sim := arena.NewSim(0, 1<<30)
-	b, err := New(sim, DefaultConfig())
-	require.NoError(t, err)
-	r, err := b.Malloc(5<<19, 0)
-	require.NoError(t, err)
-	bst := b.Stats()
-	bm := bst.Map()
-	assert.Equal(t, bm["reserved_bytes.small_pool.current"]+bm["reserved_bytes.large_pool.current"], bm["reserved_bytes.all.current"])
-	assert.Equal(t, bm["reserved_bytes.all.current"], bm["goalloc.own_reserved_bytes.current"])
-	assert.Equal(t, bm["reserved_bytes.all.peak"], bm["goalloc.own_reserved_bytes.peak"])
-	require.NoError(t, b.Free(r, 5<<19, 0))
 }

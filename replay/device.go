@@ -31,7 +31,8 @@ func newCountingDevice(dev arena.Device) *countingDevice {
 // asDevice is d as the policy sees it: over a device that caps its own
 // physical memory (arena.Capped, the VMM backend) it stays one, so that a
 // cache above passes its cap down and reports the device's figure, as it
-// does in the library.
+// does in the library. (Over the stream-ordered pool the cache caps the
+// pool itself, arena.PoolCapped over d.)
 func (d *countingDevice) asDevice() arena.Device {
 	if _, ok := d.Device.(arena.Capped); ok {
 		return cappedCountingDevice{d}

@@ -34,7 +34,7 @@ def test_readme_statistics_example_gives_the_librarys_figures(raw, device):
     block = README[README.index("# three 1000-byte and two 3,000,000-byte allocations"):]
     block = block[:block.index("```")]
     claims = re.findall(r'^s\["([^"]+)"\]\s+#\s*([0-9_ *+]+(?:KiB|MiB)?[0-9_ *+]*)', block, re.M)
-    assert len(claims) == 3, block
+    assert len(claims) == 4, block
     small = [raw.must_malloc(1000, device) for _ in range(3)]
     large = [raw.must_malloc(3_000_000, device) for _ in range(2)]
     raw.free(large[0], 3_000_000, device)

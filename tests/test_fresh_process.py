@@ -26,10 +26,10 @@ def child(body: str, env: Optional[dict[str, str]] = None) -> subprocess.Complet
 
 def test_fraction_cap_fails_an_allocation_with_goallocs_message_and_the_process_goes_on():
     proc = child("""
-    goalloc.set_memory_fraction(0.001, 0)   # set before the device is first used
+    goalloc.set_memory_fraction(0.01, 0)    # set before the device is first used
     cap = goalloc.config()["limits"]        # devices made so far: none yet
-    ok = L.goalloc_malloc(4 * MiB, 0, STREAM)    # fits under 8G x 0.001 = 8.2 MiB
-    big = L.goalloc_malloc(64 * MiB, 0, STREAM)  # does not
+    ok = L.goalloc_malloc(4 * MiB, 0, STREAM)    # fits under 8G x 0.01 = 81.9 MiB (in the pool's 32 MiB chunk)
+    big = L.goalloc_malloc(128 * MiB, 0, STREAM) # does not
     after = L.goalloc_malloc(2 * MiB, 0, STREAM) # the process keeps working
     s = goalloc.memory_stats(0)
     L.my_free(ok, 4 * MiB, 0, STREAM)
@@ -43,12 +43,12 @@ def test_fraction_cap_fails_an_allocation_with_goallocs_message_and_the_process_
     assert out["ok"] and out["after"]
     assert out["big"] is None  # NULL
     assert out["cap"] == {}
-    assert out["limit"] == int(0.001 * 8 * (1 << 30))
+    assert out["limit"] == int(0.01 * 8 * (1 << 30))
     assert out["num_ooms"] == 1
     assert out["allocated"] == 0
     oom_lines = [line for line in proc.stderr.splitlines() if "out of memory" in line]
     assert len(oom_lines) == 1, proc.stderr
-    assert oom_lines[0].startswith("goalloc: out of memory on device 0: 64.00 MiB requested; cap 8.19 MiB, device 8.00 GiB")
+    assert oom_lines[0].startswith("goalloc: out of memory on device 0: 128.00 MiB requested; cap 81.92 MiB, device 8.00 GiB")
 
 
 def test_lowering_the_fraction_releases_cached_memory():
@@ -60,7 +60,7 @@ def test_lowering_the_fraction_releases_cached_memory():
     print(json.dumps([before, goalloc.memory_reserved(0)]))
     """)
     before, after = json.loads(proc.stdout)
-    assert before == 16 * (1 << 20)
+    assert before == 32 * (1 << 20)  # what the pool holds: the 32 MiB chunk the block lay in
     assert after == 0
 
 
@@ -70,7 +70,7 @@ def test_configure_before_the_first_allocation_only():
     conf = goalloc.config()["conf"]
     p = L.goalloc_malloc(16 * MiB, 1, STREAM)
     L.my_free(p, 16 * MiB, 1, STREAM)
-    reserved = goalloc.memory_reserved(1)       # large_cache:0 caches nothing
+    reserved = goalloc.memory_stats(1)["goalloc.own_reserved_bytes.current"]  # large_cache:0 caches nothing
     try:
         goalloc.configure("large_cache:1G")
         late = None

@@ -24,6 +24,7 @@ from goalloc_testing import OTHER_STREAM, STREAM
 
 LARGE = 3_000_000
 BLOCK = 3_000_320  # LARGE rounded up to 512
+CHUNK = 32 << 20  # the stream-ordered pool's physical granularity: what it holds for a few MB
 
 FAST: dict[str, Callable[..., int]] = {
     "allocated_bytes.all.current": goalloc.memory_allocated,
@@ -86,11 +87,19 @@ def test_reset_peak_memory_stats_resets_the_fast_figures(raw, device):
     raw.free(p, 4 * LARGE, device)
     q = raw.must_malloc(LARGE, device)
     assert goalloc.max_memory_allocated(device) == 12_000_256  # 4 * LARGE rounded
-    # The miss gave the cached 12 MB block back to the pool (miss_release).
-    assert goalloc.max_memory_reserved(device) > goalloc.memory_reserved(device) == BLOCK
+    # The miss gave the cached 12 MB block back to the pool (miss_release),
+    # which placed the new block in it: goalloc's own count fell, the pool
+    # still holds its one 32 MiB chunk.
+    own = goalloc.memory_stats(device)
+    assert own["goalloc.own_reserved_bytes.peak"] > own["goalloc.own_reserved_bytes.current"] == BLOCK
+    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == CHUNK
+    r = raw.must_malloc(16 * LARGE, device)  # 48 MB more, past the 3 MB block: a second chunk
+    raw.free(r, 16 * LARGE, device)
+    goalloc.empty_cache(device)  # and gives it back
+    assert goalloc.max_memory_reserved(device) == 2 * CHUNK
     goalloc.reset_peak_memory_stats(device)
     assert goalloc.max_memory_allocated(device) == goalloc.memory_allocated(device) == BLOCK
-    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == BLOCK
+    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == CHUNK
     raw.free(q, LARGE, device)
 
 
@@ -142,7 +151,7 @@ def test_default_device_is_torchs_current_device(monkeypatch, raw, device):
     p = raw.must_malloc(LARGE, device)
     monkeypatch.setitem(sys.modules, "torch", fake_torch(device))
     assert goalloc.memory_allocated() == goalloc.max_memory_allocated() == BLOCK
-    assert goalloc.memory_reserved() == goalloc.max_memory_reserved() == BLOCK
+    assert goalloc.memory_reserved() == goalloc.max_memory_reserved() == CHUNK
     assert goalloc.memory_stats()["allocated_bytes.all.current"] == BLOCK
     assert goalloc.fragmentation().free_bytes == 0
     assert f"device ID {device}" in goalloc.memory_summary()
@@ -205,11 +214,11 @@ def test_torch_scalars_answer_from_goalloc(monkeypatch, raw, device):
         for module in (torch.cuda, torch.cuda.memory):
             assert module.memory_allocated() == module.memory_allocated(device) == BLOCK
             assert module.max_memory_allocated(f"cuda:{device}") == BLOCK
-            assert module.memory_reserved(device) == module.max_memory_reserved() == BLOCK
+            assert module.memory_reserved(device) == module.max_memory_reserved() == CHUNK
         raw.free(p, LARGE, device)
         torch._C._cuda_resetPeakMemoryStats(device)  # what torch.cuda.reset_peak_memory_stats calls
         assert torch.cuda.max_memory_allocated() == 0
-        assert torch.cuda.max_memory_reserved() == BLOCK  # the block stays cached
+        assert torch.cuda.max_memory_reserved() == CHUNK  # the block stays cached, in the pool's chunk
         with pytest.raises(ValueError, match="device 10000 does not exist"):
             torch.cuda.memory_allocated(10_000)
         torch.cuda.memory.is_initialized = lambda: False  # as torch: {} before CUDA starts

@@ -236,7 +236,8 @@ def max_memory_allocated(device: Device = None) -> int:
 
 
 def memory_reserved(device: Device = None) -> int:
-    """Bytes goalloc holds from the driver pool, in use or cached."""
+    """Bytes the device holds for goalloc: the driver pool's own reserved
+    figure (backend:vmm: the physical memory held), which the cap bounds."""
     return _lib.stat(_stat_device(device), _lib.RESERVED)
 
 

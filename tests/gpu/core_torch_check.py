@@ -45,6 +45,7 @@ st = stats()
 out["train"] = {"first_loss": losses[0], "last_loss": losses[-1], "finite": all(l == l for l in losses),
                 "cache_hits": st["goalloc.cache_hits"], "cache_misses": st["goalloc.cache_misses"],
                 "allocated_peak": st["allocated_bytes.all.peak"], "reserved_peak": st["reserved_bytes.all.peak"],
+                "own_reserved_peak": st["goalloc.own_reserved_bytes.peak"],
                 "bad_input": {k: v for k, v in st.items() if k.startswith("goalloc.bad_input")}}
 del model, opt, data, logits, loss, x, y
 torch.cuda.synchronize()

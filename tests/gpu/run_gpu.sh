@@ -141,7 +141,7 @@ if want vmm; then
   # against backend:async, and the bundled traces replayed with each
   # backend. About two minutes.
   if [[ -x build/arena.test ]]; then
-    (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDA' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+vmm_cuda_test)' | tail -30) || status=1
+    (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDA|CUDAPoolCapped' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+(vmm_)?cuda_test)' | tail -30) || status=1
   else
     echo "build/arena.test missing: make gpubuild"; status=1
   fi

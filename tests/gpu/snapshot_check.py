@@ -108,6 +108,9 @@ for policy in ("native", "goalloc"):
     result["notes"] = notes
 if mode == "goalloc":
     result["goalloc_max_memory_reserved"] = goalloc.max_memory_reserved()
+    # What the history accounts for: goalloc's own segments and blocks
+    # (max_memory_reserved() is the pool's high-water mark, above it).
+    result["goalloc_own_reserved_peak"] = goalloc.memory_stats()["goalloc.own_reserved_bytes.peak"]
 
 # The checks (test_snapshot.py repeats them on the printed result, and checks
 # that the pickle is small enough to commit as a fixture: under 2 MB).

@@ -7,12 +7,15 @@ allocator is installed before CUDA starts:
           (torch.cuda.mem_get_info, against the figure read right after
           install) is compared with goalloc's memory_reserved() and the
           backend's own reserved figure (the physical bytes it holds, for
-          vmm). With vmm the three should agree up to what CUDA itself
-          takes for kernels and library workspaces; with async the device
-          holds what the pool keeps besides.
-  cap     backend:vmm with fraction:0.25: 1 GiB tensors until torch raises
-          OutOfMemoryError; the device must never lose more than the cap
-          (plus the same CUDA overhead).
+          vmm; the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, for async).
+          On both backends memory_reserved() and max_memory_reserved() are
+          the backend's figure and its high-water mark, and the three agree
+          up to what CUDA itself takes for kernels and library workspaces.
+  cap     backend:vmm with fraction:0.25 (cap_async: backend:async): 40 MiB
+          tensors up to half the cap with every other one freed (the
+          survivors pin the pool's chunks), then 1 GiB tensors until torch
+          raises OutOfMemoryError; the device must never lose more than the
+          cap (plus the same CUDA overhead).
 
 Prints one JSON object and exits 1 if a check fails. Skips (exit 0) without
 torch or CUDA. Run from the repository root, library built:
@@ -32,7 +35,8 @@ def child(mode):
     import torch
     import goalloc
 
-    conf = {"async": "backend:async", "vmm": "backend:vmm", "cap": "backend:vmm,fraction:0.25"}[mode]
+    conf = {"async": "backend:async", "vmm": "backend:vmm", "cap": "backend:vmm,fraction:0.25",
+            "cap_async": "backend:async,fraction:0.25"}[mode]
     goalloc.install(conf)
     free0, total = torch.cuda.mem_get_info()
     out = {"conf": conf, "total": total}
@@ -40,9 +44,14 @@ def child(mode):
     def device_lost():
         return free0 - torch.cuda.mem_get_info()[0]
 
-    if mode == "cap":
+    if mode.startswith("cap"):
         cap = int(0.25 * total)
         held, worst, oom = [], 0, None
+        # Holes first: freed 40 MiB tensors between live ones, so that what
+        # the backend holds is more than goalloc's own count.
+        holes = [torch.empty(40 << 20, dtype=torch.uint8, device="cuda") for _ in range(cap // 2 // (40 << 20))]
+        del holes[::2]
+        worst = device_lost()
         for _ in range(int(total // (1 << 30)) + 2):
             try:
                 held.append(torch.empty(1 << 28, dtype=torch.float32, device="cuda"))  # 1 GiB
@@ -50,9 +59,11 @@ def child(mode):
                 oom = str(e).splitlines()[0][:300]
                 break
             worst = max(worst, device_lost())
+        frag = goalloc.fragmentation()
         out.update(cap=cap, tensors=len(held), device_lost_max=worst, oom=oom,
-                   reserved=goalloc.memory_reserved(),
-                   backend_reserved=goalloc.fragmentation().pool_reserved_bytes)
+                   reserved=goalloc.memory_reserved(), reserved_peak=goalloc.max_memory_reserved(),
+                   own_reserved=goalloc.memory_stats()["goalloc.own_reserved_bytes.current"],
+                   backend_reserved=frag.pool_reserved_bytes, backend_reserved_high=frag.pool_reserved_high_bytes)
         return out
 
     torch.manual_seed(0)
@@ -100,7 +111,7 @@ def main():
         print(json.dumps({"skipped": "no CUDA"}))
         return 0
     res, failures = {}, []
-    for mode in ("async", "vmm", "cap"):
+    for mode in ("async", "vmm", "cap", "cap_async"):
         env = dict(os.environ)
         env.pop("GOALLOC_CONF", None)
         p = subprocess.run([sys.executable, __file__, "--child", mode], env=env, capture_output=True, text=True,
@@ -121,29 +132,36 @@ def main():
         r["device_over_reserved"] = round(r["device_lost"] / max(r["reserved"], 1), 3)
         r["reserved_peak_over_allocated_peak"] = round(r["reserved_peak"] / max(r["allocated_peak"], 1), 3)
         check(r["last_loss"] < r["first_loss"], f"{mode}: the loss did not fall")
-    v = res.get("vmm")
-    if v:
-        # The backend's figure is the physical memory: at least goalloc's
-        # reserved, and what the device lost, up to CUDA's own overhead.
-        check(v["backend_reserved"] >= v["reserved"], "vmm: backend reserved below goalloc's reserved")
-        # memory_reserved() and max_memory_reserved() report the physical
-        # memory itself on this backend (caching/held.go).
+    for mode in ("async", "vmm"):
+        v = res.get(mode)
+        if v is None:
+            continue
+        # memory_reserved() and max_memory_reserved() report what the
+        # backend holds, on both backends (caching/held.go): what the
+        # device lost, up to CUDA's own overhead.
         check(v["reserved"] == v["backend_reserved"],
-              f"vmm: memory_reserved() {v['reserved']}, the backend holds {v['backend_reserved']}")
+              f"{mode}: memory_reserved() {v['reserved']}, the backend holds {v['backend_reserved']}")
         check(v["reserved_peak"] == v["backend_reserved_high"],
-              f"vmm: max_memory_reserved() {v['reserved_peak']}, the backend's high-water {v['backend_reserved_high']}")
+              f"{mode}: max_memory_reserved() {v['reserved_peak']}, the backend's high-water {v['backend_reserved_high']}")
         check(abs(v["device_lost"] - v["backend_reserved"]) <= OVERHEAD,
-              f"vmm: the device lost {v['device_lost']} bytes, the backend holds {v['backend_reserved']}")
+              f"{mode}: the device lost {v['device_lost']} bytes, the backend holds {v['backend_reserved']}")
         a = v["after_empty_cache"]
+        check(a["reserved"] == a["backend_reserved"],
+              f"{mode}: after empty_cache memory_reserved() {a['reserved']}, the backend holds {a['backend_reserved']}")
         check(a["backend_reserved"] <= v["backend_reserved"] // 4,
-              f"vmm: empty_cache left {a['backend_reserved']} bytes held")
-        check(a["device_lost"] <= a["backend_reserved"] + OVERHEAD, "vmm: the device did not get memory back")
-    c = res.get("cap")
-    if c:
-        check(c["oom"] is not None, "cap: no OutOfMemoryError")
+              f"{mode}: empty_cache left {a['backend_reserved']} bytes held")
+        check(a["device_lost"] <= a["backend_reserved"] + OVERHEAD, f"{mode}: the device did not get memory back")
+    for mode in ("cap", "cap_async"):
+        c = res.get(mode)
+        if c is None:
+            continue
+        check(c["oom"] is not None, f"{mode}: no OutOfMemoryError")
         check(c["device_lost_max"] <= c["cap"] + OVERHEAD,
-              f"cap: the device lost {c['device_lost_max']} bytes under a cap of {c['cap']}")
-        check(c["backend_reserved"] <= c["cap"], "cap: the backend holds more than the cap")
+              f"{mode}: the device lost {c['device_lost_max']} bytes under a cap of {c['cap']}")
+        check(c["backend_reserved"] <= c["cap"], f"{mode}: the backend holds more than the cap")
+        check(c["reserved_peak"] <= c["cap"], f"{mode}: max_memory_reserved() {c['reserved_peak']} above the cap")
+        check(c["reserved"] == c["backend_reserved"],
+              f"{mode}: memory_reserved() {c['reserved']}, the backend holds {c['backend_reserved']}")
     res["failures"] = failures
     print(json.dumps(res, indent=1))
     return 1 if failures else 0
