@@ -27,8 +27,10 @@ f = goalloc.fragmentation(0)
 held = f.pool_reserved_bytes
 goalloc.set_memory_fraction(0.001, 0)       # 8.2 MiB of the 8 GiB simulated device
 L.my_free(p, N, 0, STREAM)
-# goalloc's own count allows three (7.5 MiB); the device holds 4 MiB each
-ok = [malloc(N, 0, STREAM) for _ in range(3)]
+# goalloc's own count allows three (7.5 MiB); alone on its stream (its own
+# segment) each holds 4 MiB on the device. (On one stream they would share
+# granules: three in 8 MiB.)
+ok = [malloc(N, 0, STREAM + 0x100 * k) for k in range(3)]
 print(json.dumps({"backend": goalloc.config()["conf"], "held": held,
                   "got": [bool(x) for x in ok],
                   "after": goalloc.fragmentation(0).pool_reserved_bytes}))
