@@ -25,14 +25,30 @@ func NewSimVMM(ordinal int, capacity uint64) (*SimVMM, error) {
 	return NewSimVMMPlaced(ordinal, capacity, DefaultVMMPlacement)
 }
 
+// The simulated VMM devices' VA: device d reserves in [simVMMVABase +
+// d*simVMMVAWindow, + simVMMVAWindow), above every simulated pool's range
+// (simBase + 64 devices x at most 4 PiB each). A window holds eight
+// segments of the largest simulated device (1 PiB).
+const (
+	simVMMVABase   = uintptr(1) << 60
+	simVMMVAWindow = uintptr(1) << 53
+)
+
 // NewSimVMMPlaced makes a simulated VMM device with capacity bytes of
 // memory that places large requests with placement p.
 func NewSimVMMPlaced(ordinal int, capacity uint64, p VMMPlacement) (*SimVMM, error) {
 	if capacity == 0 {
 		capacity = DefaultSimMemory
 	}
+	if ordinal < 0 || ordinal >= maxSimDevices {
+		return nil, fmt.Errorf("sim: VMM device %d: outside %d devices", ordinal, maxSimDevices)
+	}
 	sim := NewSim(ordinal, capacity)
 	phys := NewFakePhys(sim, capacity, simVMMGranule)
+	// Each device reserves VA in a window of its own, as a real process's
+	// devices share one address space: a pointer names its device.
+	phys.nextVA = simVMMVABase + uintptr(ordinal)*simVMMVAWindow
+	phys.vaEnd = phys.nextVA + simVMMVAWindow
 	src, err := newVMMSource(phys, p, capacity, 0)
 	if err != nil {
 		return nil, err

@@ -19,6 +19,7 @@ type FakePhys struct {
 	used     uint64 // bytes of live handles
 
 	nextVA  uintptr
+	vaEnd   uintptr                // where reservations stop (0: nowhere)
 	res     map[uintptr]uint64     // reservations by base
 	page    map[uintptr]PhysHandle // granule-aligned VA -> the handle mapped there
 	mapping map[uintptr]uint64     // mapping start -> its size
@@ -91,6 +92,9 @@ func (f *FakePhys) ReserveVA(size uint64) (uintptr, error) {
 		return 0, fmt.Errorf("fakephys: reserve of %d bytes", size)
 	}
 	base := f.nextVA
+	if f.vaEnd != 0 && (uint64(f.vaEnd-base) < size || uint64(f.vaEnd-base)-size < f.gran) {
+		return 0, fmt.Errorf("fakephys: reserve of %d bytes: the device's VA window ends at %#x", size, f.vaEnd)
+	}
 	f.nextVA += uintptr(size) + uintptr(f.gran) // a gap between reservations
 	f.res[base] = size
 	return base, nil

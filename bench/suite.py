@@ -207,7 +207,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.llama_seq[1] > LLAMA_MAX_SEQ:
         p.error(f"--llama-seq: the LLaMA's context is {LLAMA_MAX_SEQ} tokens")
     if "backend" in (kv.split(":", 1)[0].strip() for kv in args.goalloc_conf.split(",")):
-        p.error("--goalloc-conf: no backend here: goalloc runs the default backend (async) and goalloc-vmm backend:vmm")
+        p.error("--goalloc-conf: no backend here: goalloc runs backend:async and goalloc-vmm backend:vmm")
     if args.budget <= 0:
         p.error("--budget must be positive")
     if args.sample_ms < 0:

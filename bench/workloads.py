@@ -15,10 +15,10 @@ Configurations (the parent sets the environment; this script does the rest):
     native           PyTorch's caching allocator, as shipped
     expandable       the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     async            PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
-    goalloc          goalloc.install(): goalloc is torch's allocator, its default
-                     backend (backend:async, a CUDA stream-ordered pool)
+    goalloc          goalloc.install("backend:async"): goalloc is torch's
+                     allocator, over a CUDA stream-ordered pool
     goalloc-vmm      goalloc.install("backend:vmm"): the same, its memory mapped
-                     by goalloc itself (cuMemCreate/cuMemMap)
+                     by goalloc itself (cuMemCreate/cuMemMap; goalloc's default)
     goalloc-mempool  torch's allocator, with the workload inside
                      `with torch.cuda.use_mem_pool(goalloc.mempool())`
     c-floor          bench/cfloor.c (a trivial free list) as torch's pluggable
@@ -58,8 +58,9 @@ CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-m
 WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
 # The configurations whose figures are goalloc's own (goalloc.memory_stats).
 GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")
-# goalloc-vmm's GOALLOC_CONF, added to any the suite passes (which may not
-# name a backend: that is what tells goalloc and goalloc-vmm apart).
+# The backends of goalloc and goalloc-vmm, added to any GOALLOC_CONF the
+# suite passes (which may not name a backend: that is what tells them apart).
+ASYNC_CONF = "backend:async"
 VMM_CONF = "backend:vmm"
 # The training workloads whose unit is tokens; the seed offset of each
 # workload's shapes, so that two workloads of one repeat draw apart.
@@ -80,9 +81,19 @@ BURST_SEED = 1234
 CROSS_SIZES = (256 * KiB, 8 * MiB, 32 * MiB)
 
 
+def backend_conf(base: str, backend: str) -> str:
+    """A goalloc configuration's GOALLOC_CONF: base (the suite's --goalloc-conf), then its backend."""
+    return ",".join(x for x in (base.strip(" ,"), backend) if x)
+
+
 def vmm_conf(base: str) -> str:
-    """goalloc-vmm's GOALLOC_CONF: base (the suite's --goalloc-conf), then the backend."""
-    return ",".join(x for x in (base.strip(" ,"), VMM_CONF) if x)
+    """goalloc-vmm's GOALLOC_CONF."""
+    return backend_conf(base, VMM_CONF)
+
+
+def async_conf(base: str) -> str:
+    """goalloc's GOALLOC_CONF: the stream-ordered pool, named (it is not goalloc's default)."""
+    return backend_conf(base, ASYNC_CONF)
 
 
 def miss_latency(stats: dict[str, Any]) -> Optional[dict[str, int]]:
@@ -167,7 +178,7 @@ class Allocator:
 
             self.goalloc = goalloc
         if self.config == "goalloc":
-            self.goalloc.install()
+            self.goalloc.install(async_conf(os.environ.get("GOALLOC_CONF", "")))
         elif self.config == "goalloc-vmm":
             self.goalloc.install(vmm_conf(os.environ.get("GOALLOC_CONF", "")))
         elif self.config == "c-floor":

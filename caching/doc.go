@@ -1,13 +1,16 @@
 // Package caching is goalloc's caching allocator: what PyTorch's my_malloc
 // and my_free land on, one Allocator per device, on top of the device's
-// stream-ordered memory pool (package arena).
+// memory source (package arena): goalloc's own placement of physical
+// memory (backend:vmm, the default) or the driver's stream-ordered pool
+// (backend:async); see "Backends".
 //
 // # Glossary
 //
-//	pool      The driver's private stream-ordered memory pool of one device
-//	          (cuMemPoolCreate; arena.Device). Every byte comes from it and
-//	          goes back to it. It keeps freed memory reserved (release
-//	          threshold at maximum) and hands it out again to any size.
+//	pool      The device's memory source, whichever backend (arena.Device).
+//	          Every byte comes from it and goes back to it. It keeps freed
+//	          memory (the stream-ordered pool: release threshold at maximum;
+//	          vmm: mapped in its stream's segment until growth elsewhere
+//	          needs it) and hands it out again to any size.
 //	stream    A CUDA stream. Work on one stream runs in order; work on two
 //	          streams may run at the same time.
 //	owner     The stream a piece of memory was allocated on. Only its owner
@@ -151,11 +154,11 @@
 // # Backends
 //
 // "The pool" above is the device's MemorySource, of which there are two
-// (Config.Backend). async, the default, is the driver's stream-ordered pool:
+// (Config.Backend). async is the driver's stream-ordered pool:
 // the driver places memory in 32 MiB chunks and keeps what goalloc frees,
 // so it holds more than goalloc's own reserved figure; its own figure is
 // memory_reserved() (held.go), and arena.PoolCapped bounds it by the cap.
-// vmm is goalloc's own placement
+// vmm, the default, is goalloc's own placement
 // over physical handles (arena/vmm_segments.go, arena/vmm_placement.go): the
 // device holds exactly the backend's reserved figure (which includes free
 // memory a segment keeps mapped for its stream, so it can be above

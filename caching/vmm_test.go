@@ -13,10 +13,10 @@ import (
 func TestParseConfigBackend(t *testing.T) {
 	c, err := ParseConfig("")
 	require.NoError(t, err)
-	assert.Equal(t, "async", c.Backend, "the stream-ordered pool stays the default")
-	c, err = ParseConfig("fraction:0.5,backend:vmm")
+	assert.Equal(t, "vmm", c.Backend, "the VMM backend is the default")
+	c, err = ParseConfig("fraction:0.5,backend:async")
 	require.NoError(t, err)
-	assert.Equal(t, "vmm", c.Backend)
+	assert.Equal(t, "async", c.Backend)
 	again, err := ParseConfig(c.String())
 	require.NoError(t, err)
 	assert.Equal(t, c, again)

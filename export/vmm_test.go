@@ -8,13 +8,20 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// backend:vmm on the simulated device gives each device the simulated VMM
-// backend; the default stays the stream-ordered pool.
+// The simulated device gives each device the simulated VMM backend by
+// default, and the stream-ordered pool with backend:async.
 func TestBackendSelection(t *testing.T) {
 	l := simLibrary(t, "2")
 	require.NotZero(t, l.malloc(1<<20, 0, 0))
+	_, isVMM := l.existingDevice(0).Device().(*arena.SimVMM)
+	assert.True(t, isVMM, "the default backend is vmm")
+
+	t.Setenv("GOALLOC_CONF", "quiet:true,backend:async")
+	l = newLibrary()
+	require.NoError(t, l.init(0))
+	require.NotZero(t, l.malloc(1<<20, 0, 0))
 	_, isPool := l.existingDevice(0).Device().(*arena.Sim)
-	assert.True(t, isPool, "the default backend is the stream-ordered pool")
+	assert.True(t, isPool, "backend:async gives the stream-ordered pool")
 
 	t.Setenv("GOALLOC_CONF", "quiet:true,backend:vmm")
 	l = newLibrary()

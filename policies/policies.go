@@ -139,7 +139,7 @@ func ConfKeys() []string {
 }
 
 // Backend checks conf, a GOALLOC_CONF string, and returns the memory
-// backend it names: "async" (the default) or "vmm", with the placement
+// backend it names: "vmm" (the default) or "async", with the placement
 // backend:vmm uses (vmm_placement). A replay reads them apart from the
 // goalloc policy because the backend serves every policy.
 func Backend(conf string) (backend string, placement arena.VMMPlacement, err error) {

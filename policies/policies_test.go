@@ -456,7 +456,7 @@ func TestErrorsAreOOM(t *testing.T) {
 func TestBackendAndConfKeys(t *testing.T) {
 	b, pl, err := Backend("")
 	require.NoError(t, err)
-	require.Equal(t, "async", b)
+	require.Equal(t, "vmm", b, "the default backend")
 	require.Equal(t, arena.VMMSegments, pl, "the default placement")
 	b, pl, err = Backend("large_cache:1G,backend:vmm,vmm_placement:ranges")
 	require.NoError(t, err)

@@ -156,6 +156,8 @@ def test_child_environments():
     # workloads.py adds the backend to what the suite passes (goalloc.install(conf) replaces GOALLOC_CONF).
     assert workloads.vmm_conf("") == "backend:vmm"
     assert workloads.vmm_conf("large_cache:512M") == "large_cache:512M,backend:vmm"
+    assert workloads.async_conf("") == "backend:async"
+    assert workloads.async_conf("large_cache:512M,") == "large_cache:512M,backend:async"
 
 
 def test_plan_has_llama_and_goalloc_vmm_and_the_issue_step_counts():

@@ -15,13 +15,13 @@ import pytest
 
 import goalloc
 from goalloc import _warnings
+from goalloc_testing import device_holds
 
 SEGMENT = 256 * 1024  # the small segment of the 1024-byte class (classSegment)
 SLOT = 1024  # the slot of a 1000-byte request
 SMALL = 1000
 LARGE = 3_000_000
 BLOCK = 3_000_320  # LARGE rounded up to 512
-CHUNK = 32 << 20  # the stream-ordered pool's physical granularity: what it holds for a few MB
 
 
 def pool_figures(stats: dict[str, int], name: str, pool: str) -> tuple[int, int, int, int]:
@@ -80,10 +80,11 @@ def test_shortcuts_read_the_same_figures(five_then_free_one):
     s = goalloc.memory_stats(d)
     assert goalloc.memory_allocated(d) == s["allocated_bytes.all.current"] == 3 * SLOT + BLOCK
     assert goalloc.max_memory_allocated(d) == s["allocated_bytes.all.peak"] == 3 * SLOT + 2 * BLOCK
-    # Reserved is what the pool holds (one 32 MiB chunk); goalloc's own count
-    # is its segment and blocks.
-    assert goalloc.memory_reserved(d) == s["reserved_bytes.all.current"] == CHUNK
-    assert goalloc.max_memory_reserved(d) == s["reserved_bytes.all.peak"] == CHUNK
+    # Reserved is what the device holds around goalloc's segment and blocks
+    # (granules, or a pool chunk); goalloc's own count is them.
+    held = device_holds(SEGMENT + 2 * BLOCK)
+    assert goalloc.memory_reserved(d) == s["reserved_bytes.all.current"] == held
+    assert goalloc.max_memory_reserved(d) == s["reserved_bytes.all.peak"] == held
     assert s["goalloc.own_reserved_bytes.current"] == SEGMENT + 2 * BLOCK
 
 

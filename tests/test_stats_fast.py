@@ -20,11 +20,10 @@ import pytest
 
 import goalloc
 from goalloc import _lib, _torch
-from goalloc_testing import OTHER_STREAM, STREAM
+from goalloc_testing import OTHER_STREAM, STREAM, device_holds
 
 LARGE = 3_000_000
 BLOCK = 3_000_320  # LARGE rounded up to 512
-CHUNK = 32 << 20  # the stream-ordered pool's physical granularity: what it holds for a few MB
 
 FAST: dict[str, Callable[..., int]] = {
     "allocated_bytes.all.current": goalloc.memory_allocated,
@@ -87,19 +86,19 @@ def test_reset_peak_memory_stats_resets_the_fast_figures(raw, device):
     raw.free(p, 4 * LARGE, device)
     q = raw.must_malloc(LARGE, device)
     assert goalloc.max_memory_allocated(device) == 12_000_256  # 4 * LARGE rounded
-    # The miss gave the cached 12 MB block back to the pool (miss_release),
-    # which placed the new block in it: goalloc's own count fell, the pool
-    # still holds its one 32 MiB chunk.
+    # The miss gave the cached 12 MB block back to the device (miss_release),
+    # which placed the new block in it: goalloc's own count fell, the device
+    # still holds what it held for the 12 MB.
     own = goalloc.memory_stats(device)
     assert own["goalloc.own_reserved_bytes.peak"] > own["goalloc.own_reserved_bytes.current"] == BLOCK
-    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == CHUNK
-    r = raw.must_malloc(16 * LARGE, device)  # 48 MB more, past the 3 MB block: a second chunk
+    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == device_holds(12_000_256)
+    r = raw.must_malloc(16 * LARGE, device)  # 48 MB more, placed after the 3 MB block
     raw.free(r, 16 * LARGE, device)
     goalloc.empty_cache(device)  # and gives it back
-    assert goalloc.max_memory_reserved(device) == 2 * CHUNK
+    assert goalloc.max_memory_reserved(device) == device_holds(BLOCK + 48_000_256)
     goalloc.reset_peak_memory_stats(device)
     assert goalloc.max_memory_allocated(device) == goalloc.memory_allocated(device) == BLOCK
-    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == CHUNK
+    assert goalloc.max_memory_reserved(device) == goalloc.memory_reserved(device) == device_holds(BLOCK)
     raw.free(q, LARGE, device)
 
 
@@ -151,7 +150,7 @@ def test_default_device_is_torchs_current_device(monkeypatch, raw, device):
     p = raw.must_malloc(LARGE, device)
     monkeypatch.setitem(sys.modules, "torch", fake_torch(device))
     assert goalloc.memory_allocated() == goalloc.max_memory_allocated() == BLOCK
-    assert goalloc.memory_reserved() == goalloc.max_memory_reserved() == CHUNK
+    assert goalloc.memory_reserved() == goalloc.max_memory_reserved() == device_holds(BLOCK)
     assert goalloc.memory_stats()["allocated_bytes.all.current"] == BLOCK
     assert goalloc.fragmentation().free_bytes == 0
     assert f"device ID {device}" in goalloc.memory_summary()
@@ -214,11 +213,11 @@ def test_torch_scalars_answer_from_goalloc(monkeypatch, raw, device):
         for module in (torch.cuda, torch.cuda.memory):
             assert module.memory_allocated() == module.memory_allocated(device) == BLOCK
             assert module.max_memory_allocated(f"cuda:{device}") == BLOCK
-            assert module.memory_reserved(device) == module.max_memory_reserved() == CHUNK
+            assert module.memory_reserved(device) == module.max_memory_reserved() == device_holds(BLOCK)
         raw.free(p, LARGE, device)
         torch._C._cuda_resetPeakMemoryStats(device)  # what torch.cuda.reset_peak_memory_stats calls
         assert torch.cuda.max_memory_allocated() == 0
-        assert torch.cuda.max_memory_reserved() == CHUNK  # the block stays cached, in the pool's chunk
+        assert torch.cuda.max_memory_reserved() == device_holds(BLOCK)  # the block stays cached
         with pytest.raises(ValueError, match="device 10000 does not exist"):
             torch.cuda.memory_allocated(10_000)
         torch.cuda.memory.is_initialized = lambda: False  # as torch: {} before CUDA starts
