@@ -432,17 +432,23 @@ func TestSegmentsPackRequestsAcrossGranules(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
+// allocAll places each size on stream s, in order, and returns the places.
+func allocAll(t *testing.T, e *vmmSegments, s Stream, sizes ...uint64) []uintptr {
+	var out []uintptr
+	for _, n := range sizes {
+		p, err := e.Alloc(n, s)
+		require.NoError(t, err)
+		out = append(out, p)
+	}
+	return out
+}
+
 // A free span that shares granules with its neighbours pays with the
 // granules it covers alone: each one unmapped cuts it, its ends staying
 // free in the shared granules.
 func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
 	e, phys, _ := segmentsOnly(t, 1<<30, 8*mib)
-	_, err := e.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	b, err := e.Alloc(4*mib, 1)
-	require.NoError(t, err)
-	_, err = e.Alloc(1*mib, 1)
-	require.NoError(t, err)
+	b := allocAll(t, e, 1, 3*mib, 4*mib, 1*mib)[1]
 	g := e.byStream[1][0]
 	require.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 4, spanLive}, {7, 1, spanLive}}, spanStates(g))
 	require.EqualValues(t, 8*mib, e.Held())
@@ -466,12 +472,7 @@ func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
 // the lending, and the lent granules drain into a hole.
 func TestSegmentsLendTheWholeGranulesOfASpanInUse(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 14*mib)
-	_, err := e.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	b, err := e.Alloc(6*mib, 1)
-	require.NoError(t, err)
-	_, err = e.Alloc(1*mib, 1)
-	require.NoError(t, err)
+	b := allocAll(t, e, 1, 3*mib, 6*mib, 1*mib)[1]
 	g := e.byStream[1][0]
 	require.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 6, spanLive}, {9, 1, spanLive}}, spanStates(g))
 	sim.Launch(1)
