@@ -118,6 +118,22 @@ def runs_of(doc: dict[str, Any], workload: str, config: Optional[str] = None,
     return out
 
 
+def paired_speed_ratios(doc: dict[str, Any], workload: str, config: str, base: str = "native") -> list[float]:
+    """config's throughput over base's, repeat by repeat: each repeat draws its
+    own shapes, the same for every configuration, so these ratios compare
+    the same work (in repeat order; repeats missing either are left out)."""
+    def speeds(c: str) -> dict[Any, float]:
+        out = {}
+        for r in runs_of(doc, workload, c):
+            v = number(r["result"].get("units_per_s"))
+            if v is not None:
+                out[r.get("repeat")] = v
+        return out
+    a, b = speeds(config), speeds(base)
+    both = sorted((k for k in a if k in b and b[k]), key=lambda k: k if isinstance(k, int) else -1)
+    return [a[k] / b[k] for k in both]
+
+
 def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Agg:
     """Agg of get(run["result"]) over the runs where it is a number.
 
@@ -619,6 +635,10 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
         gs, ns = g["step"].median, n["step"].median
         if gs is not None and ns is not None:
             how += f"; median step {gs * 1e3:.1f} ms vs {ns * 1e3:.1f} ms"
+    paired = paired_speed_ratios(doc, workload, best)
+    if paired:
+        how += (f"; per repeat, on the same shapes, {', '.join(f'{x:.3f}' for x in paired)}× "
+                f"(median {Agg(paired).median:.3f}×)")
     for c, a in cands.items():
         rc = ratio(a["speed"].median, n["speed"].median)
         if c != best and rc is not None:
