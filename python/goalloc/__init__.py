@@ -236,8 +236,9 @@ def max_memory_allocated(device: Device = None) -> int:
 
 
 def memory_reserved(device: Device = None) -> int:
-    """Bytes the device holds for goalloc: the driver pool's own reserved
-    figure (backend:vmm: the physical memory held), which the cap bounds."""
+    """Bytes the device holds for goalloc, which the cap bounds: the physical
+    memory mapped (backend:vmm, the default), or the driver pool's own
+    reserved figure (backend:async)."""
     return _lib.stat(_stat_device(device), _lib.RESERVED)
 
 
