@@ -72,8 +72,9 @@
 //     span whose last use may still run is never unmapped (the driver does
 //     not order cuMemUnmap after queued work). Other streams' spans in use
 //     stay untouched.
-//  4. When the cap cannot be met even after that, Alloc fails with
-//     ErrOutOfMemory before any driver call. When the device says no
+//  4. When the cap cannot be met even after that, or held would pass the
+//     device's memory, Alloc fails with ErrOutOfMemory before any driver
+//     call. When the device says no
 //     (cuMemCreate), what was unmapped to pay is released, which leaves a
 //     consistent state; the layer above synchronises (completing every
 //     free) and asks again.
@@ -254,7 +255,8 @@ type vmmSegments struct {
 	drv   PhysDriver
 	gran  uint64
 	cap   uint64 // most bytes held; 0: no cap but the device
-	segVA uint64 // VA reserved per segment
+	segVA uint64 // VA reserved per segment: the device's memory, rounded
+	mem   uint64 // the device's memory: more can never be held
 
 	segs     []*vmmSegment // in creation order
 	byStream map[Stream][]*vmmSegment
@@ -276,14 +278,14 @@ type segRef struct {
 	base uintptr
 }
 
-func newVMMSegments(drv PhysDriver, segVA, limit uint64) (*vmmSegments, error) {
+func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 	g := drv.Granularity()
 	if g == 0 || g&(g-1) != 0 {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
-	e := &vmmSegments{drv: drv, gran: g, cap: limit, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
 		drainMaps: map[PhysHandle]int32{}}
-	e.segVA = e.roundGranule(segVA)
+	e.segVA = e.roundGranule(mem)
 	return e, nil
 }
 
@@ -587,6 +589,14 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		unpay()
 		return 0, fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, above the cap of %d: %w",
 			create, after, e.cap, ErrOutOfMemory)
+	}
+	// Nor more than the device has: that would create handles until the
+	// driver refuses one, holding the device's memory for a moment, and
+	// give them all back.
+	if after := e.held + create; create > 0 && e.mem > 0 && after > e.mem {
+		unpay()
+		return 0, fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, more than the device's %d: %w",
+			create, after, e.mem, ErrOutOfMemory)
 	}
 	// From here on the driver is called; each failure leaves the state
 	// consistent and gives back what was unmapped to pay.
@@ -1052,7 +1062,7 @@ func (e *vmmSegments) Close() error {
 	for _, ev := range e.events {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
-	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
 		drainMaps: map[PhysHandle]int32{}}
 	return errors.Join(errs...)
 }

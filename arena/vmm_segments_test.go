@@ -190,7 +190,14 @@ func TestSegmentsLoweredCapStillMovesFreeMemory(t *testing.T) {
 // The device refusing a handle midway leaves a consistent state: what was
 // unmapped to pay and what was made is released.
 func TestSegmentsDeviceOOMMidway(t *testing.T) {
-	e, phys, sim := segmentsOnly(t, 16*mib, 0)
+	// A 64 MiB device of which others use all but 16 MiB: the placement's
+	// bound (the device's memory) passes, the driver refuses midway.
+	sim := NewSim(0, 64*mib)
+	sim.SetManual(true)
+	phys := NewFakePhys(sim, 16*mib, simVMMGranule)
+	e, err := newVMMSegments(phys, 64*mib, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.Close() })
 	p, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
 	require.NoError(t, e.Free(p, 1, true))
@@ -495,4 +502,23 @@ func TestSegmentsLendTheWholeGranulesOfASpanInUse(t *testing.T) {
 	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}, {8, 1, spanFree}, {9, 1, spanLive},
 		{10, 7, spanLive}, {17, 1, spanFree}}, spanStates(g), "the lent granules are a hole once drained")
 	require.NoError(t, e.CheckInvariants())
+}
+
+// A request the device cannot hold is refused before any driver call: not
+// after creating handles until the driver says no.
+func TestSegmentsRefuseMoreThanTheDeviceBeforeAnyDriverCall(t *testing.T) {
+	e, phys, _ := segmentsOnly(t, 64*mib, 0)
+	allocAll(t, e, 1, 40*mib)
+	before := calls(phys)
+	_, err := e.Alloc(30*mib, 2)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.ErrorContains(t, err, "more than the device's")
+	assert.Equal(t, before, calls(phys), "no driver call")
+	_, err = e.Alloc(1<<40, 1)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.Equal(t, before, calls(phys))
+	require.NoError(t, e.CheckInvariants())
+	_, err = e.Alloc(24*mib, 2)
+	require.NoError(t, err, "what fits still does")
+	assert.EqualValues(t, 64*mib, e.Held())
 }
