@@ -730,13 +730,17 @@ func (e *vmmEngine) Owns(va uintptr) (uint64, bool) {
 // set-access and, most often, a create.
 func (e *vmmEngine) slack(n uint64) uint64 { return (n / reviveSlack) &^ (e.gran - 1) }
 
-func (e *vmmEngine) event() (Event, error) {
-	if k := len(e.events); k > 0 {
-		ev := e.events[k-1]
-		e.events = e.events[:k-1]
+func (e *vmmEngine) event() (Event, error) { return takeEvent(&e.events, e.drv) }
+
+// takeEvent takes a spare event of a placement, or a new one from drv when
+// none is spare: events are recycled, since creating one is a driver call.
+func takeEvent(spare *[]Event, drv PhysDriver) (Event, error) {
+	if k := len(*spare); k > 0 {
+		ev := (*spare)[k-1]
+		*spare = (*spare)[:k-1]
 		return ev, nil
 	}
-	return e.drv.NewEvent()
+	return drv.NewEvent()
 }
 
 // Trim unmaps every completed freed range and releases free handles,

@@ -324,14 +324,7 @@ func (e *vmmSegments) SetCap(limit uint64) { e.cap = limit }
 func (e *vmmSegments) resetHigh()          { e.heldHigh = e.held }
 func (e *vmmSegments) putEvent(ev Event)   { e.events = append(e.events, ev) }
 
-func (e *vmmSegments) event() (Event, error) {
-	if k := len(e.events); k > 0 {
-		ev := e.events[k-1]
-		e.events = e.events[:k-1]
-		return ev, nil
-	}
-	return e.drv.NewEvent()
-}
+func (e *vmmSegments) event() (Event, error) { return takeEvent(&e.events, e.drv) }
 
 func (e *vmmSegments) Owns(va uintptr) (uint64, bool) {
 	g := e.byBase[va]

@@ -168,12 +168,7 @@ func TestPropertyPoolHeldUnderTheCap(t *testing.T) {
 			for i := 0; i < steps; i++ {
 				m.step()
 				m.check()
-				u, err := m.sim.PoolUsage()
-				require.NoError(t, err)
-				if lim := m.a.Limit(); lim > 0 && u.ReservedCurrent > lim {
-					require.LessOrEqual(t, u.ReservedCurrent, prev, "op %d: the pool grew above the cap", m.ops)
-				}
-				prev = u.ReservedCurrent
+				u := requireNoGrowthAboveTheCap(t, m, m.sim, &prev)
 				require.Equal(t, int64(u.ReservedCurrent), m.a.Scalar(ScalarReservedBytes), "op %d", m.ops)
 			}
 			m.drain()
