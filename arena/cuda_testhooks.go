@@ -182,10 +182,9 @@ func (d *cudaRuntime) destroyStream(s Stream) error {
 
 // engineCounts reads the VMM device's driver-call counters.
 func (d *VMM) engineCounts() (create, mapped, unmapped, released, access uint64) {
-	d.src.mu.Lock()
-	defer d.src.mu.Unlock()
-	p := d.src.drv.(*cudaPhys)
-	return p.nCreate, p.nMap, p.nUnmap, p.nRel, p.nAccess
+	c := &d.src.drv.calls
+	return c[callCreate].n.Load(), c[callMap].n.Load(), c[callUnmap].n.Load(), c[callRelease].n.Load(),
+		c[callSetAccess].n.Load()
 }
 
 // CaptureID is cuStreamGetCaptureInfo_v3 (or _v2 on a driver without it):

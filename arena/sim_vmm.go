@@ -14,7 +14,10 @@ type SimVMM struct {
 	capacity uint64
 }
 
-var _ Device = (*SimVMM)(nil)
+var (
+	_ Device         = (*SimVMM)(nil)
+	_ DriverProfiler = (*SimVMM)(nil)
+)
 
 // simVMMGranule is the simulated allocation granularity.
 const simVMMGranule = 2 << 20
@@ -112,6 +115,10 @@ func (d *SimVMM) Close() error {
 type Capped interface {
 	SetCap(limit uint64)
 }
+
+// DriverCalls is DriverProfiler's method: the calls' times are the fake
+// driver's, only their counts say something of a GPU.
+func (d *SimVMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
 
 // Calls counts the driver calls the device made so far, by driver function.
 func (d *SimVMM) Calls() map[string]int {

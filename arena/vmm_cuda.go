@@ -33,7 +33,10 @@ type VMM struct {
 	peers uint64 // bit i: device i can access this device's memory, and was granted it
 }
 
-var _ Device = (*VMM)(nil)
+var (
+	_ Device         = (*VMM)(nil)
+	_ DriverProfiler = (*VMM)(nil)
+)
 
 // Name says what kind of device d is, as the replay tool's results do: a
 // GPU, whichever backend serves its memory.
@@ -44,8 +47,6 @@ type cudaPhys struct {
 	rt    *cudaRuntime
 	gran  uint64
 	peers uint64
-	// Calls made, for the tests; the source's lock guards them.
-	nCreate, nMap, nUnmap, nRel, nAccess uint64
 }
 
 func (p *cudaPhys) Granularity() uint64 { return p.gran }
@@ -63,7 +64,6 @@ func (p *cudaPhys) FreeVA(base uintptr, size uint64) error {
 }
 
 func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
-	p.nCreate++
 	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size))
 	if err := check("cuMemCreate", r); err != nil {
 		return 0, err
@@ -72,22 +72,18 @@ func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
 }
 
 func (p *cudaPhys) ReleaseHandle(h PhysHandle) error {
-	p.nRel++
 	return check("cuMemRelease", C.gx_vmm_release(p.rt.ctx, C.ulonglong(h)))
 }
 
 func (p *cudaPhys) Map(va uintptr, size uint64, h PhysHandle) error {
-	p.nMap++
 	return check("cuMemMap", C.gx_vmm_map(p.rt.ctx, C.ulonglong(va), C.size_t(size), C.ulonglong(h)))
 }
 
 func (p *cudaPhys) Unmap(va uintptr, size uint64) error {
-	p.nUnmap++
 	return check("cuMemUnmap", C.gx_vmm_unmap(p.rt.ctx, C.ulonglong(va), C.size_t(size)))
 }
 
 func (p *cudaPhys) SetAccess(va uintptr, size uint64) error {
-	p.nAccess++
 	return check("cuMemSetAccess", C.gx_vmm_set_access(p.rt.ctx, C.ulonglong(va), C.size_t(size),
 		C.int(p.rt.ordinal), C.ulonglong(p.peers)))
 }
@@ -152,6 +148,10 @@ func (d *VMM) PeersGranted() ([]int, error) {
 	}
 	return out, nil
 }
+
+// DriverCalls is DriverProfiler's method: how often, and how long, this
+// device called each driver function.
+func (d *VMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
 
 // Granularity is the driver's allocation granularity for this device.
 func (d *VMM) Granularity() uint64 { return d.src.gran }

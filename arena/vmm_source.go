@@ -24,7 +24,7 @@ import (
 type vmmSource struct {
 	mu       sync.Mutex
 	eng      vmmPlacer
-	drv      PhysDriver
+	drv      *timedPhys // the driver, every call counted and timed
 	gran     uint64
 	pages    map[uintptr]*vmmPage  // by base
 	owned    map[Stream][]*vmmPage // pages by owner stream
@@ -55,7 +55,8 @@ const pieceAlign = 512
 // newVMMSource makes a source placing large requests with placement p.
 // mem is the device's memory: the ranges placement reserves VA in steps of
 // twice that, the segments placement that much per segment.
-func newVMMSource(drv PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource, error) {
+func newVMMSource(phys PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource, error) {
+	drv := &timedPhys{PhysDriver: phys}
 	var eng vmmPlacer
 	var err error
 	switch p {
@@ -72,6 +73,9 @@ func newVMMSource(drv PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource
 	return &vmmSource{eng: eng, drv: drv, gran: eng.granule(), pages: map[uintptr]*vmmPage{},
 		owned: map[Stream][]*vmmPage{}, small: map[uintptr]uint64{}}, nil
 }
+
+// DriverCalls is the profile of the driver calls made so far.
+func (v *vmmSource) DriverCalls() []DriverCallStat { return v.drv.DriverCalls() }
 
 var errVMMClosed = errors.New("arena: VMM device is closed")
 

@@ -3,6 +3,8 @@ package caching
 import (
 	"encoding/json"
 	"sort"
+
+	"github.com/goalloc/goalloc/arena"
 )
 
 // StatType indexes a Stat array the way PyTorch's memory_stats() splits its
@@ -85,6 +87,10 @@ type Stats struct {
 	// Calls of the three graph hooks, and releases that emptied a pool.
 	GraphBegins, GraphEnds, GraphReleases int64
 	BadInput                              map[string]int64
+	// DriverCalls is the VMM backend's profile of its driver calls (count
+	// and ns per driver function), read when the stats are taken; nil under
+	// a device that keeps none.
+	DriverCalls []arena.DriverCallStat
 
 	// OwnReserved is reserved_bytes.all as goalloc counts it, its segments
 	// and blocks; reserved_bytes.all is what the device holds (held.go).
@@ -148,6 +154,10 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.graph_hooks.release"] = s.GraphReleases
 	for k, v := range s.BadInput {
 		m["goalloc.bad_input."+k] = v
+	}
+	for _, c := range s.DriverCalls {
+		m["goalloc.driver."+c.Name+".count"] = int64(c.Count)
+		m["goalloc.driver."+c.Name+".ns"] = int64(c.Nanos)
 	}
 	return m
 }
@@ -234,6 +244,9 @@ func (a *Allocator) Stats() Stats {
 	lat := a.counting.Latency()
 	st.DeviceAllocCount, st.DeviceAllocMaxNs = int64(lat.Count()), int64(lat.Max())
 	st.DeviceAllocP50Ns, st.DeviceAllocP99Ns = int64(lat.Quantile(0.50)), int64(lat.Quantile(0.99))
+	if p, ok := a.dev.(arena.DriverProfiler); ok {
+		st.DriverCalls = p.DriverCalls()
+	}
 	pools, bytes := a.graphPoolBytes()
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
 	st.OwnReserved = st.ReservedBytes[StatAll]

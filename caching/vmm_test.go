@@ -3,6 +3,7 @@ package caching
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
@@ -157,4 +158,32 @@ func requireNoGrowthAboveTheCap(t *testing.T, m *model, dev interface {
 	}
 	*prev = u.ReservedCurrent
 	return u
+}
+
+// Under the VMM backend memory_stats() carries the device's profile of its
+// driver calls (goalloc.driver.<function>.count and .ns): a miss that maps
+// memory shows there, a cache hit adds nothing.
+func TestStatsCarryTheVMMDriverProfile(t *testing.T) {
+	dev, err := arena.NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	a, err := New(dev, DefaultConfig())
+	require.NoError(t, err)
+	p, err := a.Malloc(4<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 4<<20, 0))
+	st := a.Stats()
+	m := st.Map()
+	require.Equal(t, int64(dev.Calls()["cuMemCreate"]), m["goalloc.driver.cuMemCreate.count"])
+	require.Positive(t, m["goalloc.driver.cuMemMap.count"])
+	p, err = a.Malloc(4<<20, 0) // a hit in the large cache
+	require.NoError(t, err)
+	st = a.Stats()
+	again := st.Map()
+	for k, v := range again {
+		if strings.HasPrefix(k, "goalloc.driver.") && strings.HasSuffix(k, ".count") {
+			require.Equal(t, m[k], v, k)
+		}
+	}
+	require.NoError(t, a.Free(p, 4<<20, 0))
+	require.NoError(t, a.Close())
 }

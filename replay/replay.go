@@ -65,6 +65,10 @@ type Result struct {
 	// DeviceAllocs and DeviceFrees count the calls that reached the device.
 	DeviceAllocs uint64 `json:"device_allocs"`
 	DeviceFrees  uint64 `json:"device_frees"`
+	// DriverCalls is the VMM device's profile of its driver calls (count
+	// and time per driver function, the most time first): where a miss's
+	// time goes on a GPU. Absent for a device that keeps none.
+	DriverCalls []arena.DriverCallStat `json:"driver_calls,omitempty"`
 	// OOMs counts allocations that failed for lack of memory; the replay
 	// goes on without them (and skips their frees). OOMError is the first.
 	OOMs     int    `json:"ooms"`
@@ -246,6 +250,9 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		res.Ratio = float64(res.PeakReservedBytes) / float64(peakLive)
 	}
 	res.DeviceAllocs, res.DeviceFrees = cd.counts.Allocs(), cd.counts.Frees()
+	if p, ok := dev.(arena.DriverProfiler); ok {
+		res.DriverCalls = p.DriverCalls()
+	}
 	res.ReplaySeconds = elapsed.Seconds()
 	if n := len(t.Events); n > 0 && elapsed > 0 {
 		res.NsPerOp = float64(elapsed.Nanoseconds()) / float64(n)

@@ -28,6 +28,13 @@ func TestReplayVMM(t *testing.T) {
 			// the device held at its peak: granules and free mapped spans.
 			require.Less(t, r.AllocatorPeakReservedBytes, r.PeakReservedBytes, path)
 			require.GreaterOrEqual(t, r.AllocatorPeakReservedBytes, r.PeakLiveBytes, path)
+			// The result carries the device's profile of its driver calls.
+			profiled := map[string]uint64{}
+			for _, c := range r.DriverCalls {
+				profiled[c.Name] = c.Count
+			}
+			require.NotZero(t, profiled["cuMemCreate"], path)
+			require.LessOrEqual(t, profiled["cuMemCreate"], uint64(dev.Calls()["cuMemCreate"]), path)
 			t.Logf("%s, %s: ratio %.4f, %d device allocs, %d frees; driver calls (the final close included) %v",
 				path, conf, r.Ratio, r.DeviceAllocs, r.DeviceFrees, dev.Calls())
 		}
