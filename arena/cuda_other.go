@@ -54,8 +54,8 @@ var _ Device = (*VMM)(nil)
 // NewVMM always fails in this build.
 func NewVMM(ordinal int) (*VMM, error) { return nil, errNoCUDA }
 
-// NewVMMPlaced always fails in this build.
-func NewVMMPlaced(ordinal int, p VMMPlacement) (*VMM, error) { return nil, errNoCUDA }
+// NewVMMWith always fails in this build.
+func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) { return nil, errNoCUDA }
 
 func (d *VMM) Ordinal() int                                  { return 0 }
 func (d *VMM) Name() string                                  { return "cuda" }

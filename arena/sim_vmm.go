@@ -19,13 +19,13 @@ var (
 	_ DriverProfiler = (*SimVMM)(nil)
 )
 
-// simVMMGranule is the simulated allocation granularity.
+// simVMMGranule is the simulated allocation granularity, an H200's.
 const simVMMGranule = 2 << 20
 
 // NewSimVMM makes a simulated VMM device with capacity bytes of memory and
 // the default placement.
 func NewSimVMM(ordinal int, capacity uint64) (*SimVMM, error) {
-	return NewSimVMMPlaced(ordinal, capacity, DefaultVMMPlacement)
+	return NewSimVMMWith(ordinal, capacity, VMMLayout{})
 }
 
 // The simulated VMM devices' VA: device d reserves in [simVMMVABase +
@@ -37,22 +37,26 @@ const (
 	simVMMVAWindow = uintptr(1) << 53
 )
 
-// NewSimVMMPlaced makes a simulated VMM device with capacity bytes of
-// memory that places large requests with placement p.
-func NewSimVMMPlaced(ordinal int, capacity uint64, p VMMPlacement) (*SimVMM, error) {
+// NewSimVMMWith makes a simulated VMM device with capacity bytes of
+// memory laid out as l says.
+func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	if capacity == 0 {
 		capacity = DefaultSimMemory
 	}
 	if ordinal < 0 || ordinal >= maxSimDevices {
 		return nil, fmt.Errorf("sim: VMM device %d: outside %d devices", ordinal, maxSimDevices)
 	}
+	gran, err := l.granule(simVMMGranule)
+	if err != nil {
+		return nil, err
+	}
 	sim := NewSim(ordinal, capacity)
-	phys := NewFakePhys(sim, capacity, simVMMGranule)
+	phys := NewFakePhys(sim, capacity, gran)
 	// Each device reserves VA in a window of its own, as a real process's
 	// devices share one address space: a pointer names its device.
 	phys.nextVA = simVMMVABase + uintptr(ordinal)*simVMMVAWindow
 	phys.vaEnd = phys.nextVA + simVMMVAWindow
-	src, err := newVMMSource(phys, p, capacity, 0)
+	src, err := newVMMSource(phys, l.Placement, capacity, 0)
 	if err != nil {
 		return nil, err
 	}

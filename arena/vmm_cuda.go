@@ -100,10 +100,10 @@ func (p *cudaPhys) DestroyEvent(e Event) error { return p.rt.destroyEvent(e) }
 // device's primary context, reads the allocation granularity, finds the
 // peer devices that can access this one (each range is opened to all of
 // them), and places large requests with the default placement.
-func NewVMM(ordinal int) (*VMM, error) { return NewVMMPlaced(ordinal, DefaultVMMPlacement) }
+func NewVMM(ordinal int) (*VMM, error) { return NewVMMWith(ordinal, VMMLayout{}) }
 
-// NewVMMPlaced is NewVMM with large requests placed by placement p.
-func NewVMMPlaced(ordinal int, p VMMPlacement) (*VMM, error) {
+// NewVMMWith is NewVMM with memory laid out as l says.
+func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	d := &VMM{}
 	if err := d.retain(ordinal); err != nil {
 		return nil, err
@@ -119,7 +119,10 @@ func NewVMMPlaced(ordinal int, p VMMPlacement) (*VMM, error) {
 	if err := check("cuMemGetAllocationGranularity", r); err != nil {
 		return fail(err)
 	}
-	gran := uint64(r.v[0])
+	gran, err := l.granule(uint64(r.v[0]))
+	if err != nil {
+		return fail(err)
+	}
 	n, _ := CUDADeviceCount()
 	r = C.gx_vmm_peers(d.ctx, C.int(ordinal), C.int(n))
 	if err := check("cuDeviceCanAccessPeer", r); err != nil {
@@ -131,7 +134,7 @@ func NewVMMPlaced(ordinal int, p VMMPlacement) (*VMM, error) {
 		return fail(err)
 	}
 	phys := &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
-	d.src, err = newVMMSource(phys, p, total, 0)
+	d.src, err = newVMMSource(phys, l.Placement, total, 0)
 	if err != nil {
 		return fail(err)
 	}

@@ -16,9 +16,9 @@ func openVMM(t *testing.T, ordinal int) *VMM {
 
 func openVMMPlaced(t *testing.T, ordinal int, p VMMPlacement) *VMM {
 	t.Helper()
-	d, err := NewVMMPlaced(ordinal, p)
+	d, err := NewVMMWith(ordinal, VMMLayout{Placement: p, Handle: 2 << 20})
 	if err != nil {
-		t.Fatalf("NewVMMPlaced(%d, %s): %v", ordinal, p, err)
+		t.Fatalf("NewVMMWith(%d, %s): %v", ordinal, p, err)
 	}
 	t.Cleanup(func() { d.Close() })
 	return d

@@ -36,6 +36,9 @@ type FakePhys struct {
 
 	// Calls counts every driver call by name.
 	Calls map[string]int
+	// AccessHandles counts the handles cuMemSetAccess opened, which is
+	// what its cost follows on a GPU (not the calls).
+	AccessHandles int
 }
 
 type fakeHandle struct {
@@ -225,6 +228,9 @@ func (f *FakePhys) SetAccess(va uintptr, size uint64) error {
 	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
 		if _, ok := f.page[p]; !ok {
 			return fmt.Errorf("fakephys: access set on unmapped %#x", p)
+		}
+		if _, head := f.mapping[p]; head {
+			f.AccessHandles++
 		}
 	}
 	return nil

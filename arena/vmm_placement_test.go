@@ -54,7 +54,7 @@ type physCell struct {
 }
 
 func newVMMHarness(t *testing.T, capacity, limit uint64, p VMMPlacement) *vmmHarness {
-	d, err := NewSimVMMPlaced(0, capacity, p)
+	d, err := NewSimVMMWith(0, capacity, VMMLayout{Placement: p, Handle: simVMMGranule})
 	require.NoError(t, err)
 	d.SetManual(true)
 	d.SetCap(limit)
@@ -510,16 +510,17 @@ func TestVMMBadFrees(t *testing.T) {
 func TestVMMSmallRequestsSharePages(t *testing.T) {
 	d, err := NewSimVMM(0, 1<<30)
 	require.NoError(t, err)
+	g := d.Phys().Granularity()
 	for i := 0; i < 16; i++ {
 		_, err := d.Alloc(100<<10, 1)
 		require.NoError(t, err)
 	}
 	u, err := d.PoolUsage()
 	require.NoError(t, err)
-	assert.EqualValues(t, 2*mib, u.ReservedCurrent)
+	assert.EqualValues(t, g, u.ReservedCurrent)
 	assert.EqualValues(t, 1600<<10, u.UsedCurrent)
 	free, total, err := d.MemInfo()
 	require.NoError(t, err)
-	assert.EqualValues(t, total-2*mib, free)
+	assert.EqualValues(t, total-g, free)
 	require.NoError(t, d.CheckInvariants())
 }

@@ -95,6 +95,19 @@
 // exactly the mapped granules, draining ones left out, between calls. A
 // draining granule costs one more unmap, when its free has completed.
 //
+// The granule is the layout's handle size (VMMLayout.Handle, 16 MiB by
+// default), not the driver's 2 MiB: the driver's calls cost per handle,
+// whatever its size, and cuMemSetAccess most of all. The device's own
+// profile of its calls (DriverCalls), replaying traces/gpt2-train.jsonl.gz
+// on an H200 with 2 MiB handles, spent 709 ms in the driver: 470 ms in 334
+// cuMemSetAccess calls over 14,342 handles (33 us a handle), 147 ms in
+// 12,122 cuMemCreate, 47 ms in 2,220 cuMemUnmap, 30 ms in 14,342
+// cuMemMap; the replay took 7.0 us an event, against 1.3 us on the
+// stream-ordered pool. At those prices the simulated device's calls cost
+// 24.4 us per miss on GPT-2 and 12.8 us on ResNet-50 with 2 MiB handles,
+// and 3.4 us and 1.5 us with 16 MiB ones (go test ./arena -run
+// TestVMMPlacementReplay -v).
+
 // # What it wastes
 //
 // Held memory beyond live is free spans: those too small for the requests
@@ -110,16 +123,17 @@
 // goalloc's own reserved peak.
 //
 // Replaying the bundled traces on the simulated device (go test ./arena
-// -run TestVMMPlacementReplay -v): on GPT-2, 28,447 misses made 1.02
-// driver calls each (ranges: 5.11), 98.8% of them none (ranges: 15.4%),
-// and not one cuMemRelease; on ResNet-50, 11,059 misses made 0.57 calls
-// each (ranges: 3.11), 97.4% none. The creates are the peak held, once:
-// held grows only at the peak. Peak physical over peak live: 1.0016 on
-// GPT-2 (rounding each request to the granule: 1.0100; ranges: 1.0100),
-// 1.0027 on ResNet-50 (1.0065; ranges: 1.0083). Hence segments are the
-// default placement. The simulated device completes events at once, so no
-// span drains in these replays; on a GPU it is what keeps held from
-// growing while the step's own frees are still queued.
+// -run TestVMMPlacementReplay -v, 16 MiB handles): on GPT-2, 28,447
+// misses made 0.146 driver calls each (ranges, with 2 MiB handles: 5.11),
+// 99.3% of them none, and not one cuMemRelease; on ResNet-50, 11,059
+// misses made 0.080 calls each, 98.4% none. The creates are the peak
+// held, once: held grows only at the peak. Peak physical over peak live:
+// 1.0054 on GPT-2 (2 MiB handles: 1.0016; rounding each request to a 2 MiB
+// granule: 1.0100; ranges: 1.0100), 1.0027 on ResNet-50 (2 MiB handles:
+// 1.0027; ranges: 1.0083). Hence segments are the default placement. The
+// simulated device completes events at once, so no span drains in these
+// replays; on a GPU it is what keeps held from growing while the step's
+// own frees are still queued.
 //
 // Like PyTorch's expandable segments, a segment reserves the device's
 // memory size of VA; it is never given back before Close (VA is free).
@@ -173,6 +187,56 @@ func ParseVMMPlacement(s string) (VMMPlacement, error) {
 		return DefaultVMMPlacement, nil
 	}
 	return "", fmt.Errorf("VMM placement %q is neither segments nor ranges", s)
+}
+
+// VMMLayout is how a VMM device lays out physical memory: where large
+// requests go, and the size of the physical handles it maps.
+type VMMLayout struct {
+	Placement VMMPlacement
+	// Handle is the bytes of each physical handle: the placement's
+	// granule, the unit in which it maps, moves and releases memory. A
+	// power of two, at least the device's own allocation granularity
+	// (raised to it where smaller). 0: the placement's default,
+	// DefaultVMMHandle for segments, the device's granularity for ranges
+	// (which rounds every request up to a handle).
+	Handle uint64
+}
+
+// DefaultVMMHandle is the handle size when none is named. The driver's
+// calls cost per handle, not per byte: on an H200, cuMemSetAccess took
+// 34 us per 2 MiB handle of the range it opened (GPT-2's trace replayed on
+// the GPU: 334 calls over 14,342 handles, 470 ms, two thirds of all the
+// driver's time), about what one 20 MiB handle costs. Replaying the
+// bundled traces on the simulated device, 16 MiB handles made 7x fewer
+// driver calls than 2 MiB ones, and held 1.0054x the live peak on GPT-2
+// (2 MiB: 1.0016; 64 MiB: 1.0127) and 1.0027x on ResNet-50 (the same as 2
+// MiB): larger handles waste more where free memory meets live memory,
+// since only whole handles move.
+const DefaultVMMHandle = 16 << 20
+
+// Check is the one check of a layout.
+func (l VMMLayout) Check() error {
+	if _, err := ParseVMMPlacement(string(l.Placement)); err != nil {
+		return err
+	}
+	if h := l.Handle; h&(h-1) != 0 {
+		return fmt.Errorf("VMM handle size %d is not a power of two", h)
+	}
+	return nil
+}
+
+// granule is the placement's granule on a device whose allocation
+// granularity is driver (a power of two): the handle size, at least
+// driver, so a multiple of it.
+func (l VMMLayout) granule(driver uint64) (uint64, error) {
+	if err := l.Check(); err != nil {
+		return 0, err
+	}
+	h := l.Handle
+	if h == 0 && l.Placement != VMMRanges {
+		h = DefaultVMMHandle
+	}
+	return max(h, driver), nil
 }
 
 // vmmPlacer is what vmmSource needs of a placement; the caller holds a

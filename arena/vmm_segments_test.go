@@ -268,7 +268,7 @@ func TestParseVMMPlacement(t *testing.T) {
 	}
 	_, err := ParseVMMPlacement("stripes")
 	assert.ErrorContains(t, err, "neither segments nor ranges")
-	_, err = NewSimVMMPlaced(0, 1<<30, "stripes")
+	_, err = NewSimVMMWith(0, 1<<30, VMMLayout{Placement: "stripes"})
 	assert.Error(t, err)
 }
 

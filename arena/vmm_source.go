@@ -57,15 +57,15 @@ const pieceAlign = 512
 // twice that, the segments placement that much per segment.
 func newVMMSource(phys PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource, error) {
 	drv := &timedPhys{PhysDriver: phys}
+	p, err := ParseVMMPlacement(string(p)) // "": the default
+	if err != nil {
+		return nil, err
+	}
 	var eng vmmPlacer
-	var err error
-	switch p {
-	case VMMRanges:
+	if p == VMMRanges {
 		eng, err = newVMMEngine(drv, 2*mem, limit)
-	case VMMSegments:
+	} else {
 		eng, err = newVMMSegments(drv, mem, limit)
-	default:
-		_, err = ParseVMMPlacement(string(p))
 	}
 	if err != nil {
 		return nil, err

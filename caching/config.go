@@ -46,10 +46,11 @@ type Config struct {
 	// in GPT-2, LLaMA and ResNet-50 training on an H200, against
 	// 1.04-1.12x for async (BENCHMARKS.md); async allocates faster.
 	Backend string
-	// VMMPlacement is how the vmm backend places large requests: a
-	// segment per stream grown in place, or a fresh range per request
-	// (arena's VMMSegments, VMMRanges).
-	VMMPlacement arena.VMMPlacement
+	// VMM is how the vmm backend lays memory out: its placement of large
+	// requests, a segment per stream grown in place or a fresh range per
+	// request (arena's VMMSegments, VMMRanges), and the size of its
+	// physical handles.
+	VMM arena.VMMLayout
 }
 
 // DefaultConfig is the configuration with no GOALLOC_CONF.
@@ -60,7 +61,7 @@ func DefaultConfig() Config {
 		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
 		Backend:          "vmm",
-		VMMPlacement:     arena.DefaultVMMPlacement,
+		VMM:              arena.VMMLayout{Placement: arena.DefaultVMMPlacement},
 	}
 }
 
@@ -75,6 +76,7 @@ var confKeys = map[string]string{
 	"quiet":             "true to silence warnings (OOM lines still print)",
 	"backend":           "where memory comes from: async (a stream-ordered pool) or vmm (handles goalloc maps)",
 	"vmm_placement":     "how backend:vmm places large requests: segments (one per stream, grown in place) or ranges (a fresh range per request)",
+	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 16M (raised to the device's granularity where smaller)",
 }
 
 // ConfigKeys lists the keys GOALLOC_CONF takes with what each means.
@@ -133,7 +135,13 @@ func ParseConfig(s string) (Config, error) {
 				c.Backend = v
 			}
 		case "vmm_placement":
-			c.VMMPlacement, err = arena.ParseVMMPlacement(v)
+			c.VMM.Placement, err = arena.ParseVMMPlacement(v)
+		case "vmm_handle":
+			if c.VMM.Handle, err = units.ParseBytes(v); err == nil && c.VMM.Handle == 0 {
+				err = fmt.Errorf("a handle of 0 bytes")
+			} else if err == nil {
+				err = c.VMM.Check()
+			}
 		}
 		if err != nil {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
@@ -206,6 +214,15 @@ func (c Config) String() string {
 	if c.ReleaseThreshold != math.MaxUint64 {
 		rt = strconv.FormatUint(c.ReleaseThreshold, 10)
 	}
-	return fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t,backend:%s",
+	out := fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t,backend:%s",
 		c.Fraction, c.Reserve, rt, c.LargeCache, c.MissRelease, c.LargeSlack, c.Quiet, c.Backend)
+	// The VMM layout when it is not the default (the keys above are
+	// always there; older readers of this string know only them).
+	if c.VMM.Placement != "" && c.VMM.Placement != arena.DefaultVMMPlacement {
+		out += ",vmm_placement:" + string(c.VMM.Placement)
+	}
+	if c.VMM.Handle != 0 {
+		out += ",vmm_handle:" + strconv.FormatUint(c.VMM.Handle, 10)
+	}
+	return out
 }

@@ -30,7 +30,7 @@ func TestParseConfigBackend(t *testing.T) {
 // 2 MiB granules of the stream's segment), so a 20 MiB cap fits 5 of them
 // on 8 streams, not the 8 goalloc's own count would allow.
 func TestVMMCapBoundsPhysicalMemory(t *testing.T) {
-	dev, err := arena.NewSimVMM(0, 1<<30)
+	dev, err := arena.NewSimVMMWith(0, 1<<30, arena.VMMLayout{Handle: 2 << 20})
 	require.NoError(t, err)
 	cfg := DefaultConfig()
 	cfg.LargeCache = 0

@@ -186,7 +186,7 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	}
 	var dev arena.Device
 	if l.kind == "sim" && l.cfg.Backend == "vmm" {
-		sv, err := arena.NewSimVMMPlaced(d, l.simMemory, l.cfg.VMMPlacement)
+		sv, err := arena.NewSimVMMWith(d, l.simMemory, l.cfg.VMM)
 		if err != nil {
 			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}
@@ -194,7 +194,7 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	} else if l.kind == "sim" {
 		dev = arena.NewSim(d, l.simMemory)
 	} else if l.cfg.Backend == "vmm" {
-		vm, err := arena.NewVMMPlaced(d, l.cfg.VMMPlacement)
+		vm, err := arena.NewVMMWith(d, l.cfg.VMM)
 		if err != nil {
 			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
 		}

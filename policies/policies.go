@@ -139,15 +139,15 @@ func ConfKeys() []string {
 }
 
 // Backend checks conf, a GOALLOC_CONF string, and returns the memory
-// backend it names: "vmm" (the default) or "async", with the placement
-// backend:vmm uses (vmm_placement). A replay reads them apart from the
+// backend it names: "vmm" (the default) or "async", with the layout
+// backend:vmm uses (vmm_placement, vmm_handle). A replay reads them apart from the
 // goalloc policy because the backend serves every policy.
-func Backend(conf string) (backend string, placement arena.VMMPlacement, err error) {
+func Backend(conf string) (backend string, layout arena.VMMLayout, err error) {
 	cfg, err := caching.ParseConfig(conf)
 	if err != nil {
-		return "", "", err
+		return "", arena.VMMLayout{}, err
 	}
-	return cfg.Backend, cfg.VMMPlacement, nil
+	return cfg.Backend, cfg.VMM, nil
 }
 
 // Goalloc is goalloc's caching allocator as a policy.

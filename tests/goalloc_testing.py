@@ -22,11 +22,11 @@ def device_holds(nbytes: int) -> int:
     """What the simulated device's backend (goalloc's default unless
     GOALLOC_CONF names one) holds for nbytes of goalloc's segments and blocks
     taken on one stream, so what memory_reserved() reports: backend:vmm packs
-    them and maps 2 MiB granules around them, the stream-ordered pool
-    (backend:async) maps 32 MiB chunks."""
+    them and maps 16 MiB handles (vmm_handle's default) around them, the
+    stream-ordered pool (backend:async) maps 32 MiB chunks."""
     import goalloc
 
-    unit = (2 << 20) if "backend:vmm" in goalloc.config()["conf"] else (32 << 20)
+    unit = (16 << 20) if "backend:vmm" in goalloc.config()["conf"] else (32 << 20)
     return -(-nbytes // unit) * unit
 
 

@@ -1,7 +1,7 @@
 """backend:vmm through the Python package on the simulated device: the
 configuration reaches the library, allocations work, the backend's reserved
-figure is the physical memory held (whole 2 MiB granules), and the cap bounds
-it. Each scenario runs in a fresh interpreter (the library reads its
+figure is the physical memory held (whole handles: 2 MiB ones here, named
+with vmm_handle), and the cap bounds it. Each scenario runs in a fresh interpreter (the library reads its
 configuration once)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ L = _lib.lib()
 malloc = getattr(L, "goalloc_malloc", None) or L.my_malloc
 STREAM = 0x1000
 MiB = 1 << 20
-goalloc.configure("backend:vmm,quiet:true")
+goalloc.configure("backend:vmm,vmm_handle:2M,quiet:true")
 N = 5 * MiB // 2                           # 2.5 MiB: two granules on the device
 p = malloc(N, 0, STREAM)
 f = goalloc.fragmentation(0)
@@ -40,7 +40,7 @@ print(json.dumps({"backend": goalloc.config()["conf"], "held": held,
 def test_vmm_backend_holds_whole_granules_and_the_cap_bounds_them():
     proc = run_python(textwrap.dedent(BODY))
     out = json.loads(proc.stdout)
-    assert "backend:vmm" in out["backend"]
+    assert "backend:vmm" in out["backend"] and "vmm_handle:2097152" in out["backend"]
     assert out["held"] == 4 << 20  # 2.5 MiB is two 2 MiB granules
     assert out["got"] == [True, True, False]
     assert out["after"] <= int(0.001 * 8 * (1 << 30))

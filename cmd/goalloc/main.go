@@ -123,8 +123,8 @@ type replayFlags struct {
 	device    string
 	policy    string
 	conf      string
-	backend   string             // the memory backend conf names: async or vmm
-	placement arena.VMMPlacement // and how backend:vmm places large requests
+	backend   string          // the memory backend conf names: async or vmm
+	layout    arena.VMMLayout // and how backend:vmm lays memory out
 	compare   bool
 	json      bool
 	html      string
@@ -214,11 +214,11 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	if f.conf != "" && !f.compare && f.policy != "goalloc" {
 		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
 	}
-	backend, placement, err := policies.Backend(f.conf)
+	backend, layout, err := policies.Backend(f.conf)
 	if err != nil {
 		return nil, usagef("--conf: %v", err)
 	}
-	f.backend, f.placement = backend, placement
+	f.backend, f.layout = backend, layout
 
 	f.simMemory = arena.DefaultSimMemory
 	source := "--sim-memory"
@@ -328,15 +328,15 @@ var errOOM = errors.New("allocations failed for lack of memory")
 
 func newDevice(f *replayFlags) (arena.Device, error) {
 	// The backend --conf names (backend:vmm; the stream-ordered pool
-	// otherwise) serves every policy, placed as vmm_placement says.
+	// otherwise) serves every policy, laid out as vmm_placement and vmm_handle say.
 	if f.device == "sim" && f.backend == "vmm" {
-		return arena.NewSimVMMPlaced(0, f.simMemory, f.placement)
+		return arena.NewSimVMMWith(0, f.simMemory, f.layout)
 	}
 	if f.device == "sim" {
 		return arena.NewSim(0, f.simMemory), nil
 	}
 	if f.backend == "vmm" {
-		d, err := arena.NewVMMPlaced(0, f.placement)
+		d, err := arena.NewVMMWith(0, f.layout)
 		if err != nil {
 			return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
 		}
