@@ -3,6 +3,7 @@ package arena_test
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -165,9 +166,19 @@ func TestVMMHandleConf(t *testing.T) {
 	c, err := caching.ParseConfig("backend:vmm")
 	require.NoError(t, err)
 	assert.Zero(t, c.VMM.Handle, "the placement's default")
-	c, err = caching.ParseConfig("vmm_handle:64M")
+	c, err = caching.ParseConfig("vmm_handle:64M,vmm_placement:ranges")
 	require.NoError(t, err)
 	assert.Equal(t, uint64(64<<20), c.VMM.Handle)
+	// goalloc.config() prints the layout in keys that read back.
+	var printed []string
+	for _, kv := range strings.Split(c.String(), ",") {
+		if strings.HasPrefix(kv, "vmm_") {
+			printed = append(printed, kv)
+		}
+	}
+	again, err := caching.ParseConfig(strings.Join(printed, ","))
+	require.NoError(t, err)
+	assert.Equal(t, c.VMM, again.VMM, c.String())
 	for _, bad := range []string{"vmm_handle:3M", "vmm_handle:0", "vmm_handle:lots"} {
 		_, err = caching.ParseConfig(bad)
 		assert.ErrorContains(t, err, "vmm_handle", bad)
