@@ -58,7 +58,8 @@ type DriverCallStat struct {
 // devices, simulated and CUDA.
 type DriverProfiler interface {
 	// DriverCalls lists the driver functions called since the device was
-	// made, the most time first (by name on a tie); none never called.
+	// made, the most time first (by name on a tie); those never called are
+	// left out.
 	DriverCalls() []DriverCallStat
 }
 
