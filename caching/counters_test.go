@@ -30,31 +30,23 @@ func requirePublishedEqualsStats(t testing.TB, a *Allocator, msg string) {
 // four streams, frees, record_stream, stream progress, empty_cache, moving
 // caps and the OOMs they cause), and the resets.
 func TestPublishedScalarsEqualStatsAfterRandomOps(t *testing.T) {
-	steps := 3000
-	if testing.Short() {
-		steps = 600
-	}
-	for seed := uint64(11); seed <= 14; seed++ {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			cfg := DefaultConfig()
-			cfg.LargeCache = []uint64{0, 64 << 20, 1 << 30, 1 << 40}[seed%4]
-			m := newModel(t, seed, cfg, 8<<30)
-			requirePublishedEqualsStats(t, m.a, "new allocator")
-			for i := 0; i < steps; i++ {
-				switch m.rng.IntN(50) {
-				case 0:
-					require.NoError(t, m.a.ResetPeakStats())
-				case 1:
-					m.a.ResetAccumulatedStats()
-				default:
-					m.step()
-				}
-				requirePublishedEqualsStats(t, m.a, fmt.Sprintf("op %d", m.ops))
+	modelSeeds(t, 11, 14, 3000, func(t *testing.T, seed uint64, cfg Config, steps int) {
+		m := newModel(t, seed, cfg, 8<<30)
+		requirePublishedEqualsStats(t, m.a, "new allocator")
+		for i := 0; i < steps; i++ {
+			switch m.rng.IntN(50) {
+			case 0:
+				require.NoError(t, m.a.ResetPeakStats())
+			case 1:
+				m.a.ResetAccumulatedStats()
+			default:
+				m.step()
 			}
-			m.drain()
-			requirePublishedEqualsStats(t, m.a, "drained")
-		})
-	}
+			requirePublishedEqualsStats(t, m.a, fmt.Sprintf("op %d", m.ops))
+		}
+		m.drain()
+		requirePublishedEqualsStats(t, m.a, "drained")
+	})
 }
 
 func TestResetPeakStatsResetsPublishedPeaks(t *testing.T) {

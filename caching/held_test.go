@@ -2,7 +2,6 @@ package caching
 
 import (
 	"errors"
-	"fmt"
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
@@ -155,25 +154,17 @@ func TestCapRetriesWhatFitsAfterATrim(t *testing.T) {
 // random) on the stream-ordered pool: under a cap, what the pool holds never
 // grows above it.
 func TestPropertyPoolHeldUnderTheCap(t *testing.T) {
-	steps := 3000
-	if testing.Short() {
-		steps = 600
-	}
-	for seed := uint64(1); seed <= 4; seed++ {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			cfg := DefaultConfig()
-			cfg.LargeCache = []uint64{0, 64 << 20, 1 << 30, 1 << 40}[seed%4]
-			m := newModel(t, seed, cfg, 8<<30)
-			var prev uint64
-			for i := 0; i < steps; i++ {
-				m.step()
-				m.check()
-				u := requireNoGrowthAboveTheCap(t, m, m.sim, &prev)
-				require.Equal(t, int64(u.ReservedCurrent), m.a.Scalar(ScalarReservedBytes), "op %d", m.ops)
-			}
-			m.drain()
-		})
-	}
+	modelSeeds(t, 1, 4, 3000, func(t *testing.T, seed uint64, cfg Config, steps int) {
+		m := newModel(t, seed, cfg, 8<<30)
+		var prev uint64
+		for i := 0; i < steps; i++ {
+			m.step()
+			m.check()
+			u := requireNoGrowthAboveTheCap(t, m, m.sim, &prev)
+			require.Equal(t, int64(u.ReservedCurrent), m.a.Scalar(ScalarReservedBytes), "op %d", m.ops)
+		}
+		m.drain()
+	})
 }
 
 // A reserve just under the cap would leave the pool holding a chunk past

@@ -254,21 +254,30 @@ func (m *model) drain() {
 	require.Zero(m.t, m.a.events.InUse(), "events still in use")
 }
 
-func TestPropertyRandomOps(t *testing.T) {
-	steps := 4000
+// modelSeeds runs body as one subtest per seed in [first, last], each with
+// the default configuration under a large-cache budget the seed picks
+// (none, 64 MiB, 1 GiB, unbounded) and steps random operations (a fifth
+// of them under -short).
+func modelSeeds(t *testing.T, first, last uint64, steps int, body func(t *testing.T, seed uint64, cfg Config, steps int)) {
 	if testing.Short() {
-		steps = 800
+		steps /= 5
 	}
-	for seed := uint64(1); seed <= 6; seed++ {
+	for seed := first; seed <= last; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
 			cfg := DefaultConfig()
 			cfg.LargeCache = []uint64{0, 64 << 20, 1 << 30, 1 << 40}[seed%4]
-			m := newModel(t, seed, cfg, 8<<30)
-			for i := 0; i < steps; i++ {
-				m.step()
-				m.check()
-			}
-			m.drain()
+			body(t, seed, cfg, steps)
 		})
 	}
+}
+
+func TestPropertyRandomOps(t *testing.T) {
+	modelSeeds(t, 1, 6, 4000, func(t *testing.T, seed uint64, cfg Config, steps int) {
+		m := newModel(t, seed, cfg, 8<<30)
+		for i := 0; i < steps; i++ {
+			m.step()
+			m.check()
+		}
+		m.drain()
+	})
 }

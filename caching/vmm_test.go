@@ -2,7 +2,6 @@ package caching
 
 import (
 	"errors"
-	"fmt"
 	"strings"
 	"testing"
 
@@ -57,35 +56,27 @@ func TestVMMCapBoundsPhysicalMemory(t *testing.T) {
 // own invariants hold after every step, and empty_cache gives every byte
 // of physical memory back.
 func TestPropertyRandomOpsVMM(t *testing.T) {
-	steps := 3000
-	if testing.Short() {
-		steps = 600
-	}
-	for seed := uint64(1); seed <= 4; seed++ {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			cfg := DefaultConfig()
-			cfg.LargeCache = []uint64{0, 64 << 20, 1 << 30, 1 << 40}[seed%4]
-			dev, err := arena.NewSimVMM(0, 8<<30)
-			require.NoError(t, err)
-			m := newModel(t, seed, cfg, 8<<30)
-			dev.SetManual(true)
-			m.sim = dev.Sim
-			m.a, err = New(dev, cfg)
-			require.NoError(t, err)
-			var prev uint64
-			for i := 0; i < steps; i++ {
-				m.step()
-				m.check()
-				require.NoError(t, dev.CheckInvariants(), "op %d", m.ops)
-				requireNoGrowthAboveTheCap(t, m, dev, &prev)
-			}
-			m.drain()
-			u, err := dev.PoolUsage()
-			require.NoError(t, err)
-			assert.Zero(t, u.ReservedCurrent, "physical memory held after empty_cache")
-			assert.Zero(t, dev.Phys().Used())
-		})
-	}
+	modelSeeds(t, 1, 4, 3000, func(t *testing.T, seed uint64, cfg Config, steps int) {
+		dev, err := arena.NewSimVMM(0, 8<<30)
+		require.NoError(t, err)
+		m := newModel(t, seed, cfg, 8<<30)
+		dev.SetManual(true)
+		m.sim = dev.Sim
+		m.a, err = New(dev, cfg)
+		require.NoError(t, err)
+		var prev uint64
+		for i := 0; i < steps; i++ {
+			m.step()
+			m.check()
+			require.NoError(t, dev.CheckInvariants(), "op %d", m.ops)
+			requireNoGrowthAboveTheCap(t, m, dev, &prev)
+		}
+		m.drain()
+		u, err := dev.PoolUsage()
+		require.NoError(t, err)
+		assert.Zero(t, u.ReservedCurrent, "physical memory held after empty_cache")
+		assert.Zero(t, dev.Phys().Used())
+	})
 }
 
 // On the VMM backend memory_reserved() and max_memory_reserved() are the
