@@ -197,4 +197,6 @@ func TestVMMHandleConf(t *testing.T) {
 	}
 	_, err = arena.NewSimVMMWith(0, 1<<30, arena.VMMLayout{Handle: 3 << 20})
 	assert.ErrorContains(t, err, "not a power of two")
+	_, err = arena.NewSimVMMWith(0, 1<<30, arena.VMMLayout{Handle: 2 << 30})
+	assert.ErrorContains(t, err, "larger than the device's")
 }

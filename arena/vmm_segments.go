@@ -204,7 +204,7 @@ type VMMLayout struct {
 
 // DefaultVMMHandle is the handle size when none is named. The driver's
 // calls cost per handle, not per byte: on an H200, cuMemSetAccess took
-// 34 us per 2 MiB handle of the range it opened (GPT-2's trace replayed on
+// 33 us per 2 MiB handle of the range it opened (GPT-2's trace replayed on
 // the GPU: 334 calls over 14,342 handles, 470 ms, two thirds of all the
 // driver's time), about what one 20 MiB handle costs. Replaying the
 // bundled traces on the simulated device, 16 MiB handles made 7x fewer
