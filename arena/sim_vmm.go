@@ -46,7 +46,7 @@ func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	if ordinal < 0 || ordinal >= maxSimDevices {
 		return nil, fmt.Errorf("sim: VMM device %d: outside %d devices", ordinal, maxSimDevices)
 	}
-	gran, err := l.granule(simVMMGranule)
+	gran, err := l.granule(simVMMGranule, capacity)
 	if err != nil {
 		return nil, err
 	}

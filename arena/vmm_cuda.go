@@ -119,10 +119,7 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	if err := check("cuMemGetAllocationGranularity", r); err != nil {
 		return fail(err)
 	}
-	gran, err := l.granule(uint64(r.v[0]))
-	if err != nil {
-		return fail(err)
-	}
+	driverGran := uint64(r.v[0])
 	n, _ := CUDADeviceCount()
 	r = C.gx_vmm_peers(d.ctx, C.int(ordinal), C.int(n))
 	if err := check("cuDeviceCanAccessPeer", r); err != nil {
@@ -130,6 +127,10 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	}
 	d.peers = uint64(r.v[0])
 	_, total, err := d.MemInfo()
+	if err != nil {
+		return fail(err)
+	}
+	gran, err := l.granule(driverGran, total)
 	if err != nil {
 		return fail(err)
 	}

@@ -199,4 +199,9 @@ func TestVMMHandleConf(t *testing.T) {
 	assert.ErrorContains(t, err, "not a power of two")
 	_, err = arena.NewSimVMMWith(0, 1<<30, arena.VMMLayout{Handle: 2 << 30})
 	assert.ErrorContains(t, err, "larger than the device's")
+	// The default shrinks to a device smaller than it.
+	small, err := arena.NewSimVMMWith(0, 4<<20, arena.VMMLayout{})
+	require.NoError(t, err)
+	assert.Equal(t, uint64(4<<20), small.Phys().Granularity())
+	require.NoError(t, small.Close())
 }

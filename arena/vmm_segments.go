@@ -225,18 +225,27 @@ func (l VMMLayout) Check() error {
 	return nil
 }
 
-// granule is the placement's granule on a device whose allocation
-// granularity is driver (a power of two): the handle size, at least
-// driver, so a multiple of it.
-func (l VMMLayout) granule(driver uint64) (uint64, error) {
+// granule is the placement's granule on a device of mem bytes whose
+// allocation granularity is driver (a power of two): the handle size, at
+// least driver, so a multiple of it. The default shrinks on a device
+// smaller than it (a small simulated one); a handle named larger than the
+// device is refused, since not one would fit.
+func (l VMMLayout) granule(driver, mem uint64) (uint64, error) {
 	if err := l.Check(); err != nil {
 		return 0, err
 	}
 	h := l.Handle
 	if h == 0 && l.Placement != VMMRanges {
 		h = DefaultVMMHandle
+		for h > driver && h > mem {
+			h /= 2
+		}
 	}
-	return max(h, driver), nil
+	h = max(h, driver)
+	if l.Handle != 0 && h > mem {
+		return 0, fmt.Errorf("VMM handles of %d bytes are larger than the device's %d bytes of memory (vmm_handle)", h, mem)
+	}
+	return h, nil
 }
 
 // vmmPlacer is what vmmSource needs of a placement; the caller holds a

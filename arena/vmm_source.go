@@ -57,10 +57,6 @@ const pieceAlign = 512
 // twice that, the segments placement that much per segment.
 func newVMMSource(phys PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource, error) {
 	drv := &timedPhys{PhysDriver: phys}
-	if g := drv.Granularity(); mem > 0 && g > mem {
-		// Not one handle would fit: every request would be refused.
-		return nil, fmt.Errorf("VMM handles of %d bytes are larger than the device's %d bytes of memory (vmm_handle)", g, mem)
-	}
 	p, err := ParseVMMPlacement(string(p)) // "": the default
 	if err != nil {
 		return nil, err
