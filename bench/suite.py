@@ -168,6 +168,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="LLaMA sequence lengths, drawn in multiples of 64 from MIN")
     p.add_argument("--resnet-batch", type=positive_int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"))
     p.add_argument("--resnet-res", type=positive_int, nargs=2, default=[160, 224], metavar=("MIN", "MAX"))
+    p.add_argument("--resnet-plan-shapes", action="store_true",
+                   help="ResNet-50 runs first take one untimed step of every shape they train, so that cuDNN's "
+                        "per-shape planning (100-250 ms a shape, on the host) is out of the timed steps")
     p.add_argument("--micro-rounds", type=positive_int, default=5, help="timed rounds per pair size")
     p.add_argument("--cross-iters", type=positive_int, default=1000, help="timed cross-stream iterations")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
@@ -223,7 +226,9 @@ def estimate(workload: str, args: argparse.Namespace) -> float:
     elif workload == "llama":
         s += ESTIMATE_PER_STEP_S["llama"] * (args.llama_steps + args.llama_warmup)
     elif workload == "resnet50":
-        s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup)
+        # Planning: at most one step per distinct shape (25 with the default ranges).
+        planned = 25 if args.resnet_plan_shapes else 0
+        s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup + planned)
     elif workload == "micro" and args.quick:
         s -= 1.0
     return s
@@ -330,6 +335,8 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
     elif run.workload == "resnet50":
         cmd += ["--steps", str(args.resnet_steps), "--warmup", str(args.resnet_warmup),
                 "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]
+        if args.resnet_plan_shapes:
+            cmd.append("--plan-shapes")
     return cmd
 
 

@@ -939,3 +939,17 @@ def test_throughput_goal_gives_the_ratios_repeat_by_repeat():
     doc["runs"] = [r for r in doc["runs"] if not (r["config"] == "native" and r["repeat"] == 1)]
     assert [round(x, 3) for x in render.paired_speed_ratios(doc, "llama", "goalloc-vmm")] == [0.9, 0.95], \
         "a repeat without native's run is left out"
+
+
+def test_resnet_plan_shapes_puts_every_shape_first_untimed():
+    # The steps of planning: every distinct shape once, in order of first use.
+    shapes = [(32, 160), (40, 176), (32, 160), (64, 224), (40, 176)]
+    assert workloads.planning_steps(shapes) == [(32, 160), (40, 176), (64, 224)]
+    plain = suite.parse_args(["OUT", "--workloads", "resnet50"])
+    planned = suite.parse_args(["OUT", "--workloads", "resnet50", "--resnet-plan-shapes"])
+    assert suite.estimate("resnet50", planned) > suite.estimate("resnet50", plain)
+    run = next(r for r in suite.build_plan(planned) if r.workload == "resnet50")
+    assert "--plan-shapes" in suite.workload_command(run, planned, Path("R.json"))
+    assert "--plan-shapes" not in suite.workload_command(run, plain, Path("R.json"))
+    args = workloads.parse_args(["--workload", "resnet50", "--out", "R.json", "--plan-shapes"])
+    assert args.plan_shapes and not workloads.parse_args(["--workload", "resnet50", "--out", "R.json"]).plan_shapes
