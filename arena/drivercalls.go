@@ -38,12 +38,14 @@ const (
 	callEventRecord
 	callEventQuery
 	callEventDestroy
+	callIsCapturing
 	numDriverCalls
 )
 
 var driverCallNames = [numDriverCalls]string{
 	"cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap",
 	"cuMemUnmap", "cuMemSetAccess", "cuEventCreate", "cuEventRecord", "cuEventQuery", "cuEventDestroy",
+	"cuStreamIsCapturing",
 }
 
 // DriverCallStat is how often one driver function was called, and the
@@ -139,4 +141,9 @@ func (t *timedPhys) EventDone(e Event) (bool, error) {
 func (t *timedPhys) DestroyEvent(e Event) error {
 	defer t.done(callEventDestroy, time.Now())
 	return t.PhysDriver.DestroyEvent(e)
+}
+
+func (t *timedPhys) CaptureStatus(s Stream) (CaptureStatus, error) {
+	defer t.done(callIsCapturing, time.Now())
+	return t.PhysDriver.CaptureStatus(s)
 }

@@ -93,6 +93,17 @@ func (d *SimVMM) Free(ptr uintptr, size uint64, s Stream) error {
 	return d.src.free(ptr, size, s)
 }
 
+// Synchronize completes all work, as Sim's does, and then tells the
+// placement, as the CUDA VMM device does.
+func (d *SimVMM) Synchronize() error {
+	mark := d.src.syncMark()
+	if err := d.Sim.Synchronize(); err != nil {
+		return err
+	}
+	d.src.synchronized(mark)
+	return nil
+}
+
 func (d *SimVMM) Trim(keep uint64) error           { return d.src.trim(keep) }
 func (d *SimVMM) SetReleaseThreshold(uint64) error { return nil }
 func (d *SimVMM) PoolUsage() (PoolUsage, error)    { return d.src.usage(), nil }

@@ -91,6 +91,9 @@ func (p *cudaPhys) SetAccess(va uintptr, size uint64) error {
 func (p *cudaPhys) NewEvent() (Event, error)            { return p.rt.NewEvent() }
 func (p *cudaPhys) RecordEvent(e Event, s Stream) error { return p.rt.RecordEvent(e, s) }
 func (p *cudaPhys) EventDone(e Event) (bool, error)     { return p.rt.EventDone(e) }
+func (p *cudaPhys) CaptureStatus(s Stream) (CaptureStatus, error) {
+	return p.rt.CaptureStatus(s)
+}
 
 // DestroyEvent is also called by the source's close, after VMM.Close has
 // marked the device closed.
@@ -159,6 +162,19 @@ func (d *VMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
 
 // Granularity is the driver's allocation granularity for this device.
 func (d *VMM) Granularity() uint64 { return d.src.gran }
+
+// Synchronize waits for all work on the device, and then tells the
+// placement that memory freed before it began is no longer in use (its
+// frees on their own stream record no event: see "Events" in
+// vmm_segments.go).
+func (d *VMM) Synchronize() error {
+	mark := d.src.syncMark()
+	if err := d.cudaRuntime.Synchronize(); err != nil {
+		return err
+	}
+	d.src.synchronized(mark)
+	return nil
+}
 
 func (d *VMM) Alloc(size uint64, s Stream) (uintptr, error) {
 	if d.closed.Load() {

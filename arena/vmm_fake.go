@@ -240,3 +240,6 @@ func (f *FakePhys) NewEvent() (Event, error)            { return f.rt.NewEvent()
 func (f *FakePhys) RecordEvent(e Event, s Stream) error { return f.rt.RecordEvent(e, s) }
 func (f *FakePhys) EventDone(e Event) (bool, error)     { return f.rt.EventDone(e) }
 func (f *FakePhys) DestroyEvent(e Event) error          { return f.rt.DestroyEvent(e) }
+func (f *FakePhys) CaptureStatus(s Stream) (CaptureStatus, error) {
+	return f.rt.CaptureStatus(s)
+}

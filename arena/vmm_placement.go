@@ -149,6 +149,9 @@ type PhysDriver interface {
 	RecordEvent(e Event, s Stream) error
 	EventDone(e Event) (bool, error)
 	DestroyEvent(e Event) error
+	// CaptureStatus, as Runtime has it: an event is never recorded on a
+	// stream being captured (it would join the graph).
+	CaptureStatus(s Stream) (CaptureStatus, error)
 }
 
 const (
@@ -241,6 +244,11 @@ func newVMMEngine(drv PhysDriver, vaStep, limit uint64) (*vmmEngine, error) {
 	}
 	return e, nil
 }
+
+// syncMark and synchronized: the ranges placement records an event at
+// every free, so a synchronisation tells it nothing its polls do not.
+func (e *vmmEngine) syncMark() uint64    { return 0 }
+func (e *vmmEngine) synchronized(uint64) {}
 
 func (e *vmmEngine) round(n uint64) uint64 {
 	if n == 0 {

@@ -29,8 +29,9 @@
 //	free     given back on the segment's own stream (or complete): the
 //	         segment's stream may reuse it at once, since the stream's later
 //	         work is ordered after its earlier work (the stream-ordered
-//	         pool's own rule). It carries the event recorded at its free,
-//	         which says when its last use has completed (0: it has).
+//	         pool's own rule). It carries an event recorded on that stream
+//	         after its free, which says when its last use has completed (0:
+//	         it has), or none yet (see "Events").
 //	pending  given back on another stream: nobody may use it until the
 //	         event recorded there at the free completes; then it is free.
 //	draining a free span whose handles paid for a later request of the
@@ -84,8 +85,8 @@
 //
 // # What it costs
 //
-// A miss served by step 1 makes no driver call (a free records one event,
-// as with ranges). Step 2 costs a map per new granule and one set-access;
+// A miss served by step 1 makes no driver call, and neither does a free
+// on the segment's own stream but one in fenceEvery (see "Events"). Step 2 costs a map per new granule and one set-access;
 // paying costs an unmap per granule moved, and creates only for growth.
 // Handles are one granule each, so any free granule can be given up
 // without splitting a handle; the price is a call per granule where the
@@ -138,6 +139,39 @@
 // Like PyTorch's expandable segments, a segment reserves the device's
 // memory size of VA; it is never given back before Close (VA is free).
 //
+// # Events
+//
+// An event says when a free span's last use has completed, which only
+// moving its memory needs to know: paying for another request's granules,
+// lending them (a draining span is polled), trimming. Reusing it on its
+// own stream needs none. So a free on the segment's own stream records
+// none: the span is unrecorded, its seq the free's. Recorded later on the
+// same stream, an event still covers it, as that stream queued the span's
+// last use before the free; so one event, a fence, covers every span of
+// the segment freed unrecorded since the last, shared (holders counts its
+// spans). A segment fences every fenceEvery such frees, so memory freed on
+// one stream is known complete for another at most that many frees late;
+// grow and Trim fence every segment first, so what they move is known
+// complete as soon as its stream is idle; a draining tail fences its
+// segment. A device-wide synchronisation (the device's Synchronize, which
+// empty_cache and the last round before an out-of-memory call) completes
+// every span freed before it began (syncMark, synchronized): it records
+// nothing. Nothing is recorded on a stream being captured, and a refused
+// record leaves its spans unrecorded: their memory then neither pays nor
+// is trimmed until a later fence or synchronisation, which is safe.
+// Coalesced spans keep the newer of their events, by seq, as before: an
+// unrecorded span is newer than every event recorded on its segment's
+// stream before its free, and older than every one after.
+//
+// Recording an event cost 1.75 us on the H200 (cuEventRecord, measured by
+// the device's profile of its calls in ResNet-50 training, bench/steady.py:
+// 11,319 records in 19.8 ms), one per free to this placement, about 390
+// frees a ResNet-50 step. Replaying the bundled traces on the simulated
+// device, the fences recorded 913 events where the frees recorded 28,227
+// (GPT-2), and 432 where they recorded 10,895 (ResNet-50), with the same
+// peaks and the same creates, maps and unmaps (goalloc replay --conf
+// backend:vmm --json, driver_calls).
+//
 // # Invariants
 //
 // CheckInvariants verifies, after every step of the random-ops test: the
@@ -151,7 +185,9 @@
 // (plus handles between unmap and map, none between calls) x the granule,
 // so a handle mapped twice counts once; live is the bytes of live spans,
 // each indexed by its base; pending and draining spans are exactly those
-// listed for polling. A handle is released only once no draining span maps it
+// listed for polling; an event is held by one span, or by as many as
+// holders counts for it, and never by a span and the spare list at once;
+// an unrecorded event is only on free spans. A handle is released only once no draining span maps it
 // (a complete free span whose handles still drain elsewhere neither pays
 // nor is trimmed; the drain's free came first, so this lasts only until
 // the next poll).
@@ -266,6 +302,11 @@ type vmmPlacer interface {
 	HeldHigh() uint64
 	Live() uint64
 	resetHigh()
+	// syncMark and synchronized: after a device-wide synchronisation that
+	// began after syncMark, synchronized(mark) learns that the frees up to
+	// the mark have completed.
+	syncMark() uint64
+	synchronized(mark uint64)
 	// round is n rounded up to the quantum, the size Alloc places.
 	round(n uint64) uint64
 	granule() uint64
@@ -291,12 +332,29 @@ type segSpan struct {
 	base  uintptr
 	size  uint64
 	state uint8
-	// event: free, recorded on the segment's stream at its last free (0:
-	// its last use has completed); pending, recorded on the stream of the
-	// free; draining, the event of the free it was before.
+	// event: free, recorded on the segment's stream after its last free
+	// (0: its last use has completed; unrecorded: none recorded yet, see
+	// "Events"; a fence's event is shared by the spans it covered, counted
+	// in holders); pending, recorded on the stream of the free; draining,
+	// the event of the free it was before.
 	event Event
-	seq   uint64 // free with an event: when it was recorded (newer covers older)
+	// seq orders a free span's event on the segment's stream (newer covers
+	// older): when it was recorded, or, unrecorded, when the span was
+	// freed; 0 with event 0.
+	seq uint64
 }
+
+// unrecorded is the event of a free span whose free recorded none: its
+// last use was queued on the segment's stream before the free, so an
+// event recorded on that stream at any later moment covers it. It never
+// reaches the driver.
+const unrecorded = ^Event(0)
+
+// fenceEvery is how many frees a segment leaves unrecorded before one
+// event, recorded on its stream, is given to all of them (fence): so a
+// free costs a driver call once in fenceEvery, and free memory is known
+// complete, for another stream or for Trim, at most that many frees late.
+const fenceEvery = 32
 
 func (sp *segSpan) end() uintptr { return sp.base + uintptr(sp.size) }
 
@@ -306,6 +364,8 @@ type vmmSegment struct {
 	base   uintptr
 	size   uint64
 	spans  []segSpan // sorted by base
+	// unfenced counts the frees left unrecorded since the last fence.
+	unfenced int
 	// handles, by granule from base, up to the highest granule mapped so
 	// far: the handle mapped there, 0 where nothing is.
 	handles []PhysHandle
@@ -341,7 +401,11 @@ type vmmSegments struct {
 	drainMaps map[PhysHandle]int32
 	spare     []PhysHandle // unmapped handles, between an unmap and a map
 	events    []Event      // spare events
-	seq       uint64
+	// holders counts the free or draining spans holding a fence's event,
+	// for an event more than one holds: it goes back to events when the
+	// last lets go (dropEvent). Invariant: it matches the spans.
+	holders map[Event]int32
+	seq     uint64
 
 	held, heldHigh, live, mapped uint64
 }
@@ -357,7 +421,7 @@ func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
 	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
-		drainMaps: map[PhysHandle]int32{}}
+		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
 	e.segVA = e.roundGranule(mem)
 	return e, nil
 }
@@ -441,9 +505,7 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 			*sp = segSpan{base: base, size: n, state: spanLive}
 			bg.spans = insertSegSpan(bg.spans, bi+1, rest)
 		} else {
-			if sp.event != 0 {
-				e.events = append(e.events, sp.event)
-			}
+			e.dropEvent(sp.event)
 			*sp = segSpan{base: base, size: n, state: spanLive}
 		}
 		e.byBase[base] = bg
@@ -535,6 +597,10 @@ type segPay struct {
 
 // grow is steps 2-4: map what is missing, paid for with free memory.
 func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
+	// Free memory pays only once known complete: unrecorded spans get
+	// their event now (one per segment), which on a stream with nothing
+	// left to run completes at once.
+	e.fenceAll()
 	f, ok := e.bestFill(n, s)
 	newSeg := !ok
 	if newSeg {
@@ -570,19 +636,15 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			break
 		}
 		sp := &c.g.spans[c.i]
-		if sp.event != 0 {
-			done, err := e.drv.EventDone(sp.event)
-			if err != nil {
-				return 0, err
+		done, err := e.spanDone(sp)
+		if err != nil {
+			return 0, err
+		}
+		if !done {
+			if c.g.stream == s && s != anyStream {
+				later = append(later, c)
 			}
-			if !done {
-				if c.g.stream == s && s != anyStream {
-					later = append(later, c)
-				}
-				continue
-			}
-			e.events = append(e.events, sp.event)
-			sp.event, sp.seq = 0, 0
+			continue
 		}
 		if e.drainMapped(c.g, sp) {
 			continue
@@ -609,6 +671,13 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			break
 		}
 		sp := &c.g.spans[c.i]
+		if sp.event == unrecorded {
+			// The draining tail is polled: it needs an event, and one
+			// recorded now covers its free; without one, it does not lend.
+			if e.fence(c.g); sp.event == unrecorded {
+				continue
+			}
+		}
 		_, hi := e.whole(sp)
 		take := min(wholeBytes(c), f.need-paid)
 		p := segPay{g: c.g, base: sp.base, bytes: take, drain: true}
@@ -733,17 +802,13 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	at := sort.Search(len(g.spans), func(i int) bool { return g.spans[i].base >= f.start })
 	if f.left >= 0 {
 		// The whole left span goes into the request: at points at it.
-		if ev := g.spans[at].event; ev != 0 {
-			e.events = append(e.events, ev)
-		}
+		e.dropEvent(g.spans[at].event)
 		g.spans = append(g.spans[:at], g.spans[at+1:]...)
 	}
 	if f.right >= 0 {
 		r := &g.spans[at]
 		if f.rightUse == r.size {
-			if r.event != 0 {
-				e.events = append(e.events, r.event)
-			}
+			e.dropEvent(r.event)
 			g.spans = append(g.spans[:at], g.spans[at+1:]...)
 		} else {
 			r.base += uintptr(f.rightUse)
@@ -863,7 +928,7 @@ func (e *vmmSegments) unmapDraining(g *vmmSegment, i int) error {
 		g.handles[k], g.mapped[k] = 0, false
 		sp.size -= e.gran
 	}
-	e.events = append(e.events, sp.event)
+	e.dropEvent(sp.event)
 	g.spans = append(g.spans[:i], g.spans[i+1:]...)
 	return nil
 }
@@ -976,8 +1041,9 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 	if g == nil {
 		return fmt.Errorf("arena: VMM: free of %#x, which is not a live range", va)
 	}
+	own := s == g.stream && s != anyStream
 	var ev Event
-	if !done {
+	if !done && !own {
 		var err error
 		if ev, err = e.event(); err != nil {
 			return err
@@ -990,9 +1056,17 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 	i := g.find(va)
 	delete(e.byBase, va)
 	e.live -= g.spans[i].size
-	if done || (s == g.stream && s != anyStream) {
+	if done {
+		e.setFree(g, i, 0, 0)
+		return nil
+	}
+	if own {
+		// Free for s at once, its event recorded later (unrecorded).
 		e.seq++
-		e.setFree(g, i, ev, e.seq)
+		e.setFree(g, i, unrecorded, e.seq)
+		if g.unfenced++; g.unfenced >= fenceEvery {
+			e.fence(g)
+		}
 		return nil
 	}
 	g.spans[i].state, g.spans[i].event = spanPending, ev
@@ -1013,12 +1087,10 @@ func (e *vmmSegments) setFree(g *vmmSegment, i int, ev Event, seq uint64) {
 		switch {
 		case y.event == 0:
 		case x.event == 0 || y.seq > x.seq:
-			if x.event != 0 {
-				e.events = append(e.events, x.event)
-			}
+			e.dropEvent(x.event)
 			x.event, x.seq = y.event, y.seq
 		default:
-			e.events = append(e.events, y.event)
+			e.dropEvent(y.event)
 		}
 		if y.base < x.base {
 			x.base = y.base
@@ -1034,11 +1106,107 @@ func (e *vmmSegments) setFree(g *vmmSegment, i int, ev Event, seq uint64) {
 	}
 }
 
+// dropEvent lets go of a span's event: it goes back to the spare events
+// once no span holds it (0 and unrecorded are no events).
+func (e *vmmSegments) dropEvent(ev Event) {
+	if ev == 0 || ev == unrecorded {
+		return
+	}
+	if n := e.holders[ev]; n > 1 {
+		e.holders[ev] = n - 1
+		return
+	}
+	delete(e.holders, ev)
+	e.events = append(e.events, ev)
+}
+
+// spanDone says whether the last use of the free span sp has completed,
+// polling its event; sp lets go of an event that completed. An unrecorded
+// span is not known to have completed (fence records its event).
+func (e *vmmSegments) spanDone(sp *segSpan) (bool, error) {
+	switch sp.event {
+	case 0:
+		return true, nil
+	case unrecorded:
+		return false, nil
+	}
+	done, err := e.drv.EventDone(sp.event)
+	if err != nil || !done {
+		return false, err
+	}
+	e.dropEvent(sp.event)
+	sp.event, sp.seq = 0, 0
+	return true, nil
+}
+
+// fence records one event on g's stream and gives it to every free span of
+// g whose free recorded none: recorded after their frees, on their stream,
+// it covers each of them. Nothing is recorded on a stream being captured
+// (the event would join the graph), nor when the driver refuses: the spans
+// stay unrecorded, for a later fence or the next synchronisation, which
+// only keeps their memory from paying or being trimmed until then.
+func (e *vmmSegments) fence(g *vmmSegment) {
+	g.unfenced = 0
+	n := int32(0)
+	for i := range g.spans {
+		if g.spans[i].event == unrecorded {
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	if st, err := e.drv.CaptureStatus(g.stream); err != nil || st != CaptureNone {
+		return
+	}
+	ev, err := e.event()
+	if err != nil {
+		return
+	}
+	if err := e.drv.RecordEvent(ev, g.stream); err != nil {
+		e.events = append(e.events, ev)
+		return
+	}
+	e.seq++
+	for i := range g.spans {
+		if sp := &g.spans[i]; sp.event == unrecorded {
+			sp.event, sp.seq = ev, e.seq
+		}
+	}
+	if n > 1 {
+		e.holders[ev] = n
+	}
+}
+
+// fenceAll fences every segment with unrecorded spans.
+func (e *vmmSegments) fenceAll() {
+	for _, g := range e.segs {
+		e.fence(g)
+	}
+}
+
+// syncMark is what synchronized takes after a device-wide synchronisation
+// that began after this call: the frees so far.
+func (e *vmmSegments) syncMark() uint64 { return e.seq }
+
+// synchronized is told that every stream has completed all the work queued
+// before the mark was taken: spans freed (or fenced) by then are complete.
+// Only the unrecorded ones change here; recorded events say so when polled.
+func (e *vmmSegments) synchronized(mark uint64) {
+	for _, g := range e.segs {
+		for i := range g.spans {
+			if sp := &g.spans[i]; sp.event == unrecorded && sp.seq <= mark {
+				sp.event, sp.seq = 0, 0
+			}
+		}
+	}
+}
+
 // pollPending frees the pending spans whose events have completed.
 func (e *vmmSegments) pollPending() error {
 	var err error
 	e.pending, err = e.pollSpans(e.pending, func(g *vmmSegment, i int) error {
-		e.events = append(e.events, g.spans[i].event)
+		e.dropEvent(g.spans[i].event)
 		e.setFree(g, i, 0, 0)
 		return nil
 	})
@@ -1049,6 +1217,9 @@ func (e *vmmSegments) pollPending() error {
 // from their tails, until at most keep bytes are held or nothing free is
 // complete. Pending spans and free ones still in use keep their memory.
 func (e *vmmSegments) Trim(keep uint64) error {
+	// Unrecorded spans get their event now: they are known complete when it
+	// has (at once, after a device synchronisation: see synchronized).
+	e.fenceAll()
 	if err := e.pollPending(); err != nil {
 		return err
 	}
@@ -1076,16 +1247,10 @@ func (e *vmmSegments) Trim(keep uint64) error {
 			break
 		}
 		sp := &ref.g.spans[ref.g.find(ref.base)]
-		if sp.event != 0 {
-			done, err := e.drv.EventDone(sp.event)
-			if err != nil {
-				return err
-			}
-			if !done {
-				continue
-			}
-			e.events = append(e.events, sp.event)
-			sp.event, sp.seq = 0, 0
+		if done, err := e.spanDone(sp); err != nil {
+			return err
+		} else if !done {
+			continue
 		}
 		if e.drainMapped(ref.g, sp) {
 			continue
@@ -1111,6 +1276,7 @@ func (e *vmmSegments) Close() error {
 		errs = append(errs, e.unmapDraining(ref.g, ref.g.find(ref.base)))
 	}
 	e.draining = nil
+	destroyed := map[Event]bool{}
 	for _, g := range e.segs {
 		for k, m := range g.mapped {
 			if m {
@@ -1118,7 +1284,8 @@ func (e *vmmSegments) Close() error {
 			}
 		}
 		for _, sp := range g.spans {
-			if sp.event != 0 {
+			if sp.event != 0 && sp.event != unrecorded && !destroyed[sp.event] {
+				destroyed[sp.event] = true // a fence's event, shared
 				errs = append(errs, e.drv.DestroyEvent(sp.event))
 			}
 		}
@@ -1129,7 +1296,7 @@ func (e *vmmSegments) Close() error {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
 	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
-		drainMaps: map[PhysHandle]int32{}}
+		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
 	return errors.Join(errs...)
 }
 
@@ -1138,6 +1305,7 @@ func (e *vmmSegments) CheckInvariants() error {
 	var mapped, live uint64
 	handles := map[PhysHandle]bool{}
 	drained := map[PhysHandle]int32{}
+	held := map[Event]int32{} // spans holding each event
 	nLive, nPending, nDraining := 0, 0, 0
 	for _, g := range e.segs {
 		if g.base%uintptr(e.gran) != 0 || g.size%e.gran != 0 {
@@ -1212,18 +1380,23 @@ func (e *vmmSegments) CheckInvariants() error {
 				}
 			case spanPending:
 				nPending++
-				if sp.event == 0 {
+				if sp.event == 0 || sp.event == unrecorded {
 					return fmt.Errorf("pending span %#x has no event", sp.base)
 				}
+				held[sp.event]++
 			case spanFree:
 				if (sp.event == 0) != (sp.seq == 0) {
 					return fmt.Errorf("free span %#x: event %d at %d", sp.base, sp.event, sp.seq)
 				}
+				if sp.event != 0 && sp.event != unrecorded {
+					held[sp.event]++
+				}
 			case spanDraining:
 				nDraining++
-				if sp.event == 0 {
+				if sp.event == 0 || sp.event == unrecorded {
 					return fmt.Errorf("draining span %#x has no event", sp.base)
 				}
+				held[sp.event]++
 			default:
 				return fmt.Errorf("span %#x in state %d", sp.base, sp.state)
 			}
@@ -1246,6 +1419,22 @@ func (e *vmmSegments) CheckInvariants() error {
 	}
 	if len(drained) != len(e.drainMaps) {
 		return fmt.Errorf("%d handles in draining spans, %d counted", len(drained), len(e.drainMaps))
+	}
+	// An event is held by one span, or by the spans holders counts.
+	for ev, n := range held {
+		if n > 1 && e.holders[ev] != n {
+			return fmt.Errorf("event %d is held by %d spans, %d counted", ev, n, e.holders[ev])
+		}
+	}
+	for ev, n := range e.holders {
+		if held[ev] != n {
+			return fmt.Errorf("event %d counts %d holders, %d spans hold it", ev, n, held[ev])
+		}
+	}
+	for _, ev := range e.events {
+		if held[ev] > 0 {
+			return fmt.Errorf("spare event %d is held by a span", ev)
+		}
 	}
 	if mapped != e.mapped {
 		return fmt.Errorf("mapped %d, spans add up to %d", e.mapped, mapped)

@@ -52,7 +52,87 @@ func TestSegmentsSplitCoalesceAndSameStreamReuse(t *testing.T) {
 	require.NoError(t, e.Free(a, 1, false))
 	require.NoError(t, e.Free(b, 1, false))
 	assert.Equal(t, [][3]uint64{{0, 10, spanFree}}, spanStates(g), "neighbouring frees coalesce")
-	assert.Equal(t, 1, len(e.events), "the older event is spare: the newer covers both")
+	assert.Equal(t, unrecorded, g.spans[0].event, "frees on the segment's own stream record no event")
+	assert.Equal(t, e.seq, g.spans[0].seq, "the newer free orders the coalesced span")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// countRecords counts the events recorded on sim from here on.
+func countRecords(sim *Sim) *int {
+	n := new(int)
+	sim.SetFaults(SimFaults{EventRecord: func(Stream) error { *n++; return nil }})
+	return n
+}
+
+// A free on the segment's own stream records no event; every fenceEvery
+// of them, one event recorded on the stream goes to all the spans freed
+// unrecorded, shared, and back to the spare events once the last lets go.
+func TestSegmentsOwnStreamFreesShareOneFence(t *testing.T) {
+	e, _, sim := segmentsOnly(t, 1<<30, 0)
+	records := countRecords(sim)
+	var ps []uintptr
+	for i := 0; i < 2*fenceEvery; i++ { // live spans between the freed ones keep them apart
+		p, err := e.Alloc(512<<10, 1)
+		require.NoError(t, err)
+		ps = append(ps, p)
+	}
+	sim.Launch(1)
+	for i := 0; i < fenceEvery-1; i++ {
+		require.NoError(t, e.Free(ps[2*i], 1, false))
+	}
+	assert.Zero(t, *records, "frees on the segment's own stream record nothing")
+	require.NoError(t, e.CheckInvariants())
+	require.NoError(t, e.Free(ps[2*(fenceEvery-1)], 1, false))
+	assert.Equal(t, 1, *records, "the fence: one event for all of them")
+	g := e.byStream[1][0]
+	ev := g.spans[0].event
+	require.NotEqual(t, unrecorded, ev)
+	for _, sp := range g.spans {
+		if sp.state == spanFree {
+			assert.Equal(t, ev, sp.event, "every span freed since the last fence holds the fence's event")
+		}
+	}
+	assert.EqualValues(t, fenceEvery, e.holders[ev])
+	require.NoError(t, e.CheckInvariants())
+	// Taking the spans back lets go of the event; the last one spares it.
+	for i := 0; i < fenceEvery; i++ {
+		_, err := e.Alloc(512<<10, 1)
+		require.NoError(t, err)
+		require.NoError(t, e.CheckInvariants())
+	}
+	assert.NotContains(t, e.holders, ev)
+	assert.Contains(t, e.events, ev)
+	assert.Equal(t, 1, *records)
+}
+
+// The device's synchronisation completes what was freed before it began,
+// so empty_cache (synchronise, then trim) gives back memory whose frees
+// recorded no event; a free after the mark stays unrecorded until the trim
+// fences it.
+func TestSegmentsSynchronizeCompletesUnrecordedFrees(t *testing.T) {
+	e, _, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	_, err = e.Alloc(8*mib, 1) // stays live, between the two
+	require.NoError(t, err)
+	q, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	records := countRecords(sim)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	mark := e.syncMark()
+	require.NoError(t, e.Free(q, 1, false)) // after the synchronisation began: may still run
+	require.NoError(t, sim.Synchronize())
+	e.synchronized(mark)
+	g := e.byStream[1][0]
+	assert.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 8, spanLive}, {16, 8, spanFree}}, spanStates(g))
+	assert.EqualValues(t, 0, g.spans[0].event, "freed before the mark: complete")
+	assert.Equal(t, unrecorded, g.spans[2].event, "freed after it: not known complete")
+	require.NoError(t, e.CheckInvariants())
+	assert.Zero(t, *records)
+	require.NoError(t, e.Trim(0))
+	assert.Equal(t, 1, *records, "the trim fences the unrecorded span")
+	assert.EqualValues(t, 8*mib, e.Held(), "both freed spans went back: the fence completed at once on the idle stream")
 	require.NoError(t, e.CheckInvariants())
 }
 
@@ -521,4 +601,26 @@ func TestSegmentsRefuseMoreThanTheDeviceBeforeAnyDriverCall(t *testing.T) {
 	_, err = e.Alloc(24*mib, 2)
 	require.NoError(t, err, "what fits still does")
 	assert.EqualValues(t, 64*mib, e.Held())
+}
+
+// No event is recorded on a stream being captured (it would join the
+// graph): a fence then leaves the spans unrecorded, and a trim keeps their
+// memory; once the capture ends, the next fence covers them.
+func TestSegmentsFenceSkipsACapturingStream(t *testing.T) {
+	e, _, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	records := countRecords(sim)
+	require.NoError(t, e.Free(p, 1, false))
+	sim.SetCapture(1, CaptureActive)
+	require.NoError(t, e.Trim(0))
+	assert.Zero(t, *records, "nothing recorded on the capturing stream")
+	assert.EqualValues(t, 8*mib, e.Held(), "not known complete: kept")
+	assert.Equal(t, unrecorded, e.byStream[1][0].spans[0].event)
+	require.NoError(t, e.CheckInvariants())
+	sim.SetCapture(1, CaptureNone)
+	require.NoError(t, e.Trim(0))
+	assert.Equal(t, 1, *records)
+	assert.Zero(t, e.Held(), "fenced, complete at once on the idle stream, and given back")
+	require.NoError(t, e.CheckInvariants())
 }

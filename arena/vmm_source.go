@@ -103,6 +103,22 @@ func (v *vmmSource) alloc(size uint64, s Stream) (uintptr, error) {
 	return p, err
 }
 
+// syncMark and synchronized bracket a device-wide synchronisation (the
+// device's Synchronize): frees before the mark have completed after it.
+func (v *vmmSource) syncMark() uint64 {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.eng.syncMark()
+}
+
+func (v *vmmSource) synchronized(mark uint64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if !v.closed {
+		v.eng.synchronized(mark)
+	}
+}
+
 func (v *vmmSource) count(d int64) {
 	v.used = uint64(int64(v.used) + d)
 	if v.used > v.usedHigh {
