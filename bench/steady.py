@@ -19,6 +19,7 @@ swap lasts for the process); bench/steady.sh interleaves the configurations
 over fresh processes.
 
     python3 bench/steady.py --workload resnet50 --config goalloc --shape 48 192 --out R.json
+    python3 bench/steady.py --summary DIR    # steady.sh's runs in DIR, a line per configuration
 """
 
 from __future__ import annotations
@@ -106,7 +107,38 @@ def run_new_shapes(torch: Any, args: argparse.Namespace, model: Any, opt: Any, f
     return out
 
 
+def summary(outdir: str) -> list[str]:
+    """One line per configuration of the runs in outdir (steady.sh's files):
+    medians over the runs of their median steady step, host launch time,
+    kernel time, and new-shape step; throughput against native's."""
+    import collections
+    import glob
+
+    by: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for f in sorted(glob.glob(os.path.join(outdir, "*-r*.json"))):
+        with open(f) as fh:
+            d = json.load(fh)
+        by[d["config"] + ("+" + d["goalloc_conf"] if d.get("goalloc_conf") else "")].append(d)
+    med = statistics.median
+    base = med(d["median_wall_ms"] for d in by["native"]) if by.get("native") else None
+    lines = []
+    for c, ds in sorted(by.items()):
+        w = med(d["median_wall_ms"] for d in ds)
+        k = [d["profile"]["kernel_ms_per_step"] for d in ds if "profile" in d]
+        line = (f"{c:28s} n={len(ds)} step {w:6.2f} ms ({base / w if base else 0:.3f}x native's throughput)  "
+                f"host {med(d['median_enqueue_ms'] for d in ds):6.2f} ms  kernels {med(k) if k else 0:5.2f} ms  "
+                f"allocations {'uncounted' if not ds[0]['median_allocs'] else format(ds[0]['median_allocs'], '.0f')}")
+        ns = [d["new_shapes"]["median_wall_ms"] for d in ds if "new_shapes" in d]
+        if ns:
+            line += f"  new-shape step {med(ns):7.2f} ms"
+        lines.append(line)
+    return lines
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--summary":
+        print("\n".join(summary(sys.argv[2])))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="resnet50", choices=("resnet50", "gpt2", "llama"))
     p.add_argument("--config", default="native", choices=workloads.CONFIGS)
@@ -149,13 +181,14 @@ def main() -> int:
             torch.cuda.synchronize()
             t2 = time.perf_counter()
             steps.append({"wall_ms": (t2 - t0) * 1e3, "enqueue_ms": (t1 - t0) * 1e3,
-                          "allocs": allocs_so_far(torch) - a0})
+                          "allocs": allocs_so_far(torch) - a0 if a0 >= 0 else None})
         out: dict[str, Any] = {
             "workload": args.workload, "config": args.config, "shape": list(shape), "pid": os.getpid(),
             "goalloc_conf": os.environ.get("GOALLOC_CONF", ""),
             "median_wall_ms": statistics.median(s["wall_ms"] for s in steps),
             "median_enqueue_ms": statistics.median(s["enqueue_ms"] for s in steps),
-            "median_allocs": statistics.median(s["allocs"] for s in steps),
+            "median_allocs": (statistics.median(s["allocs"] for s in steps)
+                              if steps[0]["allocs"] is not None else None),
             "steps": steps,
         }
         if args.profile_steps > 0:
@@ -167,8 +200,8 @@ def main() -> int:
             out["goalloc_stats"] = {k: v for k, v in st.items() if k.startswith("goalloc.") or k.startswith("num_")}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"{args.config:12s} wall {out['median_wall_ms']:.2f} ms  enqueue {out['median_enqueue_ms']:.2f} ms  "
-          f"allocs {out['median_allocs']}" + (f"  kernels {out['profile']['kernel_ms_per_step']:.2f} ms"
+    print(f"{args.config:12s} step {out['median_wall_ms']:.2f} ms  host {out['median_enqueue_ms']:.2f} ms  "
+          f"allocations {out['median_allocs']}" + (f"  kernels {out['profile']['kernel_ms_per_step']:.2f} ms"
                                                if "profile" in out else ""))
     return 0
 

@@ -28,20 +28,4 @@ for rep in $(seq 0 $((reps - 1))); do
       --shape "$b" "$r" --new-shapes "${NEW_SHAPES:-0}" --out "$f.json" 2>"$f.err" || tail -5 "$f.err"
   done
 done
-python3 - "$out" "$workload" <<'PY'
-import json, glob, statistics, sys, collections
-out, wl = sys.argv[1], sys.argv[2]
-by = collections.defaultdict(list)
-for f in sorted(glob.glob(f"{out}/{wl}-*-r*.json")):
-    d = json.load(open(f)); by[d["config"] + ("+" + d["goalloc_conf"] if d["goalloc_conf"] else "")].append(d)
-base = statistics.median(d["median_wall_ms"] for d in by.get("native", [])) if by.get("native") else None
-for c, ds in by.items():
-    w = statistics.median(d["median_wall_ms"] for d in ds)
-    e = statistics.median(d["median_enqueue_ms"] for d in ds)
-    k = [d["profile"]["kernel_ms_per_step"] for d in ds if "profile" in d]
-    print(f"{c:12s} n={len(ds)} wall {w:6.2f} ms ({(base / w if base else 0):.3f}x native thr)  enqueue {e:6.2f} ms  "
-          f"allocs {ds[0]['median_allocs']}  kernels {statistics.median(k) if k else 0:.2f} ms")
-    ns = [d["new_shapes"]["median_wall_ms"] for d in ds if "new_shapes" in d]
-    if ns:
-        print(f"{'':12s} new shapes: median step {statistics.median(ns):7.2f} ms")
-PY
+python3 bench/steady.py --summary "$out"

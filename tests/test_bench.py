@@ -953,3 +953,18 @@ def test_resnet_plan_shapes_puts_every_shape_first_untimed():
     assert "--plan-shapes" not in suite.workload_command(run, plain, Path("R.json"))
     args = workloads.parse_args(["--workload", "resnet50", "--out", "R.json", "--plan-shapes"])
     assert args.plan_shapes and not workloads.parse_args(["--workload", "resnet50", "--out", "R.json"]).plan_shapes
+
+
+def test_steady_summary_is_medians_against_native(tmp_path: Path):
+    steady = load("steady")
+    for config, conf, walls in (("native", "", [20.0, 22.0, 30.0]), ("goalloc-vmm", "large_cache:4G", [25.0, 21.0, 24.0])):
+        for r, w in enumerate(walls):
+            d = {"config": config, "goalloc_conf": conf, "median_wall_ms": w, "median_enqueue_ms": w - 1,
+                 "median_allocs": 1170, "profile": {"kernel_ms_per_step": 10.0}, "new_shapes": {"median_wall_ms": 10 * w}}
+            (tmp_path / f"resnet50-{config}-r{r}.json").write_text(json.dumps(d))
+    lines = steady.summary(str(tmp_path))
+    assert len(lines) == 2
+    vmm = next(x for x in lines if x.startswith("goalloc-vmm+large_cache:4G"))
+    assert "step  24.00 ms (0.917x native's throughput)" in vmm and "new-shape step  240.00 ms" in vmm
+    assert "host  23.00 ms" in vmm and "allocations 1170" in vmm
+    assert any(x.startswith("native") and "(1.000x" in x for x in lines)
