@@ -31,6 +31,32 @@ func BenchmarkReplay(b *testing.B) {
 	}
 }
 
+// BenchmarkReplayVMM is BenchmarkReplay on the simulated VMM device
+// (backend:vmm, its default layout): the caching layer and the segments
+// placement, over the in-memory driver.
+func BenchmarkReplayVMM(b *testing.B) {
+	for _, path := range bundled {
+		b.Run(traceName(path), func(b *testing.B) {
+			tr, err := Open(path)
+			if err != nil {
+				b.Fatal(err)
+			}
+			runs := 0
+			for b.Loop() {
+				dev, err := arena.NewSimVMMWith(0, 80<<30, arena.VMMLayout{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, err := Replay(tr, dev, Options{Policy: "goalloc", Conf: "backend:vmm"}); err != nil {
+					b.Fatal(err)
+				}
+				runs++
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(runs*len(tr.Events)), "ns/event")
+		})
+	}
+}
+
 // BenchmarkParse reports how fast a bundled trace is read and parsed, in
 // event lines per second.
 func BenchmarkParse(b *testing.B) {
