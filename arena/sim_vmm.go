@@ -95,14 +95,7 @@ func (d *SimVMM) Free(ptr uintptr, size uint64, s Stream) error {
 
 // Synchronize completes all work, as Sim's does, and then tells the
 // placement, as the CUDA VMM device does.
-func (d *SimVMM) Synchronize() error {
-	mark := d.src.syncMark()
-	if err := d.Sim.Synchronize(); err != nil {
-		return err
-	}
-	d.src.synchronized(mark)
-	return nil
-}
+func (d *SimVMM) Synchronize() error { return d.src.synchronize(d.Sim.Synchronize) }
 
 func (d *SimVMM) Trim(keep uint64) error           { return d.src.trim(keep) }
 func (d *SimVMM) SetReleaseThreshold(uint64) error { return nil }

@@ -164,17 +164,8 @@ func (d *VMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
 func (d *VMM) Granularity() uint64 { return d.src.gran }
 
 // Synchronize waits for all work on the device, and then tells the
-// placement that memory freed before it began is no longer in use (its
-// frees on their own stream record no event: see "Events" in
-// vmm_segments.go).
-func (d *VMM) Synchronize() error {
-	mark := d.src.syncMark()
-	if err := d.cudaRuntime.Synchronize(); err != nil {
-		return err
-	}
-	d.src.synchronized(mark)
-	return nil
-}
+// placement (vmmSource.synchronize).
+func (d *VMM) Synchronize() error { return d.src.synchronize(d.cudaRuntime.Synchronize) }
 
 func (d *VMM) Alloc(size uint64, s Stream) (uintptr, error) {
 	if d.closed.Load() {

@@ -103,20 +103,23 @@ func (v *vmmSource) alloc(size uint64, s Stream) (uintptr, error) {
 	return p, err
 }
 
-// syncMark and synchronized bracket a device-wide synchronisation (the
-// device's Synchronize): frees before the mark have completed after it.
-func (v *vmmSource) syncMark() uint64 {
+// synchronize runs sync, a device-wide synchronisation (the device's
+// Synchronize), and then tells the placement that what was freed before it
+// began is no longer in use (frees on their own stream record no event:
+// see "Events" in vmm_segments.go).
+func (v *vmmSource) synchronize(sync func() error) error {
 	v.mu.Lock()
-	defer v.mu.Unlock()
-	return v.eng.syncMark()
-}
-
-func (v *vmmSource) synchronized(mark uint64) {
+	mark := v.eng.syncMark()
+	v.mu.Unlock()
+	if err := sync(); err != nil {
+		return err
+	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if !v.closed {
 		v.eng.synchronized(mark)
 	}
+	return nil
 }
 
 func (v *vmmSource) count(d int64) {

@@ -12,29 +12,21 @@ import (
 // goalloc and reports replayed events per second. The trace is parsed once,
 // outside the timing; BenchmarkEndToEnd times both.
 func BenchmarkReplay(b *testing.B) {
-	for _, path := range bundled {
-		b.Run(traceName(path), func(b *testing.B) {
-			tr, err := Open(path)
-			if err != nil {
-				b.Fatal(err)
-			}
-			runs := 0
-			for b.Loop() {
-				if _, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: "goalloc"}); err != nil {
-					b.Fatal(err)
-				}
-				runs++
-			}
-			b.ReportMetric(float64(runs*len(tr.Events))/b.Elapsed().Seconds(), "events/s")
-			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(runs*len(tr.Events)), "ns/event")
-		})
-	}
+	benchReplay(b, "", func() (arena.Device, error) { return arena.NewSim(0, 0), nil })
 }
 
 // BenchmarkReplayVMM is BenchmarkReplay on the simulated VMM device
 // (backend:vmm, its default layout): the caching layer and the segments
 // placement, over the in-memory driver.
 func BenchmarkReplayVMM(b *testing.B) {
+	benchReplay(b, "backend:vmm", func() (arena.Device, error) {
+		return arena.NewSimVMMWith(0, 80<<30, arena.VMMLayout{})
+	})
+}
+
+// benchReplay replays each bundled trace with goalloc under conf, on a
+// fresh device from newDevice each time.
+func benchReplay(b *testing.B, conf string, newDevice func() (arena.Device, error)) {
 	for _, path := range bundled {
 		b.Run(traceName(path), func(b *testing.B) {
 			tr, err := Open(path)
@@ -43,15 +35,16 @@ func BenchmarkReplayVMM(b *testing.B) {
 			}
 			runs := 0
 			for b.Loop() {
-				dev, err := arena.NewSimVMMWith(0, 80<<30, arena.VMMLayout{})
+				dev, err := newDevice()
 				if err != nil {
 					b.Fatal(err)
 				}
-				if _, err := Replay(tr, dev, Options{Policy: "goalloc", Conf: "backend:vmm"}); err != nil {
+				if _, err := Replay(tr, dev, Options{Policy: "goalloc", Conf: conf}); err != nil {
 					b.Fatal(err)
 				}
 				runs++
 			}
+			b.ReportMetric(float64(runs*len(tr.Events))/b.Elapsed().Seconds(), "events/s")
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(runs*len(tr.Events)), "ns/event")
 		})
 	}
