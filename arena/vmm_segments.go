@@ -551,28 +551,34 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 	if err := e.pollDraining(); err != nil {
 		return 0, err
 	}
-	if x := e.free[s]; x != nil && x.search(freeKey{size: n}) < len(*x) {
-		k := (*x)[x.search(freeKey{size: n})]
-		bg := e.byStream[s][k.order]
-		bi := bg.find(k.base)
-		sp := &bg.spans[bi]
-		base := sp.base
-		e.unindex(bg, sp)
-		if sp.size > n {
-			// The rest stays free, with the event of its last use.
-			rest := segSpan{base: base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
-			*sp = segSpan{base: base, size: n, state: spanLive}
-			bg.spans = insertSegSpan(bg.spans, bi+1, rest)
-			e.index(bg, &rest)
-		} else {
-			e.dropEvent(sp.event)
-			*sp = segSpan{base: base, size: n, state: spanLive}
+	// Step 1: the first free span of at least n bytes in step 1's order.
+	if x := e.free[s]; x != nil {
+		if j := x.search(freeKey{size: n}); j < len(*x) {
+			return e.take((*x)[j], s, n), nil
 		}
-		e.byBase[base] = bg
-		e.live += n
-		return base, nil
 	}
 	return e.grow(n, s)
+}
+
+// take places n bytes at the head of the free span k of s (step 1): the
+// rest stays free, with the event of its last use.
+func (e *vmmSegments) take(k freeKey, s Stream, n uint64) uintptr {
+	g := e.byStream[s][k.order]
+	i := g.find(k.base)
+	sp := &g.spans[i]
+	e.unindex(g, sp)
+	if sp.size > n {
+		rest := segSpan{base: k.base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
+		*sp = segSpan{base: k.base, size: n, state: spanLive}
+		g.spans = insertSegSpan(g.spans, i+1, rest)
+		e.index(g, &rest)
+	} else {
+		e.dropEvent(sp.event)
+		*sp = segSpan{base: k.base, size: n, state: spanLive}
+	}
+	e.byBase[k.base] = g
+	e.live += n
+	return k.base
 }
 
 // fill is where step 2 puts a request: region [start, start+n) of segment
