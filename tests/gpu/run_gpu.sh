@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] (these three need naming; the last two need two GPUs)
+#               [ddp] [multigpu] [mgbench] [steady] (these four need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -159,6 +159,14 @@ fi
 if want bench; then
   step bench
   [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }
+fi
+if want steady; then
+  step steady
+  # Named only: where a ResNet-50 step's time goes (bench/steady.py), native
+  # against goalloc-vmm, three fresh processes each, about two minutes; the
+  # runs' files are packed into steady.tgz.
+  timeout 400 bash bench/steady.sh "$OUT/steady" 3 resnet50 48 192 native goalloc-vmm || status=1
+  tar czf "$OUT/steady.tgz" -C "$OUT" steady && rm -rf "$OUT/steady"
 fi
 step done
 # The device tool brings back at most 8 files: pack the small JSON results
