@@ -51,6 +51,10 @@ type Config struct {
 	// request (arena's VMMSegments, VMMRanges), and the size of its
 	// physical handles.
 	VMM arena.VMMLayout
+	// Front lets goalloc's C++ class for PyTorch serve a freed block again
+	// to a request of the same size and stream, and pass frees to Go in
+	// batches, through a log shared with Go (front.go).
+	Front bool
 }
 
 // DefaultConfig is the configuration with no GOALLOC_CONF.
@@ -62,6 +66,7 @@ func DefaultConfig() Config {
 		LargeSlack:       1.0 / 16,
 		Backend:          "vmm",
 		VMM:              arena.VMMLayout{Placement: arena.DefaultVMMPlacement},
+		Front:            true,
 	}
 }
 
@@ -76,6 +81,7 @@ var confKeys = map[string]string{
 	"quiet":             "true to silence warnings (OOM lines still print)",
 	"backend":           "where memory comes from: async (a stream-ordered pool) or vmm (handles goalloc maps)",
 	"vmm_placement":     "how backend:vmm places large requests: segments (one per stream, grown in place) or ranges (a fresh range per request)",
+	"front":             "true to let goalloc's C++ class for PyTorch reuse a freed block for the next request of its size and stream without calling Go, and pass frees to Go in batches",
 	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 16M (raised to the device's granularity where smaller)",
 }
 
@@ -128,6 +134,8 @@ func ParseConfig(s string) (Config, error) {
 			c.Quiet, err = strconv.ParseBool(v)
 		case "miss_release":
 			c.MissRelease, err = strconv.ParseBool(v)
+		case "front":
+			c.Front, err = strconv.ParseBool(v)
 		case "backend":
 			if v != "async" && v != "vmm" {
 				err = fmt.Errorf("%q is neither async nor vmm", v)

@@ -58,6 +58,20 @@ type statsMutex struct {
 	sync.Mutex
 	stats     *Stats // nil until watch
 	published [NumScalars]atomic.Int64
+	// front is the device's front log (front.go), nil without one: Lock
+	// drains it first, Unlock publishes whether the front may be used.
+	front        *FrontLog
+	drain        func()
+	frontAllowed func() bool
+}
+
+// Lock takes the mutex, then applies what the front log holds (front.go),
+// so that whatever the holder does sees every free made before it.
+func (m *statsMutex) Lock() {
+	m.Mutex.Lock()
+	if m.front != nil && m.front.n.Load() != 0 {
+		m.drain()
+	}
 }
 
 // watch makes Unlock publish from s. Called once, before the mutex is shared.
@@ -71,6 +85,15 @@ func (m *statsMutex) watch(s *Stats) {
 // stored and read on its own: figures read together while calls run may
 // come from different calls.
 func (m *statsMutex) Unlock() {
+	if f := m.front; f != nil {
+		var on uint32
+		if m.frontAllowed() {
+			on = 1
+		}
+		if f.enabled.Load() != on {
+			f.enabled.Store(on)
+		}
+	}
 	if s := m.stats; s != nil {
 		m.set(ScalarAllocatedBytes, s.AllocatedBytes[StatAll].Current)
 		m.set(ScalarAllocatedBytesPeak, s.AllocatedBytes[StatAll].Peak)
@@ -94,8 +117,19 @@ func (m *statsMutex) set(k Scalar, v int64) {
 // one exception: a reserved figure of a pool that releases memory on its
 // own is read again first, under the mutex; see reservedFigure.)
 func (a *Allocator) Scalar(k Scalar) int64 {
+	a.settleFront()
 	a.reservedFigure(k)
 	return a.mu.published[k].Load()
+}
+
+// settleFront makes the published figures count the frees waiting in the
+// front log: taking the mutex drains it (front.go). Without pending
+// entries, as between a training loop's steps, it costs one load.
+func (a *Allocator) settleFront() {
+	if a.Pending() > 0 {
+		a.mu.Lock()
+		a.mu.Unlock()
+	}
 }
 
 // Scalars fills out with the published figures in Scalar order, as many as
@@ -103,6 +137,7 @@ func (a *Allocator) Scalar(k Scalar) int64 {
 // returns how many it wrote.
 func (a *Allocator) Scalars(out []int64) int {
 	n := min(len(out), int(NumScalars))
+	a.settleFront()
 	if n > int(ScalarReservedBytes) {
 		a.reservedFigure(ScalarReservedBytes)
 	}

@@ -36,6 +36,15 @@ type model struct {
 	stalled map[arena.Stream]bool
 	streams []arena.Stream
 	ops     int
+	// front, when set, is the C++ class's front (front_test.go): requests
+	// and frees go through it first, as they do in PyTorch.
+	front *testFront
+	// peakRequested is the most bytes the user held at once.
+	peakRequested int64
+	// recentFrees are the sizes and streams of the last frees: with a
+	// front, half the requests ask for one of them again, as a training
+	// step does.
+	recentFrees []liveBlock
 }
 
 type liveBlock struct {
@@ -98,6 +107,12 @@ func (m *model) observeSync() {
 }
 
 func (m *model) malloc(size uint64, s arena.Stream) (uintptr, error) {
+	if m.front != nil {
+		if p := m.front.take(m.a, size, s); p != 0 {
+			m.accept(p, size, s)
+			return p, nil
+		}
+	}
 	reservedBefore := m.a.reserved()
 	p, err := m.a.Malloc(size, s)
 	m.observeSync()
@@ -108,6 +123,9 @@ func (m *model) malloc(size uint64, s arena.Stream) (uintptr, error) {
 		return 0, err
 	}
 	m.accept(p, size, s)
+	if m.front != nil {
+		m.front.track(p, size, s)
+	}
 	if lim := m.a.Limit(); lim > 0 && m.a.reserved() > reservedBefore {
 		require.LessOrEqual(m.t, m.a.reserved(), lim, "op %d: reserved grew above the cap", m.ops)
 	}
@@ -137,13 +155,37 @@ func (m *model) accept(p uintptr, size uint64, s arena.Stream) {
 		}
 	}
 	m.live[p] = &liveBlock{ptr: p, size: size, stream: s}
+	m.peakRequested = max(m.peakRequested, m.requested())
+}
+
+// requested is what the user holds, in bytes asked for.
+func (m *model) requested() int64 {
+	var n int64
+	for _, b := range m.live {
+		n += int64(b.size)
+	}
+	return n
+}
+
+// resetPeak is reset_peak_memory_stats: peaks start again from now.
+func (m *model) resetPeak() {
+	require.NoError(m.t, m.a.ResetPeakStats())
+	m.peakRequested = m.requested()
 }
 
 func (m *model) free(p uintptr) {
 	b := m.live[p]
-	require.NoError(m.t, m.a.Free(p, b.size, b.stream), "op %d", m.ops)
+	if m.front == nil || !m.front.give(m.a, p) {
+		require.NoError(m.t, m.a.Free(p, b.size, b.stream), "op %d", m.ops)
+	}
 	m.observeSync()
 	delete(m.live, p)
+	if m.front != nil {
+		m.recentFrees = append(m.recentFrees, *b)
+		if len(m.recentFrees) > 16 {
+			m.recentFrees = m.recentFrees[1:]
+		}
+	}
 	f := freedRange{addr: uint64(p), size: max(b.size, 1), busy: map[arena.Stream]uint64{}}
 	for _, s := range append([]arena.Stream{b.stream}, b.recorded...) {
 		f.busy[s] = m.pos[s]
@@ -152,6 +194,9 @@ func (m *model) free(p uintptr) {
 }
 
 func (m *model) recordStream(p uintptr, s arena.Stream) {
+	if m.front != nil {
+		m.front.forget(p)
+	}
 	require.NoError(m.t, m.a.RecordStream(p, s))
 	b := m.live[p]
 	b.recorded = append(b.recorded, s)
@@ -189,12 +234,9 @@ func (m *model) check() {
 	m.t.Helper()
 	require.NoError(m.t, m.a.CheckInvariants(), "op %d", m.ops)
 	st := m.a.Stats()
-	var requested int64
-	for _, b := range m.live {
-		requested += int64(b.size)
-	}
-	require.Equal(m.t, requested, st.RequestedBytes[StatAll].Current, "op %d: requested_bytes", m.ops)
+	require.Equal(m.t, m.requested(), st.RequestedBytes[StatAll].Current, "op %d: requested_bytes", m.ops)
 	require.Equal(m.t, int64(len(m.live)), st.Allocation[StatAll].Current, "op %d: allocation count", m.ops)
+	require.Equal(m.t, m.peakRequested, st.RequestedBytes[StatAll].Peak, "op %d: requested_bytes peak", m.ops)
 	require.GreaterOrEqual(m.t, st.ReservedBytes[StatAll].Current, st.ActiveBytes[StatAll].Current)
 	require.GreaterOrEqual(m.t, st.ActiveBytes[StatAll].Current, st.AllocatedBytes[StatAll].Current)
 }
@@ -204,7 +246,12 @@ func (m *model) step() {
 	m.ops++
 	switch r := m.rng.IntN(100); {
 	case r < 40 || len(m.live) < 4:
-		if _, err := m.malloc(m.size(), m.stream()); err != nil {
+		size, s := m.size(), m.stream()
+		if k := len(m.recentFrees); m.front != nil && k > 0 && m.rng.IntN(2) == 0 {
+			b := m.recentFrees[k-1-m.rng.IntN(min(k, 3))]
+			size, s = b.size, b.stream
+		}
+		if _, err := m.malloc(size, s); err != nil {
 			return
 		}
 	case r < 75:
