@@ -127,8 +127,7 @@ func (a *Allocator) Scalar(k Scalar) int64 {
 // entries, as between a training loop's steps, it costs one load.
 func (a *Allocator) settleFront() {
 	if a.Pending() > 0 {
-		a.mu.Lock()
-		a.mu.Unlock()
+		a.DrainFront()
 	}
 }
 

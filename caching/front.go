@@ -113,6 +113,13 @@ func (a *Allocator) Pending() int {
 	return int(a.front.n.Load())
 }
 
+// DrainFront applies the front log's entries now (the C++ side asks when
+// its log is full).
+func (a *Allocator) DrainFront() {
+	a.mu.Lock()
+	a.mu.Unlock() //nolint:staticcheck // taking the mutex is the drain
+}
+
 // frontAllowed is when the front may serve and take frees. Called with
 // a.mu held, by every Unlock.
 func (a *Allocator) frontAllowed() bool { return a.history == nil && !a.capturing() }

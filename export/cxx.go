@@ -15,6 +15,8 @@ package main
 //	char* goalloc_pool_live_blocks(int device, unsigned long long id0, unsigned long long id1);
 //	char* goalloc_restore_pool(int device, unsigned long long id0, unsigned long long id1,
 //	                           const unsigned long long* blocks, int n);
+//	void* goalloc_front(int device);
+//	void  goalloc_front_drain(int device);
 //
 // The class evaluates PyTorch's pool filters itself and names the pool of
 // each allocation (caching/pools.go); a failed allocation hands back its
@@ -35,6 +37,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -191,6 +195,49 @@ func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.ulonglon
 		lib.report(err)
 	}
 	return cstring(json.Marshal(res))
+}
+
+// goalloc_front is device's front log (caching/front.go), which the C++
+// class's front (python/goalloc/csrc/goalloc_front.h) shares: Go memory
+// pinned for as long as the process runs. NULL when the configuration has
+// no front (front:false) or the device cannot be used.
+//
+//export goalloc_front
+func goalloc_front(device C.int) unsafe.Pointer {
+	a, err := lib.device(int(device))
+	if err != nil {
+		return nil
+	}
+	if f := a.Front(); f != nil {
+		return unsafe.Pointer(f)
+	}
+	return nil
+}
+
+// goalloc_front_drain applies what device's front log holds, for the C++
+// side when the log is full.
+//
+//export goalloc_front_drain
+func goalloc_front_drain(device C.int) {
+	if d := int(device); d >= 0 && d < maxDevices {
+		if a := lib.devices[d].Load(); a != nil {
+			a.DrainFront()
+		}
+	}
+}
+
+// frontPins keeps every device's front log at its address for the C++
+// side. Allocators live as long as the process, so nothing is unpinned;
+// a package variable, because a Pinner collected with pins held panics.
+var (
+	frontPinsMu sync.Mutex
+	frontPins   runtime.Pinner
+)
+
+func pinFront(f *caching.FrontLog) {
+	frontPinsMu.Lock()
+	defer frontPinsMu.Unlock()
+	frontPins.Pin(f)
 }
 
 // mallocIn allocates from the pool id (the general cache for the zero id).

@@ -35,6 +35,8 @@ from types import ModuleType
 from typing import Optional
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "goalloc_torch.cpp"
+#: What SOURCE includes from its folder: part of the source text.
+HEADERS = (Path(__file__).resolve().parent / "csrc" / "goalloc_front.h",)
 PACKAGE_BUILDS = Path(__file__).resolve().parent / "cxxbuild"
 
 #: What the fallback, torch's CUDAPluggableAllocator, cannot do (PyTorch 2.11).
@@ -68,7 +70,10 @@ def mode() -> str:
 def module_name() -> str:
     """The extension's name: one per source text, so that a changed source
     is a new module (Python cannot reload an extension of the same name)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    h = hashlib.sha256()
+    for f in (SOURCE, *HEADERS):
+        h.update(f.read_bytes())
+    digest = h.hexdigest()[:12]
     return f"goalloc_torch_{digest}"
 
 

@@ -1,6 +1,8 @@
-"""The alloc+free pair through torch.empty, three ways: PyTorch's native
+"""The alloc+free pair through torch.empty, four ways: PyTorch's native
 caching allocator, goalloc through its C++ allocator class (goalloc-cxx),
-and goalloc through torch's CUDAPluggableAllocator (goalloc-pluggable).
+the same with the class's front turned off (goalloc-cxx-nofront,
+GOALLOC_CONF=front:false: every request and free calls into Go), and
+goalloc through torch's CUDAPluggableAllocator (goalloc-pluggable).
 
 Cases: 4 KiB, 1 MiB and 64 MiB tensors made and dropped in a Python loop,
 and a burst of 64 tensors of mixed sizes made, then dropped. Each round runs
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("native", "goalloc-cxx", "goalloc-pluggable")
+MODES = ("native", "goalloc-cxx", "goalloc-cxx-nofront", "goalloc-pluggable")
 KiB, MiB = 1 << 10, 1 << 20
 # (case, size or None for the burst, pairs per measurement)
 CASES = (("4KiB", 4 * KiB, 20000), ("1MiB", MiB, 20000), ("64MiB", 64 * MiB, 5000), ("burst64", None, 400))
@@ -43,7 +45,7 @@ def child(mode: str) -> dict:
 
         goalloc.install()
         info["cxx"] = _cxx.installed()
-        if (mode == "goalloc-cxx") != info["cxx"]:
+        if mode.startswith("goalloc-cxx") != info["cxx"]:
             raise SystemExit(f"{mode}: the C++ class is {'' if info['cxx'] else 'not '}installed "
                              f"({_cxx.failure()})")
     torch.cuda.init()
@@ -93,8 +95,10 @@ def main() -> int:
         for mode in MODES:
             env = dict(os.environ)
             env.setdefault("GOALLOC_LIBRARY", str(ROOT / "build" / "libgoalloc.so"))
-            env["GOALLOC_CXX"] = "1" if mode == "goalloc-cxx" else "0"
+            env["GOALLOC_CXX"] = "1" if mode.startswith("goalloc-cxx") else "0"
             env.pop("GOALLOC_CONF", None)
+            if mode == "goalloc-cxx-nofront":
+                env["GOALLOC_CONF"] = "front:false"
             proc = subprocess.run([sys.executable, __file__, "--child", mode], env=env, cwd=ROOT,
                                   capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:

@@ -46,6 +46,10 @@ if want cxx; then
   else
     timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cxx_gpu.py -k "not compile" 2>&1 | tail -40 || status=1
   fi
+  # The class alone against torch's headers and c10 (tests/c/cxx_class_test.cpp);
+  # -o lib: the library came built in build/ (no Go here).
+  timeout 300 make -o lib cxxtest TORCH="$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')" 2>&1 | tail -15
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 if want cxxcompile; then
   step cxxcompile

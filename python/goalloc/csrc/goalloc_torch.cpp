@@ -11,7 +11,15 @@
 // It derives from CUDAAllocator, not from CUDAPluggableAllocator: it would
 // override every method of the pluggable class but copy_data, and the
 // pluggable class's allocation path keeps a map of every live pointer under
-// a mutex, which goalloc does not need (it finds a block from its address).
+// a mutex (std::unordered_map, a node allocated per tensor). goalloc finds a
+// block from its address; the class's own table (goalloc_front.h) holds
+// only what its front needs, in one open-addressed array.
+//
+// The front: a tensor freed and a tensor of the same size asked for on the
+// same stream, the commonest pair in a training step, are served here
+// without calling into Go, and frees reach Go in batches, through a log Go
+// shares (goalloc_front.h; caching/front.go). Every figure stays exact: Go
+// applies the log before anything else touches the device.
 //
 // libgoalloc.so is opened with dlopen from the path the Python package
 // gives, so that this extension is built once per torch version, wherever
@@ -32,6 +40,8 @@
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
+
+#include "goalloc_front.h"
 
 #include <atomic>
 #include <cstdint>
@@ -80,6 +90,8 @@ struct Library {
   int (*record_history)(int);
   char* (*last_error)(void);
   void (*string_free)(char*);
+  void* (*front_log)(int);
+  void (*front_drain)(int);
 };
 
 Library lib;
@@ -121,6 +133,8 @@ void open_library(const std::string& path) {
   GOALLOC_SYM(record_history, "goalloc_record_history");
   GOALLOC_SYM(last_error, "goalloc_last_error");
   GOALLOC_SYM(string_free, "goalloc_string_free");
+  GOALLOC_SYM(front_log, "goalloc_front");
+  GOALLOC_SYM(front_drain, "goalloc_front_drain");
 #undef GOALLOC_SYM
   TORCH_CHECK(missing.empty(), "goalloc: ", path, " lacks", missing,
               "; it is older than this allocator class: rebuild it (make lib)");
@@ -261,6 +275,12 @@ Json parse(char* s) {
 
 void raw_delete_fn(void* ptr);
 
+// The front (goalloc_front.h): a freed block served again to the next
+// request of its stream and size, and frees handed to Go in batches.
+void* front_log_of(int device) { return lib.front_log(device); }
+void front_drain(int device) { lib.front_drain(device); }
+goalloc_front::Front front(&front_log_of, &front_drain);
+
 // A pool checkpoint: the live blocks of a private pool, as
 // goalloc_pool_live_blocks lists them (address, size, requested, stream).
 struct PoolState : CCA::AllocatorState {
@@ -290,13 +310,19 @@ class GoallocAllocator : public CCA::CUDAAllocator {
 
   void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
     ull id0 = 0, id1 = 0;
+    uint64_t s = reinterpret_cast<uintptr_t>(stream);
     if (open_windows_.load(std::memory_order_acquire) > 0) {
       pool_for(device, stream, &id0, &id1);
+    } else if (void* p = front.take(device, s, size)) {
+      return p;
     }
     int oom = 0;
     char* err = nullptr;
     void* p = lib.pool_malloc(size, device, stream, id0, id1, &oom, &err);
-    if (p != nullptr) return p;
+    if (p != nullptr) {
+      if (id0 == 0 && id1 == 0) front.track(p, device, s, size);
+      return p;
+    }
     std::string msg = err != nullptr ? std::string(err) : last_error();
     if (err != nullptr) lib.string_free(err);
     if (oom) {
@@ -321,7 +347,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   void raw_delete(void* ptr) override {
-    if (ptr != nullptr) check(lib.free_ptr(ptr));
+    if (ptr != nullptr && !front.give(ptr)) check(lib.free_ptr(ptr));
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const final {
@@ -365,6 +391,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     // An empty tensor has no block; a pointer another allocator made (a
     // tensor shared from another process) is not goalloc's to track.
     if (ptr.get() == nullptr || ptr.get_deleter() != &raw_delete_fn) return;
+    front.forget(ptr.get());  // its free goes to Go, which waits for the other stream
     lib.record_stream(ptr.get(), stream.stream());
   }
 
@@ -707,7 +734,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
 // PyTorch's CUDA graph trees compare the two. A deleter must not throw; a
 // bad free is counted and reported by goalloc.
 void raw_delete_fn(void* ptr) {
-  if (ptr != nullptr) (void)lib.free_ptr(ptr);
+  if (ptr != nullptr && !front.give(ptr)) (void)lib.free_ptr(ptr);
 }
 
 #ifndef GOALLOC_TORCH_NO_MODULE
