@@ -196,6 +196,9 @@ def main() -> int:
         if args.new_shapes > 0:
             out["new_shapes"] = run_new_shapes(torch, args, model, opt, forward, dev, shape)
         if alloc.goalloc is not None:
+            from goalloc import _cxx
+
+            out["cxx_class"] = _cxx.installed()  # else torch's pluggable class
             st = alloc.goalloc.memory_stats(0)
             out["goalloc_stats"] = {k: v for k, v in st.items() if k.startswith("goalloc.") or k.startswith("num_")}
     with open(args.out, "w") as f:

@@ -114,8 +114,9 @@ func (m *statsMutex) set(k Scalar, v int64) {
 
 // Scalar returns one published figure without taking the mutex: its value
 // after the last call that completed. k must be in [0, NumScalars). (The
-// one exception: a reserved figure of a pool that releases memory on its
-// own is read again first, under the mutex; see reservedFigure.)
+// exceptions: frees waiting in the front log are applied first, under the
+// mutex (settleFront); a reserved figure of a pool that releases memory on
+// its own is read again first, under the mutex; see reservedFigure.)
 func (a *Allocator) Scalar(k Scalar) int64 {
 	a.settleFront()
 	a.reservedFigure(k)

@@ -87,10 +87,7 @@ const FrontLogSize = 16 + FrontCap*32
 
 var _ = [1]struct{}{}[unsafe.Sizeof(FrontLog{})-FrontLogSize] // the layout above, checked at compile time
 
-func newFrontLog() *FrontLog {
-	f := &FrontLog{size: FrontLogSize}
-	return f
-}
+func newFrontLog() *FrontLog { return &FrontLog{size: FrontLogSize} }
 
 func (f *FrontLog) acquire() {
 	for !f.lock.CompareAndSwap(0, 1) {
@@ -135,8 +132,10 @@ func (a *Allocator) drainFront() {
 	f.n.Store(0)
 	f.release()
 	// Applied outside the spinlock: a free may call the device.
+	a.stats.FrontFrees += int64(n)
 	for _, e := range buf[:n] {
 		if e.Recycled != 0 {
+			a.stats.FrontRecycled++
 			a.countRecycled(uintptr(e.Ptr))
 			continue
 		}

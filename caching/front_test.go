@@ -109,6 +109,9 @@ func TestPropertyRandomOpsThroughFront(t *testing.T) {
 		m.drain()
 		require.Zero(t, m.a.Pending())
 		require.NotZero(t, m.front.recycled)
+		st := m.a.Stats()
+		require.Equal(t, int64(m.front.given), st.FrontFrees, "every free written to the log was applied once")
+		require.Equal(t, int64(m.front.recycled), st.FrontRecycled)
 		t.Logf("seed %d: %d frees through the front, %d of them handed out again", seed, m.front.given, m.front.recycled)
 	})
 }
@@ -152,6 +155,11 @@ func TestFrontRecycledPairCountsAsFreeAndHit(t *testing.T) {
 				}
 				st := a.Stats()
 				st.DeviceAllocP50Ns, st.DeviceAllocP99Ns, st.DeviceAllocMaxNs = 0, 0, 0 // timings
+				if front {
+					require.Equal(t, int64(1), st.FrontFrees)
+					require.Equal(t, int64(1), st.FrontRecycled)
+					st.FrontFrees, st.FrontRecycled = 0, 0 // the front's own counters
+				}
 				require.Zero(t, a.Pending())
 				require.NoError(t, a.CheckInvariants())
 				return st, p, q

@@ -78,6 +78,10 @@ type Stats struct {
 	CacheHits, CacheMisses int64
 	DeferredFrees          int64 // frees that had to wait for other streams' events
 	EventErrors            int64 // failed event records and queries (those frees wait for a synchronisation)
+	// Frees the C++ class's front passed in its log, and how many of those it
+	// handed out again before Go saw them (front.go); both are also counted
+	// as ordinary frees, and a recycled one as a cache hit.
+	FrontFrees, FrontRecycled int64
 	// How long the cache misses' calls to the memory source took, in ns
 	// (arena.Counting's histogram: within 12.5%), and how many were timed.
 	DeviceAllocCount, DeviceAllocP50Ns, DeviceAllocP99Ns, DeviceAllocMaxNs int64
@@ -141,6 +145,8 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.cache_misses"] = s.CacheMisses
 	m["goalloc.deferred_frees"] = s.DeferredFrees
 	m["goalloc.event_errors"] = s.EventErrors
+	m["goalloc.front.frees"] = s.FrontFrees
+	m["goalloc.front.recycled"] = s.FrontRecycled
 	m["goalloc.own_reserved_bytes.current"] = s.OwnReserved.Current
 	m["goalloc.own_reserved_bytes.peak"] = s.OwnReserved.Peak
 	m["goalloc.device_alloc_ns.count"] = s.DeviceAllocCount
@@ -279,6 +285,7 @@ func (a *Allocator) ResetAccumulatedStats() {
 	a.counting.ResetCounts()
 	a.deferred.Errors = 0
 	st.CacheHits, st.CacheMisses, st.DeferredFrees = 0, 0, 0
+	st.FrontFrees, st.FrontRecycled = 0, 0
 }
 
 // Fragmentation reports the cached free memory and how scattered it is.

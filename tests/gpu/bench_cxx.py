@@ -76,6 +76,10 @@ def child(mode: str) -> dict:
             out[case] = (time.perf_counter_ns() - t0) / (pairs * len(BURST)) / 1000
     info["us_per_pair"] = out
     info["allocated_after"] = torch.cuda.memory_allocated()
+    if mode != "native":
+        st = goalloc.memory_stats(0)
+        info["goalloc_counts"] = {k: st.get(k) for k in (
+            "goalloc.cache_hits", "goalloc.cache_misses", "goalloc.front.frees", "goalloc.front.recycled")}
     return info
 
 
