@@ -86,9 +86,12 @@ demo: lib tool
 		echo "report: report/gpt2.html"; \
 	fi
 
-## bench: the cache-hit malloc+free pair from Go and through the C ABI (tag goalloc_bench)
-bench:
+## bench: the cache-hit malloc+free pair from Go and through the C ABI (tag goalloc_bench),
+## and through the C++ class's front (tests/c/front_bench.cpp)
+bench: lib
 	$(GO) test -tags goalloc_bench -run '^$$' -bench . -benchmem ./export ./caching
+	c++ -O2 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/front_bench.cpp -o $(BUILD)/front_bench -ldl
+	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/front_bench $(BUILD)/libgoalloc.so
 
 clean:
 	rm -rf $(BUILD) dist python/goalloc/libgoalloc.so python/goalloc/bin python/goalloc.egg-info

@@ -279,7 +279,10 @@ void raw_delete_fn(void* ptr);
 // request of its stream and size, and frees handed to Go in batches.
 void* front_log_of(int device) { return lib.front_log(device); }
 void front_drain(int device) { lib.front_drain(device); }
-goalloc_front::Front front(&front_log_of, &front_drain);
+// Never destroyed: torch frees tensors it keeps in its own statics (cuBLAS
+// workspaces) while the process exits, after this library's statics would
+// have gone, and each of those frees asks the front first.
+goalloc_front::Front& front = *new goalloc_front::Front(&front_log_of, &front_drain);
 
 // A pool checkpoint: the live blocks of a private pool, as
 // goalloc_pool_live_blocks lists them (address, size, requested, stream).
