@@ -968,3 +968,32 @@ def test_steady_summary_is_medians_against_native(tmp_path: Path):
     assert "step  24.00 ms (0.917x native's throughput)" in vmm and "new-shape step  240.00 ms" in vmm
     assert "host  23.00 ms" in vmm and "allocations 1170" in vmm
     assert any(x.startswith("native") and "(1.000x" in x for x in lines)
+
+
+def test_front_coverage_follows_the_fronts_rule():
+    """bench/front_coverage.py: a request is served by the front only from a
+    free of its stream and size made since the last request that went to Go;
+    a request that goes to Go empties the log; a full log is drained."""
+    fc = load("front_coverage")
+
+    def alloc(addr: int, size: int, stream: int = 0) -> dict:
+        return {"a": "alloc", "addr": addr, "size": size, "stream": stream}
+
+    def free(addr: int) -> dict:
+        return {"a": "free_requested", "addr": addr}
+
+    events = [
+        alloc(1, 1024), free(1), alloc(2, 1024),  # served: same stream and size
+        free(2), alloc(3, 1024, stream=7),        # another stream: into Go, which drains
+        alloc(4, 1024),                           # the free of 2 was drained: into Go
+        free(4), free(3), alloc(5, 2048),         # no free of that size: into Go
+        free(99),                                 # allocated before the trace: ignored
+    ]
+    c = fc.coverage(events)
+    assert (c["allocations"], c["served_by_front"], c["into_go"], c["frees"]) == (5, 1, 4, 4)
+
+    many = [alloc(i, 512) for i in range(70)] + [free(i) for i in range(70)] + [alloc(100 + i, 512) for i in range(10)]
+    c = fc.coverage(many)
+    assert c["full_log_drains"] == 1
+    # 70 frees into a log of 64: one drain, then 6 entries left, each served once.
+    assert c["served_by_front"] == 6
