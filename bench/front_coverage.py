@@ -12,6 +12,11 @@ that rule, with a log of 64 entries drained when full, and counts:
 
 The traces record block sizes (rounded to 512 bytes), not the sizes asked
 for, which the front matches: the figure is an upper bound.
+
+--keep N estimates a front that goalloc does not have: one that keeps up to
+N freed blocks across Go's requests (Go counting them as freed when it next
+drains, the front handing them out later), so that a request is served by
+any kept block of its stream and size, the oldest dropped past N.
 """
 from __future__ import annotations
 
@@ -55,6 +60,33 @@ def coverage(events: Iterable[dict]) -> dict:
             "served_share": served / allocs if allocs else 0.0}
 
 
+def coverage_kept(events: Iterable[dict], keep: int) -> dict:
+    """Counts for a front that keeps up to `keep` freed blocks across requests."""
+    kept: dict[int, tuple[int, int]] = {}  # address -> (stream, size), oldest first
+    live: dict[int, tuple[int, int]] = {}
+    allocs = served = 0
+    for e in events:
+        action = e.get("a")
+        if action == "alloc":
+            allocs += 1
+            key = (e["stream"], e["size"])
+            for addr in reversed(list(kept)):
+                if kept[addr] == key:
+                    del kept[addr]
+                    served += 1
+                    break
+            live[e["addr"]] = key
+        elif action == "free_requested":
+            key = live.pop(e["addr"], None)
+            if key is None:
+                continue
+            kept[e["addr"]] = key
+            if len(kept) > keep:
+                del kept[next(iter(kept))]
+    return {"allocations": allocs, "served_by_front": served, "into_go": allocs - served,
+            "served_share": served / allocs if allocs else 0.0}
+
+
 def read(path: str) -> Iterable[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -64,11 +96,26 @@ def read(path: str) -> Iterable[dict]:
 
 
 def main(argv: list[str]) -> int:
+    keep = None
+    if len(argv) >= 2 and argv[0] == "--keep":
+        try:
+            keep = int(argv[1])
+        except ValueError:
+            keep = -1
+        if keep < 1:
+            print(f"front_coverage: --keep takes a number of blocks >= 1, not {argv[1]!r}", file=sys.stderr)
+            return 2
+        argv = argv[2:]
     if not argv:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
-        print("usage: python3 bench/front_coverage.py TRACE.jsonl[.gz] ...", file=sys.stderr)
+        print("usage: python3 bench/front_coverage.py [--keep N] TRACE.jsonl[.gz] ...", file=sys.stderr)
         return 2
     for path in argv:
+        if keep is not None:
+            c = coverage_kept(read(path), keep)
+            print(f"{path}: {c['allocations']:,} allocations, {c['served_by_front']:,} served by a front keeping "
+                  f"{keep} freed blocks ({c['served_share']:.1%}), {c['into_go']:,} into Go")
+            continue
         c = coverage(read(path))
         print(f"{path}: {c['allocations']:,} allocations, {c['served_by_front']:,} served by the front "
               f"({c['served_share']:.1%}), {c['into_go']:,} into Go; {c['frees']:,} frees, "

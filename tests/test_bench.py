@@ -997,3 +997,10 @@ def test_front_coverage_follows_the_fronts_rule():
     assert c["full_log_drains"] == 1
     # 70 frees into a log of 64: one drain, then 6 entries left, each served once.
     assert c["served_by_front"] == 6
+
+    # A front keeping freed blocks across requests serves what the real one
+    # lost to the drain: the 1024-byte request after the request into Go.
+    k = fc.coverage_kept(events, keep=64)
+    assert (k["allocations"], k["served_by_front"]) == (5, 2)
+    assert fc.coverage_kept(many, keep=64)["served_by_front"] == 10
+    assert fc.coverage_kept(many, keep=5)["served_by_front"] == 5
