@@ -133,8 +133,8 @@ func (a *Allocator) settleFront() {
 }
 
 // Scalars fills out with the published figures in Scalar order, as many as
-// fit, without taking the mutex (but for reservedFigure's exception), and
-// returns how many it wrote.
+// fit, without taking the mutex (but for Scalar's exceptions), and returns
+// how many it wrote.
 func (a *Allocator) Scalars(out []int64) int {
 	n := min(len(out), int(NumScalars))
 	a.settleFront()
