@@ -8,8 +8,9 @@ import (
 )
 
 // The front: a log shared with goalloc's C++ allocator class for PyTorch,
-// through which the class serves the commonest pair, a free and then a
-// request of the same size on the same stream, without calling Go.
+// through which the class passes frees to Go without a call of their own,
+// and serves a request right after a free of the same size on the same
+// stream without calling Go at all.
 //
 // Glossary:
 //

@@ -15,9 +15,9 @@
 // block from its address; the class's own table (goalloc_front.h) holds
 // only what its front needs, in one open-addressed array.
 //
-// The front: a tensor freed and a tensor of the same size asked for on the
-// same stream, the commonest pair in a training step, are served here
-// without calling into Go, and frees reach Go in batches, through a log Go
+// The front: frees reach Go in batches, and a tensor freed and then a
+// tensor of the same size asked for on the same stream, before any other
+// request went to Go, are served here without calling into Go, through a log Go
 // shares (goalloc_front.h; caching/front.go). Every figure stays exact: Go
 // applies the log before anything else touches the device.
 //
