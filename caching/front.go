@@ -32,10 +32,11 @@ import (
 //     (countRecycled).
 //
 // Why: a call from C into Go costs 60-90 ns on the H200 machine, and a
-// PyTorch tensor's allocation and free cross twice, for about 100 ns of Go
-// work; PyTorch's own allocator does the pair in less than the two
-// crossings. Through the front a recycled pair crosses never, and pending
-// frees cross once for up to FrontCap of them.
+// PyTorch tensor's allocation and free crossed twice, for about 100 ns of
+// Go work, which put the torch.empty pair 0.1-0.3 us above PyTorch's own
+// allocator's (BENCHMARKS.md). Through the front a recycled pair crosses
+// never, and pending frees ride on the next call into Go, or cross once
+// for FrontCap of them.
 //
 // Why it stays exact. Every operation on the allocator takes its mutex,
 // and statsMutex.Lock drains the log before anything else, so Go applies a
