@@ -101,6 +101,16 @@ def test_missing_names_every_tool(fake_torch, monkeypatch):
     assert "ninja" in lacks
 
 
+def test_the_module_name_follows_the_headers_too(tmp_path, monkeypatch):
+    """A changed header is a new module: the class is rebuilt, not reused."""
+    assert all(h.is_file() for h in _cxx.HEADERS)
+    before = _cxx.module_name()
+    header = tmp_path / "goalloc_front.h"
+    header.write_bytes(_cxx.HEADERS[0].read_bytes() + b"// changed\n")
+    monkeypatch.setattr(_cxx, "HEADERS", (header,))
+    assert _cxx.module_name() != before
+
+
 def test_builds_are_kept_per_torch_and_python_version(fake_torch):
     tag = _cxx.build_tag(fake_torch)
     assert tag.startswith("torch-0.0_fake-py3")

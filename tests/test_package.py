@@ -248,6 +248,10 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
         tool = zf.getinfo("goalloc/bin/goalloc")
         assert tool.external_attr >> 16 & 0o111, "the tool must be executable"
         assert "goalloc/libgoalloc.so" in zf.namelist()
+        # The C++ class is built from the installed package: its source and
+        # every header it includes ship with it.
+        for f in (_cxx_sources()):
+            assert f"goalloc/csrc/{f}" in zf.namelist(), f
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
@@ -286,3 +290,10 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
         bad = subprocess.run(cmd + ["replay", "--device", "abacus"], cwd=away, env=env,
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2, bad.stderr
+
+
+def _cxx_sources() -> list[str]:
+    """The file names the C++ class is built from (goalloc._cxx's SOURCE and HEADERS)."""
+    from goalloc import _cxx
+
+    return [_cxx.SOURCE.name] + [h.name for h in _cxx.HEADERS]
