@@ -8,89 +8,6 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// testFront does in Go what goalloc's C++ class does with the front log
-// (python/goalloc/csrc/goalloc_front.h), step for step: it tracks the live
-// blocks of the general cache it was handed, writes frees into the log,
-// and hands a pending free out again to a request of its stream and size.
-type testFront struct {
-	mu   sync.Mutex // the C++ side's table lock, taken before the log's
-	live map[uintptr]frontBlock
-	// given and recycled count the frees written and handed out again.
-	given, recycled int
-}
-
-type frontBlock struct {
-	stream    arena.Stream
-	requested uint64
-}
-
-func newTestFront() *testFront { return &testFront{live: map[uintptr]frontBlock{}} }
-
-// track records a block Malloc returned from the general cache.
-func (f *testFront) track(p uintptr, size uint64, s arena.Stream) {
-	if size == 0 {
-		return // PyTorch never asks for 0 bytes: the class answers it
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.live[p] = frontBlock{stream: s, requested: size}
-}
-
-// take is a pending free of stream s and size bytes handed out again, or 0.
-func (f *testFront) take(a *Allocator, size uint64, s arena.Stream) uintptr {
-	if size == 0 {
-		return 0
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	l := a.Front()
-	l.acquire()
-	defer l.release()
-	if l.enabled.Load() == 0 {
-		return 0
-	}
-	for i := int(l.n.Load()) - 1; i >= 0; i-- {
-		e := &l.entries[i]
-		if e.Recycled == 0 && e.Stream == uint64(s) && e.Requested == size {
-			e.Recycled = 1
-			f.recycled++
-			f.live[uintptr(e.Ptr)] = frontBlock{stream: s, requested: size}
-			return uintptr(e.Ptr)
-		}
-	}
-	return 0
-}
-
-// give writes the free of p into the log; false: the caller frees it
-// through Go (not tracked, log full, or the front off).
-func (f *testFront) give(a *Allocator, p uintptr) bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	b, ok := f.live[p]
-	if !ok {
-		return false
-	}
-	delete(f.live, p)
-	l := a.Front()
-	l.acquire()
-	defer l.release()
-	n := l.n.Load()
-	if l.enabled.Load() == 0 || n == FrontCap {
-		return false
-	}
-	l.entries[n] = FrontEntry{Ptr: uint64(p), Stream: uint64(b.stream), Requested: b.requested}
-	l.n.Store(n + 1)
-	f.given++
-	return true
-}
-
-// forget drops p (record_stream gave it to another stream).
-func (f *testFront) forget(p uintptr) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	delete(f.live, p)
-}
-
 // The property test's random operations with every request and free going
 // through the front first, and the checks every seventh step only, so that
 // pending and recycled entries pile up between drains: no overlap, no
@@ -99,7 +16,7 @@ func (f *testFront) forget(p uintptr) {
 func TestPropertyRandomOpsThroughFront(t *testing.T) {
 	modelSeeds(t, 31, 36, 4000, func(t *testing.T, seed uint64, cfg Config, steps int) {
 		m := newModel(t, seed, cfg, 8<<30)
-		m.front = newTestFront()
+		m.front = NewFrontEmulator()
 		for i := 0; i < steps; i++ {
 			m.step()
 			if i%7 == 0 {
@@ -108,11 +25,11 @@ func TestPropertyRandomOpsThroughFront(t *testing.T) {
 		}
 		m.drain()
 		require.Zero(t, m.a.Pending())
-		require.NotZero(t, m.front.recycled)
+		require.NotZero(t, m.front.Recycled)
 		st := m.a.Stats()
-		require.Equal(t, int64(m.front.given), st.FrontFrees, "every free written to the log was applied once")
-		require.Equal(t, int64(m.front.recycled), st.FrontRecycled)
-		t.Logf("seed %d: %d frees through the front, %d of them handed out again", seed, m.front.given, m.front.recycled)
+		require.Equal(t, int64(m.front.Given), st.FrontFrees, "every free written to the log was applied once")
+		require.Equal(t, int64(m.front.Recycled), st.FrontRecycled)
+		t.Logf("seed %d: %d frees through the front, %d of them handed out again", seed, m.front.Given, m.front.Recycled)
 	})
 }
 
@@ -135,7 +52,7 @@ func TestFrontRecycledPairCountsAsFreeAndHit(t *testing.T) {
 			run := func(front bool) (Stats, uintptr, uintptr) {
 				a, err := New(arena.NewSim(0, 0), DefaultConfig())
 				require.NoError(t, err)
-				f := newTestFront()
+				f := NewFrontEmulator()
 				var p uintptr
 				for _, size := range tc.sizes {
 					p, err = a.Malloc(size, tc.stream)
@@ -180,7 +97,7 @@ func TestFrontRecycledPairCountsAsFreeAndHit(t *testing.T) {
 func TestFrontPendingFreesAreSeenBeforeTheNextCall(t *testing.T) {
 	a, err := New(arena.NewSim(0, 0), DefaultConfig())
 	require.NoError(t, err)
-	f := newTestFront()
+	f := NewFrontEmulator()
 	x, err := a.Malloc(10<<20, 0)
 	require.NoError(t, err)
 	f.track(x, 10<<20, 0)
@@ -208,7 +125,7 @@ func TestFrontPendingFreesAreSeenBeforeTheNextCall(t *testing.T) {
 func TestFrontOffWhileHistoryOrCapture(t *testing.T) {
 	a, err := New(arena.NewSim(0, 0), DefaultConfig())
 	require.NoError(t, err)
-	f := newTestFront()
+	f := NewFrontEmulator()
 	p, err := a.Malloc(1<<20, 0)
 	require.NoError(t, err)
 	f.track(p, 1<<20, 0)
@@ -250,7 +167,7 @@ func TestFrontOffWhileHistoryOrCapture(t *testing.T) {
 func TestFrontConcurrent(t *testing.T) {
 	a, err := New(arena.NewSim(0, 0), DefaultConfig())
 	require.NoError(t, err)
-	f := newTestFront()
+	f := NewFrontEmulator()
 	sizes := []uint64{512, 4096, 1 << 20, 3 << 20}
 	var wg sync.WaitGroup
 	for g := 0; g < 4; g++ {

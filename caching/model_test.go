@@ -36,9 +36,9 @@ type model struct {
 	stalled map[arena.Stream]bool
 	streams []arena.Stream
 	ops     int
-	// front, when set, is the C++ class's front (front_test.go): requests
+	// front, when set, is the C++ class's front (front_emulator.go): requests
 	// and frees go through it first, as they do in PyTorch.
-	front *testFront
+	front *FrontEmulator
 	// peakRequested is the most bytes the user held at once.
 	peakRequested int64
 	// recentFrees are the sizes and streams of the last frees: with a
