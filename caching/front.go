@@ -130,6 +130,10 @@ func (a *Allocator) drainFront() {
 	var buf [FrontCap]FrontEntry
 	f.acquire()
 	n := f.n.Load()
+	if n > FrontCap { // never written so; a count past the entries would crash the copy
+		_ = a.badInput("invalid_argument", fmt.Sprintf("front log of device %d claims %d entries, more than its %d; the extra ones are dropped", a.dev.Ordinal(), n, FrontCap))
+		n = FrontCap
+	}
 	copy(buf[:n], f.entries[:n])
 	f.n.Store(0)
 	f.release()

@@ -118,6 +118,26 @@ func TestFrontPendingFreesAreSeenBeforeTheNextCall(t *testing.T) {
 	require.NoError(t, a.Free(z, 20<<20, 0))
 }
 
+// A log whose count was corrupted past its entries (the C++ side never
+// writes one) is reported as bad input and drained as far as it goes,
+// without crashing, and the allocator stays consistent.
+func TestFrontLogCountPastItsEntries(t *testing.T) {
+	a, err := New(arena.NewSim(0, 0), DefaultConfig())
+	require.NoError(t, err)
+	p, err := a.Malloc(1<<20, 0)
+	require.NoError(t, err)
+	f := a.Front()
+	f.acquire()
+	f.entries[0] = FrontEntry{Ptr: uint64(p), Requested: 1 << 20}
+	f.n.Store(FrontCap + 5)
+	f.release()
+	st := a.Stats()
+	require.Equal(t, int64(1), st.BadInput["invalid_argument"])
+	require.Zero(t, a.Pending())
+	require.Zero(t, st.Allocation[StatAll].Current, "the one real entry was applied")
+	require.NoError(t, a.CheckInvariants())
+}
+
 // The front is off while history is recorded (each event is timed as it
 // happens) and while a capture window is open; Go publishes that at every
 // Unlock, and the frees then go to Go. GOALLOC_CONF's front:false leaves

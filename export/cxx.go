@@ -16,7 +16,7 @@ package main
 //	char* goalloc_restore_pool(int device, unsigned long long id0, unsigned long long id1,
 //	                           const unsigned long long* blocks, int n);
 //	void* goalloc_front(int device);
-//	void  goalloc_front_drain(int device);
+//	int   goalloc_front_drain(int device);
 //
 // The class evaluates PyTorch's pool filters itself and names the pool of
 // each allocation (caching/pools.go); a failed allocation hands back its
@@ -215,15 +215,20 @@ func goalloc_front(device C.int) unsafe.Pointer {
 }
 
 // goalloc_front_drain applies what device's front log holds, for the C++
-// side when the log is full.
+// side when the log is full: 0, or -1 for a device that does not exist
+// (the message in goalloc_last_error). A device not used yet has nothing
+// to drain.
 //
 //export goalloc_front_drain
-func goalloc_front_drain(device C.int) {
-	if d := int(device); d >= 0 && d < maxDevices {
-		if a := lib.devices[d].Load(); a != nil {
-			a.DrainFront()
-		}
+func goalloc_front_drain(device C.int) C.int {
+	d := int(device)
+	if err := lib.checkDevice(d); err != nil {
+		return -1
 	}
+	if a := lib.existingDevice(d); a != nil {
+		a.DrainFront()
+	}
+	return 0
 }
 
 // frontPins keeps every device's front log at its address for the C++

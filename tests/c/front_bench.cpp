@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   pool_malloc = reinterpret_cast<decltype(pool_malloc)>(dlsym(lib, "goalloc_pool_malloc"));
   free_ptr = reinterpret_cast<decltype(free_ptr)>(dlsym(lib, "goalloc_free_ptr"));
   auto log_of = reinterpret_cast<void* (*)(int)>(dlsym(lib, "goalloc_front"));
-  auto drain = reinterpret_cast<void (*)(int)>(dlsym(lib, "goalloc_front_drain"));
+  auto drain = reinterpret_cast<int (*)(int)>(dlsym(lib, "goalloc_front_drain"));
   if (!pool_malloc || !free_ptr || !log_of || !drain) {
     std::fprintf(stderr, "libgoalloc.so lacks a symbol\n");
     return 1;

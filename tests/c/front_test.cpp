@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -39,7 +40,9 @@ static long long (*stat)(int, int);
 static int (*check_invariants)(int);
 static int (*record_history)(int);
 static void* (*front_log)(int);
-static void (*front_drain)(int);
+static int (*front_drain)(int);
+static char* (*last_error)(void);
+static void (*string_free)(char*);
 
 constexpr int kFigures = 9 * 3 * 4 + 5;
 // Offsets in DeviceStats's figures: allocation and allocated_bytes, "all".
@@ -123,8 +126,10 @@ int main(int argc, char** argv) {
   SYM(record_history, "goalloc_record_history");
   SYM(front_log, "goalloc_front");
   SYM(front_drain, "goalloc_front_drain");
+  SYM(last_error, "goalloc_last_error");
+  SYM(string_free, "goalloc_string_free");
   if (!pool_malloc || !free_ptr || !device_stats || !stat || !check_invariants || !record_history || !front_log ||
-      !front_drain) {
+      !front_drain || !last_error || !string_free) {
     std::fprintf(stderr, "libgoalloc.so lacks a symbol\n");
     return 1;
   }
@@ -233,16 +238,30 @@ int main(int argc, char** argv) {
 
   table_against_reference();
 
+  // Bad devices: no log, a drain refused with goalloc's message, and the
+  // device that exists goes on working.
+  {
+    EXPECT(front_log(99) == nullptr && front_log(-1) == nullptr, "a log for a device that does not exist");
+    EXPECT(front_drain(99) == -1 && front_drain(-1) == -1, "a drain of a device that does not exist");
+    char* msg = last_error();
+    EXPECT(msg != nullptr && std::strstr(msg, "device -1 does not exist") != nullptr, "last error: %s", msg ? msg : "");
+    if (msg != nullptr) string_free(msg);
+    EXPECT(front_drain(0) == 0, "drain of device 0");
+    void* p = alloc(front, 4096, 0x10);
+    release(front, p);
+    EXPECT(check_invariants(0) == 0, "invariants");
+  }
+
   // A log of another layout (a library of another version) is not used.
   {
     static goalloc_front::Log other{};
     other.size = 1;
     other.enabled = 1;
-    Front stale([](int) -> void* { return &other; }, [](int) {});
+    Front stale([](int) -> void* { return &other; }, [](int) { return 0; });
     int x;
     stale.track(&x, 0, 0, 512);
     EXPECT(stale.tracked() == 0 && !stale.give(&x), "a foreign log was used");
-    Front none([](int) -> void* { return nullptr; }, [](int) {});
+    Front none([](int) -> void* { return nullptr; }, [](int) { return 0; });
     none.track(&x, 0, 0, 512);
     EXPECT(none.tracked() == 0 && none.take(0, 0, 512) == nullptr, "no log, no front");
   }

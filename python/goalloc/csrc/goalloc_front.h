@@ -166,11 +166,11 @@ class BlockTable {
 
 // The front. log_of(device) is the library's goalloc_front: the device's
 // log, or NULL when it has none (GOALLOC_CONF front:false); drain(device)
-// its goalloc_front_drain.
+// its goalloc_front_drain (which cannot fail for a device that has a log).
 class Front {
  public:
   using LogOf = void* (*)(int);
-  using Drain = void (*)(int);
+  using Drain = int (*)(int);
 
   Front(LogOf log_of, Drain drain) : log_of_(log_of), drain_(drain) {
     for (auto& l : logs_) l.store(nullptr, std::memory_order_relaxed);
@@ -234,7 +234,7 @@ class Front {
         }
       }
       if (attempt == 1) return false;  // filled again meanwhile by other threads
-      drain_(blk.device);               // a call into Go, outside every lock here
+      (void)drain_(blk.device);         // a call into Go, outside every lock here
     }
   }
 

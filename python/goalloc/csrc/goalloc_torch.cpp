@@ -91,7 +91,7 @@ struct Library {
   char* (*last_error)(void);
   void (*string_free)(char*);
   void* (*front_log)(int);
-  void (*front_drain)(int);
+  int (*front_drain)(int);
 };
 
 Library lib;
@@ -278,7 +278,7 @@ void raw_delete_fn(void* ptr);
 // The front (goalloc_front.h): a freed block served again to the next
 // request of its stream and size, and frees handed to Go in batches.
 void* front_log_of(int device) { return lib.front_log(device); }
-void front_drain(int device) { lib.front_drain(device); }
+int front_drain(int device) { return lib.front_drain(device); }
 // Never destroyed: torch frees tensors it keeps in its own statics (cuBLAS
 // workspaces) while the process exits, after this library's statics would
 // have gone, and each of those frees asks the front first.
