@@ -79,9 +79,6 @@ type Allocator struct {
 
 	stats   Stats
 	history *history
-	// front is the log shared with goalloc's C++ class (front.go); nil when
-	// the configuration turns the front off.
-	front *FrontLog
 }
 
 // New makes the caching allocator of dev. It pre-warms cfg.Reserve of the
@@ -103,10 +100,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	a.retained.lru = emptyList()
 	a.general = newGeneralPool(&a.retained, cfg)
 	a.mu.watch(&a.stats)
-	if cfg.Front {
-		a.front = newFrontLog()
-		a.mu.front, a.mu.drain, a.mu.frontAllowed = a.front, a.drainFront, a.frontAllowed
-	}
+	a.mu.drain = a.drainFront
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
 	var limit uint64

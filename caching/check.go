@@ -12,6 +12,12 @@ import (
 func (a *Allocator) CheckInvariants() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if f := a.Front(); f != nil {
+		want := a.history == nil && !a.capturing()
+		if got := f.enabled.Load() == 1; got != want {
+			return fmt.Errorf("front log enabled %v, but history %v and capture windows %d say %v", got, a.history != nil, len(a.windows), want)
+		}
+	}
 	type span struct {
 		addr, size uint64
 		what       string

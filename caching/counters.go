@@ -58,18 +58,18 @@ type statsMutex struct {
 	sync.Mutex
 	stats     *Stats // nil until watch
 	published [NumScalars]atomic.Int64
-	// front is the device's front log (front.go), nil without one: Lock
-	// drains it first, Unlock publishes whether the front may be used.
-	front        *FrontLog
-	drain        func()
-	frontAllowed func() bool
+	// front is the device's front log (front.go), nil until goalloc's C++
+	// class asks for it: Lock drains it first. Set once, under the mutex;
+	// read without it by Pending.
+	front atomic.Pointer[FrontLog]
+	drain func()
 }
 
 // Lock takes the mutex, then applies what the front log holds (front.go),
 // so that whatever the holder does sees every free made before it.
 func (m *statsMutex) Lock() {
 	m.Mutex.Lock()
-	if m.front != nil && m.front.n.Load() != 0 {
+	if f := m.front.Load(); f != nil && f.n.Load() != 0 {
 		m.drain()
 	}
 }
@@ -85,15 +85,6 @@ func (m *statsMutex) watch(s *Stats) {
 // stored and read on its own: figures read together while calls run may
 // come from different calls.
 func (m *statsMutex) Unlock() {
-	if f := m.front; f != nil {
-		var on uint32
-		if m.frontAllowed() {
-			on = 1
-		}
-		if f.enabled.Load() != on {
-			f.enabled.Store(on)
-		}
-	}
 	if s := m.stats; s != nil {
 		m.set(ScalarAllocatedBytes, s.AllocatedBytes[StatAll].Current)
 		m.set(ScalarAllocatedBytesPeak, s.AllocatedBytes[StatAll].Peak)

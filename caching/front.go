@@ -50,7 +50,7 @@ import (
 // log, against the segment as it was then.
 //
 // Who may use it. The front writes only while enabled is set, which Go
-// publishes at every Unlock (frontAllowed): not while history is recorded
+// publishes whenever it changes (publishFront): not while history is recorded
 // (each event must be timed as it happens) and not while a capture window
 // is open (a capture's frees have their own rules). The front itself
 // leaves out blocks of private pools and blocks that record_stream handed
@@ -99,17 +99,35 @@ func (f *FrontLog) acquire() {
 
 func (f *FrontLog) release() { f.lock.Store(0) }
 
-// Front is the device's front log for goalloc's C++ class, nil when
-// GOALLOC_CONF turned the front off. The caller keeps it at a fixed
-// address for the C++ side (runtime.Pinner) as long as the Allocator lives.
-func (a *Allocator) Front() *FrontLog { return a.front }
+// EnableFront makes the device's front log, once, and returns it: nil when
+// GOALLOC_CONF turned the front off. goalloc's C++ class asks for it
+// (goalloc_front), so that an allocator no class uses pays nothing for it.
+// The caller keeps it at a fixed address for the C++ side (runtime.Pinner)
+// as long as the Allocator lives.
+func (a *Allocator) EnableFront() *FrontLog {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if !a.cfg.Front {
+		return nil
+	}
+	if f := a.mu.front.Load(); f != nil {
+		return f
+	}
+	f := newFrontLog()
+	a.mu.front.Store(f)
+	a.publishFront()
+	return f
+}
+
+// Front is the device's front log, nil until EnableFront made it.
+func (a *Allocator) Front() *FrontLog { return a.mu.front.Load() }
 
 // Pending is how many entries wait in the front log, read without a lock.
 func (a *Allocator) Pending() int {
-	if a.front == nil {
-		return 0
+	if f := a.Front(); f != nil {
+		return int(f.n.Load())
 	}
-	return int(a.front.n.Load())
+	return 0
 }
 
 // DrainFront applies the front log's entries now (the C++ side asks when
@@ -119,14 +137,27 @@ func (a *Allocator) DrainFront() {
 	a.mu.Unlock() //nolint:staticcheck // taking the mutex is the drain
 }
 
-// frontAllowed is when the front may serve and take frees. Called with
-// a.mu held, by every Unlock.
-func (a *Allocator) frontAllowed() bool { return a.history == nil && !a.capturing() }
+// publishFront tells the front whether it may serve and take frees: not
+// while history is recorded or a capture window is open. Called with a.mu
+// held by whatever changes either (RecordHistory, BeginAllocateToPool,
+// EndAllocateToPool) and when the log is made; CheckInvariants checks that
+// the flag agrees.
+func (a *Allocator) publishFront() {
+	f := a.Front()
+	if f == nil {
+		return
+	}
+	var on uint32
+	if a.history == nil && !a.capturing() {
+		on = 1
+	}
+	f.enabled.Store(on)
+}
 
 // drainFront applies the front log's entries in their order. Called by
 // statsMutex.Lock, first thing under the mutex, when the log is not empty.
 func (a *Allocator) drainFront() {
-	f := a.front
+	f := a.Front()
 	var buf [FrontCap]FrontEntry
 	f.acquire()
 	n := f.n.Load()

@@ -36,7 +36,7 @@ func (f *FrontEmulator) Malloc(a *Allocator, size uint64, s arena.Stream) (uintp
 	}
 	p, err := a.Malloc(size, s)
 	if err == nil {
-		f.track(p, size, s)
+		f.track(a, p, size, s)
 	}
 	return p, err
 }
@@ -51,9 +51,12 @@ func (f *FrontEmulator) Free(a *Allocator, p uintptr) error {
 }
 
 // track records a block Malloc returned from the general cache.
-func (f *FrontEmulator) track(p uintptr, size uint64, s arena.Stream) {
+func (f *FrontEmulator) track(a *Allocator, p uintptr, size uint64, s arena.Stream) {
 	if size == 0 || p == 0 {
 		return // PyTorch never asks for 0 bytes: the class answers it
+	}
+	if a.Front() == nil && a.EnableFront() == nil { // the C++ side asks once per device
+		return
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()

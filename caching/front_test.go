@@ -57,7 +57,7 @@ func TestFrontRecycledPairCountsAsFreeAndHit(t *testing.T) {
 				for _, size := range tc.sizes {
 					p, err = a.Malloc(size, tc.stream)
 					require.NoError(t, err)
-					f.track(p, size, tc.stream)
+					f.track(a, p, size, tc.stream)
 				}
 				size := tc.sizes[len(tc.sizes)-1]
 				var q uintptr
@@ -100,10 +100,10 @@ func TestFrontPendingFreesAreSeenBeforeTheNextCall(t *testing.T) {
 	f := NewFrontEmulator()
 	x, err := a.Malloc(10<<20, 0)
 	require.NoError(t, err)
-	f.track(x, 10<<20, 0)
+	f.track(a, x, 10<<20, 0)
 	y, err := a.Malloc(10<<20, 0)
 	require.NoError(t, err)
-	f.track(y, 10<<20, 0)
+	f.track(a, y, 10<<20, 0)
 	require.True(t, f.give(a, x))
 	require.Equal(t, 1, a.Pending())
 	require.Equal(t, int64(10<<20), a.Scalar(ScalarAllocatedBytes), "the published figure counts the pending free")
@@ -126,7 +126,7 @@ func TestFrontLogCountPastItsEntries(t *testing.T) {
 	require.NoError(t, err)
 	p, err := a.Malloc(1<<20, 0)
 	require.NoError(t, err)
-	f := a.Front()
+	f := a.EnableFront()
 	f.acquire()
 	f.entries[0] = FrontEntry{Ptr: uint64(p), Requested: 1 << 20}
 	f.n.Store(FrontCap + 5)
@@ -145,10 +145,12 @@ func TestFrontLogCountPastItsEntries(t *testing.T) {
 func TestFrontOffWhileHistoryOrCapture(t *testing.T) {
 	a, err := New(arena.NewSim(0, 0), DefaultConfig())
 	require.NoError(t, err)
+	require.Nil(t, a.Front(), "no log until the C++ class asks for one")
 	f := NewFrontEmulator()
 	p, err := a.Malloc(1<<20, 0)
 	require.NoError(t, err)
-	f.track(p, 1<<20, 0)
+	f.track(a, p, 1<<20, 0)
+	require.NotNil(t, a.Front())
 
 	a.RecordHistory(100)
 	require.False(t, f.give(a, p), "history is on")
@@ -157,7 +159,7 @@ func TestFrontOffWhileHistoryOrCapture(t *testing.T) {
 
 	p, err = a.Malloc(1<<20, 0)
 	require.NoError(t, err)
-	f.track(p, 1<<20, 0)
+	f.track(a, p, 1<<20, 0)
 	id := PoolID{1, 2}
 	require.NoError(t, a.BeginAllocateToPool(id))
 	require.False(t, f.give(a, p), "a capture window is open")
@@ -166,7 +168,7 @@ func TestFrontOffWhileHistoryOrCapture(t *testing.T) {
 
 	p, err = a.Malloc(1<<20, 0)
 	require.NoError(t, err)
-	f.track(p, 1<<20, 0)
+	f.track(a, p, 1<<20, 0)
 	require.True(t, f.give(a, p), "on again")
 	require.Equal(t, p, f.take(a, 1<<20, 0))
 	require.NoError(t, a.Free(p, 1<<20, 0))
@@ -176,6 +178,7 @@ func TestFrontOffWhileHistoryOrCapture(t *testing.T) {
 	cfg.Front = false
 	b, err := New(arena.NewSim(0, 0), cfg)
 	require.NoError(t, err)
+	require.Nil(t, b.EnableFront())
 	require.Nil(t, b.Front())
 	require.Zero(t, b.Pending())
 }
@@ -206,7 +209,7 @@ func TestFrontConcurrent(t *testing.T) {
 						t.Error(err)
 						return
 					}
-					f.track(p, size, s)
+					f.track(a, p, size, s)
 				}
 				held = append(held, p)
 				if len(held) > 3 || i%5 == 0 {

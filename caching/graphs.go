@@ -40,6 +40,7 @@ func (a *Allocator) BeginAllocateToPool(id PoolID) error {
 	}
 	p.users++
 	a.windows = append(a.windows, id)
+	a.publishFront()
 	a.stats.GraphBegins++
 	return nil
 }
@@ -51,6 +52,7 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 	for i := len(a.windows) - 1; i >= 0; i-- {
 		if a.windows[i] == id {
 			a.windows = append(a.windows[:i], a.windows[i+1:]...)
+			a.publishFront()
 			a.stats.GraphEnds++
 			p := a.private[id]
 			var errs []error

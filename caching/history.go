@@ -118,6 +118,7 @@ func (h *history) entries() []TraceEntry {
 func (a *Allocator) RecordHistory(maxEntries int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	defer a.publishFront()
 	if maxEntries <= 0 {
 		a.history = nil
 		return

@@ -124,7 +124,7 @@ func (m *model) malloc(size uint64, s arena.Stream) (uintptr, error) {
 	}
 	m.accept(p, size, s)
 	if m.front != nil {
-		m.front.track(p, size, s)
+		m.front.track(m.a, p, size, s)
 	}
 	if lim := m.a.Limit(); lim > 0 && m.a.reserved() > reservedBefore {
 		require.LessOrEqual(m.t, m.a.reserved(), lim, "op %d: reserved grew above the cap", m.ops)

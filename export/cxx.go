@@ -198,9 +198,10 @@ func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.ulonglon
 }
 
 // goalloc_front is device's front log (caching/front.go), which the C++
-// class's front (python/goalloc/csrc/goalloc_front.h) shares: Go memory
-// pinned for as long as the process runs. NULL when the configuration has
-// no front (front:false) or the device cannot be used.
+// class's front (python/goalloc/csrc/goalloc_front.h) shares, made at the
+// first call: Go memory pinned for as long as the process runs. NULL when
+// the configuration has no front (front:false) or the device cannot be
+// used. The class asks once per device.
 //
 //export goalloc_front
 func goalloc_front(device C.int) unsafe.Pointer {
@@ -208,7 +209,8 @@ func goalloc_front(device C.int) unsafe.Pointer {
 	if err != nil {
 		return nil
 	}
-	if f := a.Front(); f != nil {
+	if f := a.EnableFront(); f != nil {
+		pinFront(f)
 		return unsafe.Pointer(f)
 	}
 	return nil
@@ -242,7 +244,7 @@ var (
 func pinFront(f *caching.FrontLog) {
 	frontPinsMu.Lock()
 	defer frontPinsMu.Unlock()
-	frontPins.Pin(f)
+	frontPins.Pin(f) // pinning a pinned object again is allowed
 }
 
 // mallocIn allocates from the pool id (the general cache for the zero id).

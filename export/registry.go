@@ -221,9 +221,6 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	if l.historyEntries > 0 {
 		a.RecordHistory(l.historyEntries)
 	}
-	if f := a.Front(); f != nil {
-		pinFront(f)
-	}
 	l.devices[d].Store(a)
 	return a, nil
 }
