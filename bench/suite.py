@@ -171,6 +171,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--resnet-plan-shapes", action="store_true",
                    help="ResNet-50 runs first take one untimed step of every shape they train, so that cuDNN's "
                         "per-shape planning (100-250 ms a shape, on the host) is out of the timed steps")
+    p.add_argument("--llama-plan-shapes", action="store_true",
+                   help="LLaMA runs first take one untimed step of every shape they train: a shape's first step "
+                        "took 130-150 ms longer than its later ones under every configuration on the H200")
     p.add_argument("--micro-rounds", type=positive_int, default=5, help="timed rounds per pair size")
     p.add_argument("--cross-iters", type=positive_int, default=1000, help="timed cross-stream iterations")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
@@ -224,7 +227,9 @@ def estimate(workload: str, args: argparse.Namespace) -> float:
     if workload == "gpt2":
         s += ESTIMATE_PER_STEP_S["gpt2"] * (args.gpt2_steps + args.gpt2_warmup)
     elif workload == "llama":
-        s += ESTIMATE_PER_STEP_S["llama"] * (args.llama_steps + args.llama_warmup)
+        # Planning: at most one step per step drawn.
+        planned = args.llama_steps + args.llama_warmup if args.llama_plan_shapes else 0
+        s += ESTIMATE_PER_STEP_S["llama"] * (args.llama_steps + args.llama_warmup + planned)
     elif workload == "resnet50":
         # Planning: at most one step per distinct shape (25 with the default ranges).
         planned = 25 if args.resnet_plan_shapes else 0
@@ -332,6 +337,8 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
     elif run.workload == "llama":
         cmd += ["--steps", str(args.llama_steps), "--warmup", str(args.llama_warmup),
                 "--llama-batch", *map(str, args.llama_batch), "--llama-seq", *map(str, args.llama_seq)]
+        if args.llama_plan_shapes:
+            cmd.append("--plan-shapes")
     elif run.workload == "resnet50":
         cmd += ["--steps", str(args.resnet_steps), "--warmup", str(args.resnet_warmup),
                 "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]

@@ -955,6 +955,17 @@ def test_resnet_plan_shapes_puts_every_shape_first_untimed():
     assert args.plan_shapes and not workloads.parse_args(["--workload", "resnet50", "--out", "R.json"]).plan_shapes
 
 
+def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
+    plain = suite.parse_args(["OUT", "--workloads", "llama,resnet50"])
+    planned = suite.parse_args(["OUT", "--workloads", "llama,resnet50", "--llama-plan-shapes"])
+    assert suite.estimate("llama", planned) > suite.estimate("llama", plain)
+    assert suite.estimate("resnet50", planned) == suite.estimate("resnet50", plain)
+    for run in suite.build_plan(planned):
+        cmd = suite.workload_command(run, planned, Path("R.json"))
+        assert ("--plan-shapes" in cmd) == (run.workload == "llama"), run.name
+    assert all("--plan-shapes" not in suite.workload_command(r, plain, Path("R.json")) for r in suite.build_plan(plain))
+
+
 def test_steady_summary_is_medians_against_native(tmp_path: Path):
     steady = load("steady")
     for config, conf, walls in (("native", "", [20.0, 22.0, 30.0]), ("goalloc-vmm", "large_cache:4G", [25.0, 21.0, 24.0])):
