@@ -134,6 +134,35 @@ def paired_speed_ratios(doc: dict[str, Any], workload: str, config: str, base: s
     return [a[k] / b[k] for k in both]
 
 
+def memory_by_repeat(doc: dict[str, Any], workload: str, config: str) -> dict[Any, float]:
+    """config's peak memory (as the tables compare it) by repeat."""
+    out = {}
+    for r in runs_of(doc, workload, config):
+        v = number(memory_of_record(config, r["result"]))
+        if v is not None:
+            out[r.get("repeat")] = v
+    return out
+
+
+def memory_medians(doc: dict[str, Any], workload: str, a: str, b: str) -> tuple[Optional[float], Optional[float], str]:
+    """The medians of a's and b's peak memory for comparing them, and a note.
+
+    Each repeat draws its own shapes, so its peak differs; when one of the two
+    lacks a repeat the other ran (a run skipped for the budget), the medians
+    are taken over the repeats both ran, and the note says which those are."""
+    ma, mb = memory_by_repeat(doc, workload, a), memory_by_repeat(doc, workload, b)
+    if not ma or not mb:
+        return None, None, ""
+    if set(ma) == set(mb):
+        return Agg(list(ma.values())).median, Agg(list(mb.values())).median, ""
+    both = sorted(k for k in ma if k in mb)
+    if not both:
+        return None, None, ""
+    note = (f" (over the {len(both)} repeat(s) both ran, {', '.join(str(k) for k in both)}: "
+            f"{a} ran {len(ma)}, {b} {len(mb)})")
+    return Agg([ma[k] for k in both]).median, Agg([mb[k] for k in both]).median, note
+
+
 def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Agg:
     """Agg of get(run["result"]) over the runs where it is a number.
 
@@ -615,22 +644,23 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
     others += [c for c in present_configs(doc, workload) if c not in others and c not in GOALLOC_INSTALLED]
     for other in others:
         o = train_aggs(doc, workload, other)
-        rr = ratio(mem, o["memory"].median)
+        mine, theirs, note = memory_medians(doc, workload, best, other) if best else (None, None, "")
+        rr = ratio(mine, theirs)
         name = f"{label} peak memory below {other}"
         if rr is None:
             add(name, None, f"No figures for goalloc or {other}.")
             continue
-        dev_r = ratio(g["device"].median, o["device"].median) if g else None
+        dev_r = ratio(g["device"].median, o["device"].median) if g and not note else None
         extra = "" if dev_r is None else f"; by the driver's count (device peak over idle), {dev_r:.3f}×"
-        add(name, rr < 1, f"{best} {fmt_bytes(mem)} vs {other} {fmt_bytes(o['memory'].median)}: "
+        add(name, rr < 1, f"{best} {fmt_bytes(mine)} vs {other} {fmt_bytes(theirs)}{note}: "
                           f"{rr:.3f}× ({pct(rr)}){extra}.")
-    ga, asy = train_aggs(doc, workload, "goalloc")["memory"].median, train_aggs(doc, workload, "async")["memory"].median
+    ga, asy, note = memory_medians(doc, workload, "goalloc", "async")
     ra = ratio(ga, asy)
     name = f"{label} goalloc (backend:async) peak memory ≤ async"
     if ra is None:
         add(name, None, "No figures for goalloc or async.")
     else:
-        add(name, ra <= 1, f"goalloc {fmt_bytes(ga)} vs async (torch's cudaMallocAsync) {fmt_bytes(asy)}: "
+        add(name, ra <= 1, f"goalloc {fmt_bytes(ga)} vs async (torch's cudaMallocAsync) {fmt_bytes(asy)}{note}: "
                            f"{ra:.3f}× ({pct(ra)}).")
     n = train_aggs(doc, workload, "native")
     name = f"{label} throughput ≥ {GOAL_THROUGHPUT_VS_NATIVE:.2f} × native"
