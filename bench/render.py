@@ -134,23 +134,28 @@ def paired_speed_ratios(doc: dict[str, Any], workload: str, config: str, base: s
     return [a[k] / b[k] for k in both]
 
 
-def memory_by_repeat(doc: dict[str, Any], workload: str, config: str) -> dict[Any, float]:
-    """config's peak memory (as the tables compare it) by repeat."""
+def by_repeat(doc: dict[str, Any], workload: str, config: str,
+              get: Callable[[str, dict[str, Any]], Any]) -> dict[Any, float]:
+    """get(config, run result) by repeat, over the runs where it is a number."""
     out = {}
     for r in runs_of(doc, workload, config):
-        v = number(memory_of_record(config, r["result"]))
+        v = number(get(config, r["result"]))
         if v is not None:
             out[r.get("repeat")] = v
     return out
 
 
-def memory_medians(doc: dict[str, Any], workload: str, a: str, b: str) -> tuple[Optional[float], Optional[float], str]:
-    """The medians of a's and b's peak memory for comparing them, and a note.
+def memory_medians(doc: dict[str, Any], workload: str, a: str, b: str,
+                   get: Optional[Callable[[str, dict[str, Any]], Any]] = None
+                   ) -> tuple[Optional[float], Optional[float], str]:
+    """The medians of a's and b's peak memory (get: as the tables compare it,
+    by default) for comparing them, and a note.
 
     Each repeat draws its own shapes, so its peak differs; when one of the two
     lacks a repeat the other ran (a run skipped for the budget), the medians
     are taken over the repeats both ran, and the note says which those are."""
-    ma, mb = memory_by_repeat(doc, workload, a), memory_by_repeat(doc, workload, b)
+    get = get or memory_of_record
+    ma, mb = by_repeat(doc, workload, a, get), by_repeat(doc, workload, b, get)
     if not ma or not mb:
         return None, None, ""
     if set(ma) == set(mb):
@@ -161,6 +166,11 @@ def memory_medians(doc: dict[str, Any], workload: str, a: str, b: str) -> tuple[
     note = (f" (over the {len(both)} repeat(s) both ran, {', '.join(str(k) for k in both)}: "
             f"{a} ran {len(ma)}, {b} {len(mb)})")
     return Agg([ma[k] for k in both]).median, Agg([mb[k] for k in both]).median, note
+
+
+def device_peak(_: str, result: dict[str, Any]) -> Any:
+    """A run's device peak over idle (mem_get_info, sampled)."""
+    return dig(result, "device", "peak_over_baseline")
 
 
 def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Agg:
@@ -650,7 +660,8 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
         if rr is None:
             add(name, None, f"No figures for goalloc or {other}.")
             continue
-        dev_r = ratio(g["device"].median, o["device"].median) if g and not note else None
+        dev_mine, dev_theirs, _ = memory_medians(doc, workload, best, other, device_peak)
+        dev_r = ratio(dev_mine, dev_theirs)
         extra = "" if dev_r is None else f"; by the driver's count (device peak over idle), {dev_r:.3f}×"
         add(name, rr < 1, f"{best} {fmt_bytes(mine)} vs {other} {fmt_bytes(theirs)}{note}: "
                           f"{rr:.3f}× ({pct(rr)}){extra}.")
