@@ -508,7 +508,28 @@ def miss_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg]
     out = {"count": collect(runs, lambda r: dig(r, "allocator", "device_alloc_ns", "count"))}
     for k in ("p50", "p99", "max"):
         out[k] = collect(runs, lambda r, k=k: us(dig(r, "allocator", "device_alloc_ns", k)))
+    out["timed_driver_ms"] = collect(runs, lambda r: none_or(timed_driver(r, "ns"), lambda v: v / 1e6))
+    out["timed_moves"] = collect(runs, lambda r: timed_driver(r, "unmaps"))
     return out
+
+
+def none_or(v: Optional[float], f: Callable[[float], float]) -> Optional[float]:
+    return None if v is None else f(v)
+
+
+def timed_driver(result: dict[str, Any], key: str) -> Optional[float]:
+    """How much of goalloc's driver profile (the step log's goalloc_driver
+    totals, taken after every step: key "ns", "calls", "unmaps" or
+    "creates") fell in the timed steps: the sum over timed steps of what
+    each added to the step before it. None for runs that did not record it."""
+    log = result.get("step_log") or []
+    total, seen = 0.0, False
+    for prev, e in zip(log, log[1:]):
+        a, b = dig(prev, "goalloc_driver", key), dig(e, "goalloc_driver", key)
+        if e.get("timed") and number(a) is not None and number(b) is not None:
+            total += b - a
+            seen = True
+    return total if seen else None
 
 
 def us(ns: Any) -> Optional[float]:
@@ -531,7 +552,16 @@ def miss_latency_table(doc: dict[str, Any], workload: str, configs: list[str]) -
                 "counters in `goalloc.memory_stats`)."]
     rows = [[c, fmt_spread(a["count"], lambda v: fmt(v, 0)), fmt(a["p50"].median, 1), fmt(a["p99"].median, 1),
              fmt(a["max"].median, 1)] for c, a in aggs.items()]
-    return lines + table(["config", "misses", "p50 µs", "p99 µs", "max µs"], rows)
+    head = ["config", "misses", "p50 µs", "p99 µs", "max µs"]
+    if any(a["timed_driver_ms"].n for a in aggs.values()):
+        # Runs that logged goalloc's driver profile after every step.
+        lines[3:3] = ["The last two columns: goalloc's driver calls during the timed steps only, their time and",
+                      "the handles unmapped (`backend:vmm` moves memory by unmapping it where it is free), from the",
+                      "totals logged after every step."]
+        head += ["driver ms, timed steps", "unmaps, timed steps"]
+        for row, a in zip(rows, aggs.values()):
+            row += [fmt(a["timed_driver_ms"].median, 1), fmt(a["timed_moves"].median, 0)]
+    return lines + table(head, rows)
 
 
 def section_replay(doc: dict[str, Any]) -> list[str]:

@@ -106,6 +106,25 @@ def miss_latency(stats: dict[str, Any]) -> Optional[dict[str, int]]:
     return {k: int(v) for k, v in out.items() if v is not None}
 
 
+def driver_totals(stats: dict[str, Any]) -> dict[str, int]:
+    """goalloc's driver calls so far, from its memory_stats: every call and
+    its time (goalloc.driver.<function>.count and .ns, summed), and the
+    handle moves and growth of the VMM backend (cuMemUnmap and cuMemCreate
+    calls). Taken after every training step, their differences say which
+    steps went to the driver; all zero where the backend keeps no profile."""
+    out = {"calls": 0, "ns": 0, "unmaps": 0, "creates": 0}
+    for k, v in stats.items():
+        if not k.startswith("goalloc.driver.") or not isinstance(v, int):
+            continue
+        if k.endswith(".count"):
+            out["calls"] += v
+        elif k.endswith(".ns"):
+            out["ns"] += v
+    out["unmaps"] = int(stats.get("goalloc.driver.cuMemUnmap.count", 0))
+    out["creates"] = int(stats.get("goalloc.driver.cuMemCreate.count", 0))
+    return out
+
+
 def burst_plan() -> tuple[list[int], list[int]]:
     """The burst's sizes (multiples of 512 B) and the order they are freed in."""
     rng = random.Random(BURST_SEED)
@@ -669,6 +688,8 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
                 entry["device_used"] = mem.sample()
             if alloc is not None and alloc.goalloc is not None:
                 entry["pool_reserved"] = alloc.read_pool()
+                if alloc.config in GOALLOC_INSTALLED:
+                    entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
             log.append(entry)
         if mem is not None:
             mem.stop()

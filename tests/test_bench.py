@@ -986,6 +986,36 @@ def test_resnet_plan_shapes_puts_every_shape_first_untimed():
     assert args.plan_shapes and not workloads.parse_args(["--workload", "resnet50", "--out", "R.json"]).plan_shapes
 
 
+def test_driver_totals_sum_goallocs_driver_profile():
+    stats = {"goalloc.driver.cuMemCreate.count": 3, "goalloc.driver.cuMemCreate.ns": 30_000,
+             "goalloc.driver.cuMemUnmap.count": 2, "goalloc.driver.cuMemUnmap.ns": 80_000,
+             "goalloc.driver.cuEventRecord.count": 5, "goalloc.driver.cuEventRecord.ns": 9_000,
+             "allocated_bytes.all.current": 1 << 30, "goalloc.cache_misses": 7}
+    assert workloads.driver_totals(stats) == {"calls": 10, "ns": 119_000, "unmaps": 2, "creates": 3}
+    assert workloads.driver_totals({"num_device_alloc": 4}) == {"calls": 0, "ns": 0, "unmaps": 0, "creates": 0}
+
+
+def test_miss_table_gives_the_driver_time_of_the_timed_steps():
+    """With goalloc's driver totals logged after every step, the miss table
+    adds what the timed steps alone spent in the driver, and how many
+    handles they unmapped; without them (older runs) it has no such columns."""
+    doc = suite_doc("0", 0, 3, ["llama"])
+    text = render.render(doc)
+    assert "driver ms, timed steps" not in text
+    for r in doc["runs"]:
+        if r["config"] == "goalloc-vmm":
+            totals = [(5_000_000, 2), (9_000_000, 4), (9_500_000, 4), (12_500_000, 7)]
+            r["result"]["step_log"] = [
+                {"timed": i >= 2, "seconds": 0.1, "goalloc_driver": {"ns": ns, "calls": 1, "unmaps": u, "creates": 0}}
+                for i, (ns, u) in enumerate(totals)]
+    assert render.timed_driver(next(r["result"] for r in doc["runs"] if r["config"] == "goalloc-vmm"), "ns") == 3_500_000
+    text = render.render(doc)
+    assert "| driver ms, timed steps | unmaps, timed steps |" in text
+    rows = [line.rstrip() for line in text.splitlines() if line.startswith(("| goalloc-vmm |", "| goalloc |"))]
+    assert any(r.startswith("| goalloc-vmm |") and r.endswith("| 3.5 | 3 |") for r in rows), rows
+    assert any(r.startswith("| goalloc |") and r.endswith("| — | — |") for r in rows), rows
+
+
 def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
     plain = suite.parse_args(["OUT", "--workloads", "llama,resnet50"])
     planned = suite.parse_args(["OUT", "--workloads", "llama,resnet50", "--llama-plan-shapes"])
