@@ -13,6 +13,8 @@
 #include <string.h>
 #include <sys/types.h>
 
+#include "open_library.h"
+
 typedef unsigned long long ull;
 
 static int failures = 0;
@@ -27,9 +29,7 @@ static int failures = 0;
 	} while (0)
 
 int main(int argc, char **argv) {
-	if (argc != 2) { fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]); return 2; }
-	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-	if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 1; }
+	void *lib = open_library(argc, argv);
 	void (*init)(int) = (void (*)(int))dlsym(lib, "goalloc_init");
 	void *(*cmalloc)(ssize_t, int, void *) = (void *(*)(ssize_t, int, void *))dlsym(lib, "goalloc_malloc");
 	void *(*pm)(size_t, int, void *, ull, ull, int *, char **) =

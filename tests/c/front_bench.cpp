@@ -13,6 +13,7 @@
 #include <cstdio>
 
 #include "goalloc_front.h"
+#include "open_library.h"
 
 using ull = unsigned long long;
 
@@ -51,15 +52,7 @@ static void go_pair(goalloc_front::Front*, size_t size) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]);
-    return 2;
-  }
-  void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    std::fprintf(stderr, "%s\n", dlerror());
-    return 1;
-  }
+  void* lib = open_library(argc, argv);
   pool_malloc = reinterpret_cast<decltype(pool_malloc)>(dlsym(lib, "goalloc_pool_malloc"));
   free_ptr = reinterpret_cast<decltype(free_ptr)>(dlsym(lib, "goalloc_free_ptr"));
   auto log_of = reinterpret_cast<void* (*)(int)>(dlsym(lib, "goalloc_front"));

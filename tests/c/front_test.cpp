@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "goalloc_front.h"
+#include "open_library.h"
 
 using goalloc_front::Front;
 using ull = unsigned long long;
@@ -108,15 +109,7 @@ static void table_against_reference() {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]);
-    return 2;
-  }
-  void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    std::fprintf(stderr, "%s\n", dlerror());
-    return 1;
-  }
+  void* lib = open_library(argc, argv);
 #define SYM(var, name) var = reinterpret_cast<decltype(var)>(dlsym(lib, name))
   SYM(pool_malloc, "goalloc_pool_malloc");
   SYM(free_ptr, "goalloc_free_ptr");

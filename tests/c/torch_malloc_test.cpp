@@ -12,13 +12,13 @@
 #include <string>
 #include <sys/types.h>
 
+#include "open_library.h"
+
 typedef void *(*malloc_fn)(ssize_t, int, void *);
 typedef void (*free_fn)(void *, ssize_t, int, void *);
 
 int main(int argc, char **argv) {
-	if (argc != 2) return 2;
-	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-	if (!lib) { std::fprintf(stderr, "%s\n", dlerror()); return 1; }
+	void *lib = open_library(argc, argv);
 	auto m = (malloc_fn)dlsym(lib, "my_malloc");
 	auto f = (free_fn)dlsym(lib, "my_free");
 	auto capture = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
