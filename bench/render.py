@@ -456,15 +456,11 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
         lines += ["`torchvision.models.resnet50(weights=None)`, channels_last, bf16 autocast, SGD with momentum;",
                   "batch and resolution drawn per step (the same draws for every configuration of a repeat)."]
     if any((r.get("result") or {}).get("planned_shapes") for r in doc.get("runs", []) if r.get("workload") == workload):
-        if workload == "resnet50":
-            lines += ["Every run first took one untimed step of each shape it trains (`--plan-shapes`), so that",
-                      "cuDNN's planning of a new shape (100-250 ms on the host, the same under every allocator)",
-                      "is out of the timed steps."]
-        else:
-            lines += ["Every run first took one untimed step of each shape it trains (`--plan-shapes`): the first",
-                      "step of a shape took 130-150 ms longer than its later steps under every configuration",
-                      "(median over an unplanned suite's runs on the H200), so the timed steps measure training,",
-                      "not the first sight of a shape."]
+        lines.append("Every run first took one untimed step of each shape it trains (`--plan-shapes`), so that")
+        lines += (["cuDNN's planning of a new shape (100-250 ms on the host, the same under every allocator)",
+                   "is out of the timed steps."] if workload == "resnet50" else
+                  ["the first sight of a shape (130-150 ms longer than its later steps under every configuration,",
+                   "median over an unplanned suite's runs on the H200) is out of the timed steps."])
     lines += ["Throughput over the timed steps (wall time between device synchronisations). Peak device",
               "memory, as compared here: goalloc, its driver pool's reserved high-water mark; goalloc-vmm,",
               "the high-water mark of the physical memory it mapped; torch's allocators, their max",
