@@ -1016,6 +1016,20 @@ def test_miss_table_gives_the_driver_time_of_the_timed_steps():
     assert any(r.startswith("| goalloc |") and r.endswith("| — | — |") for r in rows), rows
 
 
+def test_driver_totals_read_the_librarys_own_keys(raw, device):
+    """The names driver_totals looks for are the ones goalloc's memory_stats
+    gives: a miss that maps memory on the VMM backend (the default) shows up
+    as creates, calls and time."""
+    import goalloc
+
+    before = workloads.driver_totals(goalloc.memory_stats(device))
+    p = raw.must_malloc(64 << 20, device)
+    after = workloads.driver_totals(goalloc.memory_stats(device))
+    raw.free(p, 64 << 20, device)
+    assert after["creates"] > before["creates"], after
+    assert after["calls"] - before["calls"] >= after["creates"] - before["creates"] and after["ns"] > before["ns"], after
+
+
 def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
     plain = suite.parse_args(["OUT", "--workloads", "llama,resnet50"])
     planned = suite.parse_args(["OUT", "--workloads", "llama,resnet50", "--llama-plan-shapes"])
