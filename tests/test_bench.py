@@ -1030,6 +1030,32 @@ def test_driver_totals_read_the_librarys_own_keys(raw, device):
     assert after["calls"] - before["calls"] >= after["creates"] - before["creates"] and after["ns"] > before["ns"], after
 
 
+def test_step_stats_reports_first_sights_paired_steps_and_moves(capsys):
+    step_stats = load("step_stats")
+
+    def run(rid: int, config: str, secs: list[float], stats: Optional[dict[str, int]] = None) -> dict[str, Any]:
+        shapes = [[1, 64], [2, 64], [1, 64], [2, 64]]
+        log = [{"shape": sh, "seconds": t, "timed": i >= 1} for i, (sh, t) in enumerate(zip(shapes, secs))]
+        return {"id": rid, "workload": "llama", "config": config, "repeat": 0, "status": "ok",
+                "result": {"step_log": log, "allocator": {"stats": stats or {}}}}
+
+    vmm_stats = {"goalloc.driver.cuMemUnmap.count": 2, "goalloc.driver.cuMemUnmap.ns": 80_000,
+                 "goalloc.driver.cuMemMap.count": 4, "goalloc.driver.cuMemMap.ns": 8_000,
+                 "goalloc.driver.cuMemSetAccess.count": 1, "goalloc.driver.cuMemSetAccess.ns": 192_000,
+                 "goalloc.driver.cuMemCreate.count": 2, "goalloc.driver.cuMemCreate.ns": 20_000}
+    doc = {"runs": [run(1, "native", [0.30, 0.25, 0.10, 0.05]),
+                    run(2, "goalloc-vmm", [0.30, 0.26, 0.11, 0.06], vmm_stats)]}
+    lines = step_stats.report(doc, "llama")
+    text = "\n".join(lines)
+    # First sights: shape [1,64] 0.30 then 0.10, [2,64] 0.25 then 0.05 -> 200 ms each for native.
+    assert "  native       200.0 (n=2)" in lines, text
+    # Paired timed steps: goalloc-vmm +10 ms on each of three, 30 ms in all.
+    assert any(x.startswith("  r0 goalloc-vmm") and "+30.0" in x and "+10/250 +10/100 +10/50" in x for x in lines), text
+    # Moves: 2 unmaps (80 us) + 2 handles at (8 + 192) / 4 us each = 180 us.
+    assert "moved 2, created 2, driver 0.3 ms, moves 0.2 ms (90 us each)" in text, text
+    assert step_stats.report(doc, "gpt2") == []
+
+
 def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
     plain = suite.parse_args(["OUT", "--workloads", "llama,resnet50"])
     planned = suite.parse_args(["OUT", "--workloads", "llama,resnet50", "--llama-plan-shapes"])

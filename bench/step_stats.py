@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Step by step: what the suite's training runs say beyond their totals.
+
+    python3 bench/step_stats.py BENCH.json [BENCH.json ...] [--workload llama]
+
+For each training workload of the suites' bench.json files (merged as
+render.py merges them), prints:
+
+  first sight   per configuration, the median of how much longer a shape's
+                first step took than a later step of the same shape (with
+                --plan-shapes the first step is the untimed planning step),
+                over every shape seen twice in a run, and how many there were;
+  runs          per run, its median and shortest timed step (ms);
+  against native per repeat, how much longer a configuration's timed steps took
+                than native's on the same shapes (ms), the steps that took
+                over 2 ms longer and how long native took for them;
+  driver        per goalloc run, goalloc's driver calls over the whole run
+                (goalloc.driver.* in its memory_stats): the handles the VMM
+                backend moved (cuMemUnmap calls) and created, all calls' ms,
+                and the moves' cost at the run's own average prices (an
+                unmap, plus a map and a set-access per handle mapped).
+
+Standard library only; the figures in bench/notes.md that are not in the
+rendered tables come from here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import render  # noqa: E402  (the merge rule is render's)
+
+
+def first_sight(runs: list[dict[str, Any]]) -> tuple[Optional[float], int]:
+    """Median extra seconds of a shape's first step over its later steps."""
+    extra = []
+    for r in runs:
+        first: dict[tuple[int, ...], float] = {}
+        for e in (r.get("result") or {}).get("step_log") or []:
+            k = tuple(e.get("shape") or ())
+            if k in first:
+                if e.get("timed"):
+                    extra.append(first[k] - e["seconds"])
+            else:
+                first[k] = e["seconds"]
+    return (statistics.median(extra) if extra else None), len(extra)
+
+
+def timed(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in (r.get("result") or {}).get("step_log") or [] if e.get("timed")]
+
+
+def driver(r: dict[str, Any]) -> Optional[dict[str, float]]:
+    """A goalloc run's driver profile over the whole run, or None."""
+    st = dict(((r.get("result") or {}).get("allocator") or {}).get("stats") or {})
+
+    def get(fn: str, k: str) -> float:
+        return float(st.get(f"goalloc.driver.{fn}.{k}", 0))
+
+    total_ns = sum(float(v) for k, v in st.items() if k.startswith("goalloc.driver.") and k.endswith(".ns"))
+    if total_ns == 0:
+        return None
+    unmaps, maps, creates = get("cuMemUnmap", "count"), get("cuMemMap", "count"), get("cuMemCreate", "count")
+    per_handle = (get("cuMemMap", "ns") + get("cuMemSetAccess", "ns")) / maps if maps else 0.0
+    move_ns = get("cuMemUnmap", "ns") + unmaps * per_handle
+    return {"unmaps": unmaps, "creates": creates, "driver_ms": total_ns / 1e6, "moves_ms": move_ns / 1e6,
+            "move_us": move_ns / unmaps / 1e3 if unmaps else 0.0}
+
+
+def report(doc: dict[str, Any], workload: str) -> list[str]:
+    runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"]
+    if not runs:
+        return []
+    configs = sorted({r["config"] for r in runs}, key=lambda c: (c != "native", c))
+    out = [f"== {workload}", "first sight (extra ms of a shape's first step over its later steps):"]
+    for c in configs:
+        m, n = first_sight([r for r in runs if r["config"] == c])
+        out.append(f"  {c:<12} {'-' if m is None else f'{m * 1e3:.1f}'} (n={n})")
+    out.append("runs (median / shortest timed step, ms):")
+    for r in sorted(runs, key=lambda r: r.get("id", 0)):
+        s = [e["seconds"] * 1e3 for e in timed(r)]
+        if s:
+            out.append(f"  {r.get('id', 0):>3} {r['config']:<12} r{r['repeat']}  {statistics.median(s):7.1f} {min(s):7.1f}")
+    out.append("against native, same shapes (ms longer in all; steps over 2 ms longer: +ms/native ms):")
+    for rep in sorted({r["repeat"] for r in runs}):
+        base = next((r for r in runs if r["config"] == "native" and r["repeat"] == rep), None)
+        if base is None:
+            continue
+        for r in runs:
+            if r["repeat"] != rep or r is base:
+                continue
+            pairs = list(zip(timed(base), timed(r)))
+            diff = sum(b["seconds"] - a["seconds"] for a, b in pairs) * 1e3
+            slow = [f"+{(b['seconds'] - a['seconds']) * 1e3:.0f}/{a['seconds'] * 1e3:.0f}" for a, b in pairs
+                    if b["seconds"] - a["seconds"] > 0.002]
+            out.append(f"  r{rep} {r['config']:<12} {diff:+8.1f}  {' '.join(slow)}")
+    lines = []
+    for r in sorted(runs, key=lambda r: (r["config"], r["repeat"])):
+        d = driver(r)
+        if d:
+            lines.append(f"  {r['config']:<12} r{r['repeat']}  moved {d['unmaps']:.0f}, created {d['creates']:.0f}, "
+                         f"driver {d['driver_ms']:.1f} ms, moves {d['moves_ms']:.1f} ms ({d['move_us']:.0f} us each)")
+    if lines:
+        out += ["driver (whole run):"] + lines
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench", nargs="+", help="bench.json files of the suite")
+    p.add_argument("--workload", choices=("gpt2", "llama", "resnet50"), help="one workload (default: all)")
+    args = p.parse_args(argv)
+    docs = []
+    for f in args.bench:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            p.error(f"{f}: {e}")
+    doc = render.merge(docs, args.bench, warn=lambda s: None)
+    for w in [args.workload] if args.workload else ["gpt2", "llama", "resnet50"]:
+        for line in report(doc, w):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
