@@ -370,6 +370,27 @@ func TestParseConfig(t *testing.T) {
 	c, err = ParseConfig("")
 	require.NoError(t, err)
 	assert.Equal(t, DefaultConfig(), c)
+	// large_cache's default follows the backend: the stream-ordered pool
+	// caches for itself (largeCacheDefault); given, it is kept on both.
+	for _, tc := range []struct {
+		conf string
+		want uint64
+	}{
+		{"backend:vmm", 256 << 20},
+		{"backend:async", 0},
+		{"backend:async,large_cache:64M", 64 << 20},
+		{"large_cache:64M,backend:async", 64 << 20},
+		{"backend:vmm,large_cache:0", 0},
+		{"", 256 << 20}, // no cap: fraction left out of String, as 0 is refused
+		{"front:false,fraction:0.5", 256 << 20},
+	} {
+		c, err = ParseConfig(tc.conf)
+		require.NoError(t, err, tc.conf)
+		assert.EqualValues(t, tc.want, c.LargeCache, tc.conf)
+		again, err := ParseConfig(c.String())
+		require.NoError(t, err, tc.conf)
+		assert.Equal(t, c, again, "%s: String round-trips", tc.conf)
+	}
 	for _, bad := range []struct{ conf, want string }{
 		{"bogus:1", `unknown key "bogus"`},
 		{"fraction", "not key:value"},

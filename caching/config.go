@@ -26,7 +26,8 @@ type Config struct {
 	ReleaseThreshold uint64
 	// LargeCache bounds the bytes of free large blocks kept cached above the
 	// pool (per device). Past it, the oldest cached blocks go back to the
-	// pool, where any size can reuse them. See doc.go, "Cache policy".
+	// pool, where any size can reuse them. See doc.go, "Cache policy". Its
+	// default depends on the backend (largeCacheDefault).
 	LargeCache uint64
 	// MissRelease: before a large request that missed the cache goes to the
 	// pool, give the pool the cached block it will reuse in place (the
@@ -57,14 +58,17 @@ type Config struct {
 	Front bool
 }
 
+// defaultBackend is Config.Backend with no GOALLOC_CONF (see Backend).
+const defaultBackend = "vmm"
+
 // DefaultConfig is the configuration with no GOALLOC_CONF.
 func DefaultConfig() Config {
 	return Config{
 		ReleaseThreshold: math.MaxUint64,
-		LargeCache:       256 << 20,
+		LargeCache:       largeCacheDefault(defaultBackend),
 		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
-		Backend:          "vmm",
+		Backend:          defaultBackend,
 		VMM:              arena.VMMLayout{Placement: arena.DefaultVMMPlacement},
 		Front:            true,
 	}
@@ -75,7 +79,7 @@ var confKeys = map[string]string{
 	"fraction":          "cap on reserved memory as a share of the device, in (0, 1]",
 	"reserve":           "share of the device pre-warmed into the pool at first use, in [0, 1)",
 	"release_threshold": "bytes the driver pool keeps when idle: a size (512M, 2G) or max",
-	"large_cache":       "most bytes of free large blocks cached above the pool: a size or 0",
+	"large_cache":       "most bytes of free large blocks cached above the pool: a size or 0 (default 256M on backend:vmm, 0 on backend:async, whose pool caches for itself)",
 	"miss_release":      "true to give cached memory back to the pool before a cache miss asks it for more",
 	"large_slack":       "how much larger than a request a cached large block may be, in [0, 1)",
 	"quiet":             "true to silence warnings (OOM lines still print)",
@@ -155,12 +159,42 @@ func ParseConfig(s string) (Config, error) {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
 		}
 	}
+	if !seen["large_cache"] {
+		c.LargeCache = largeCacheDefault(c.Backend)
+	}
 	if c.Fraction > 0 && c.Reserve > c.Fraction {
 		// The pre-warm would have to pass the cap: the device could never
 		// be set up, and every allocation would fail.
 		return c, fmt.Errorf("GOALLOC_CONF: reserve:%g is above fraction:%g; the reserve is pre-warmed under the cap, so it must not exceed it", c.Reserve, c.Fraction)
 	}
 	return c, nil
+}
+
+// largeCacheDefault is large_cache when GOALLOC_CONF does not give it.
+//
+// backend:vmm caches up to 256 MiB of large blocks: a hit then skips the
+// placement's Go work, and the placement itself keeps the device at
+// 1.008-1.016x of the live peak with it (BENCHMARKS.md).
+//
+// backend:async caches none: the stream-ordered pool below already keeps
+// what is freed to it (release threshold at maximum) and hands it to any
+// size, while a block cached above it stays allocated from the pool's view
+// and splits its chunks. In ResNet-50 training on an H200 (bench/,
+// --resnet-plan-shapes, three runs each, the same shapes) the pool's
+// high-water mark under a 256 MiB cache was 3.16 GiB, 1.071x of the live
+// peak, and 2.97 GiB (1.008x) with none, where torch's own cudaMallocAsync
+// backend reserved at most 2.97 GiB; by the driver's count, 3.40, 3.21 and
+// 3.28 GiB above the idle process. goalloc's cache held next to nothing at
+// the peak (goalloc's reserved peak was 3.2 MiB above its allocated peak):
+// what the pool kept was the layout the cached blocks had made it take
+// earlier. Without the cache, a large request costs a
+// cuMemAllocFromPoolAsync and its free a cuMemFreeAsync, as under torch's
+// backend.
+func largeCacheDefault(backend string) uint64 {
+	if backend == "async" {
+		return 0
+	}
+	return 256 << 20
 }
 
 // CheckFraction is the one rule for a memory fraction, wherever it comes
@@ -216,16 +250,24 @@ func parseNumber(v string) (float64, error) {
 	return f, nil
 }
 
-// String renders c back in GOALLOC_CONF syntax.
+// String renders c back in GOALLOC_CONF syntax: ParseConfig(c.String())
+// gives c again.
 func (c Config) String() string {
 	rt := "max"
 	if c.ReleaseThreshold != math.MaxUint64 {
 		rt = strconv.FormatUint(c.ReleaseThreshold, 10)
 	}
-	out := fmt.Sprintf("fraction:%g,reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t,backend:%s",
-		c.Fraction, c.Reserve, rt, c.LargeCache, c.MissRelease, c.LargeSlack, c.Quiet, c.Backend)
-	// The VMM layout when it is not the default (the keys above are
-	// always there; older readers of this string know only them).
+	out := fmt.Sprintf("reserve:%g,release_threshold:%s,large_cache:%d,miss_release:%t,large_slack:%g,quiet:%t,backend:%s",
+		c.Reserve, rt, c.LargeCache, c.MissRelease, c.LargeSlack, c.Quiet, c.Backend)
+	// No cap has no value in GOALLOC_CONF (fraction:0 is refused): it is the
+	// key left out.
+	if c.Fraction != 0 {
+		out = fmt.Sprintf("fraction:%g,", c.Fraction) + out
+	}
+	if !c.Front {
+		out += ",front:false"
+	}
+	// The VMM layout when it is not the default.
 	if c.VMM.Placement != "" && c.VMM.Placement != arena.DefaultVMMPlacement {
 		out += ",vmm_placement:" + string(c.VMM.Placement)
 	}
