@@ -43,9 +43,9 @@ type Config struct {
 	// Backend is where device memory comes from: "vmm" (the default),
 	// physical handles goalloc maps itself (arena's VMM device), or
 	// "async", a private stream-ordered pool per device. vmm is the
-	// default because it holds the least: 1.008-1.017x of the live peak
+	// default because it holds the least: 1.006-1.013x of the live peak
 	// in GPT-2, LLaMA and ResNet-50 training on an H200, against
-	// 1.04-1.12x for async, at about async's speed (BENCHMARKS.md).
+	// 1.008-1.085x for async, at least as fast (BENCHMARKS.md).
 	Backend string
 	// VMM is how the vmm backend lays memory out: its placement of large
 	// requests, a segment per stream grown in place or a fresh range per
