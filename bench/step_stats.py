@@ -20,6 +20,15 @@ render.py merges them), prints:
                 and the moves' cost at the run's own average prices (an
                 unmap, plus a map and a set-access per handle mapped).
 
+With --simultaneous A.json B.json (two suites run at the same time, one per
+GPU, with the same repeats and the configurations in opposite orders: see
+bench/README.md), it pairs the two suites' runs in the order they ran, so
+that each pair trained the same shapes at the same time under two
+configurations, and prints per pair the first configuration's throughput
+over the second's and the median difference of their timed steps, then
+the median over the pairs: what the host was doing meanwhile weighs on
+both sides of each ratio.
+
 Standard library only; the figures in bench/notes.md that are not in the
 rendered tables come from here.
 """
@@ -110,10 +119,40 @@ def report(doc: dict[str, Any], workload: str) -> list[str]:
     return out
 
 
+def simultaneous(a: dict[str, Any], b: dict[str, Any], workload: str, first: str,
+                 second: str) -> list[str]:
+    """Two suites' runs of workload paired in the order they ran (see the
+    module's doc): first's throughput over second's, pair by pair."""
+    def ran(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        return [r for r in doc.get("runs", []) if r.get("workload") == workload]
+    lines, ratios = [], []
+    for x, y in zip(ran(a), ran(b)):
+        if x.get("repeat") != y.get("repeat") or {x.get("config"), y.get("config")} != {first, second}:
+            lines.append(f"  {x.get('name')} and {y.get('name')}: not a pair of {first} and {second} "
+                         f"on one repeat; the suites did not run in step")
+            continue
+        if x.get("status") != "ok" or y.get("status") != "ok":
+            continue
+        f, s = (x, y) if x["config"] == first else (y, x)
+        uf, us = f["result"].get("units_per_s"), s["result"].get("units_per_s")
+        if not uf or not us:
+            continue
+        steps = [p["seconds"] - q["seconds"] for p, q in zip(timed(f), timed(s))]
+        ratios.append(uf / us)
+        lines.append(f"  r{f.get('repeat')}  {first} {uf:,.0f}  {second} {us:,.0f}  ratio {uf / us:.3f}  "
+                     f"median step {1e3 * statistics.median(steps):+.2f} ms")
+    if ratios:
+        lines.append(f"  {len(ratios)} pairs: {first} over {second}, median {statistics.median(ratios):.3f} "
+                     f"(min {min(ratios):.3f}, max {max(ratios):.3f}); below 1 in {sum(r < 1 for r in ratios)}")
+    return [f"== {workload}, simultaneous pairs"] + lines if lines else []
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", nargs="+", help="bench.json files of the suite")
     p.add_argument("--workload", choices=("gpt2", "llama", "resnet50"), help="one workload (default: all)")
+    p.add_argument("--simultaneous", nargs=2, metavar=("CONFIG", "BASE"),
+                   help="pair the runs of two suites run at the same time (exactly two files): CONFIG over BASE")
     args = p.parse_args(argv)
     docs = []
     for f in args.bench:
@@ -121,6 +160,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             docs.append(json.loads(Path(f).read_text()))
         except (OSError, ValueError) as e:
             p.error(f"{f}: {e}")
+    if args.simultaneous:
+        if len(docs) != 2:
+            p.error("--simultaneous pairs exactly two bench.json files")
+        for w in [args.workload] if args.workload else ["gpt2", "llama", "resnet50"]:
+            for line in simultaneous(docs[0], docs[1], w, *args.simultaneous):
+                print(line)
+        return 0
     doc = render.merge(docs, args.bench, warn=lambda s: None)
     for w in [args.workload] if args.workload else ["gpt2", "llama", "resnet50"]:
         for line in report(doc, w):

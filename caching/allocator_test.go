@@ -383,6 +383,8 @@ func TestParseConfig(t *testing.T) {
 		{"backend:vmm,large_cache:0", 0},
 		{"", 256 << 20}, // no cap: fraction left out of String, as 0 is refused
 		{"front:false,fraction:0.5", 256 << 20},
+		{"yield_every:0", 256 << 20},
+		{"yield_every:2500us", 256 << 20},
 	} {
 		c, err = ParseConfig(tc.conf)
 		require.NoError(t, err, tc.conf)
@@ -402,6 +404,9 @@ func TestParseConfig(t *testing.T) {
 		{"large_cache:-5M", "not a byte size"},
 		{"quiet:maybe", "quiet"},
 		{"fraction:0.5,fraction:0.6", "given twice"},
+		{"yield_every:10ms", "outside (0, 10ms)"},
+		{"yield_every:-1ms", "outside (0, 10ms)"},
+		{"yield_every:often", "not a duration"},
 	} {
 		_, err := ParseConfig(bad.conf)
 		require.Error(t, err, bad.conf)

@@ -6,6 +6,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/units"
@@ -56,7 +57,19 @@ type Config struct {
 	// to a request of the same size and stream, and pass frees to Go in
 	// batches, through a log shared with Go (front.go).
 	Front bool
+	// YieldEvery is how often a thread that calls into goalloc through its
+	// C++ class for PyTorch yields to Go's scheduler (0, the default:
+	// never), so that the thread keeps its Go processor between calls; see
+	// export/sched.go, which says why it is off until measured on a GPU
+	// machine. It must be below 10 ms, the staleness after which Go takes
+	// the processor.
+	YieldEvery time.Duration
 }
+
+// maxYieldEvery bounds Config.YieldEvery: Go's sysmon takes a processor
+// whose scheduling tick has not moved for 10 ms (the runtime's
+// forcePreemptNS), so yielding less often than that keeps nothing.
+const maxYieldEvery = 10 * time.Millisecond
 
 // defaultBackend is Config.Backend with no GOALLOC_CONF (see Backend).
 const defaultBackend = "vmm"
@@ -86,6 +99,7 @@ var confKeys = map[string]string{
 	"backend":           "where memory comes from: async (a stream-ordered pool) or vmm (handles goalloc maps)",
 	"vmm_placement":     "how backend:vmm places large requests: segments (one per stream, grown in place) or ranges (a fresh range per request)",
 	"front":             "true to let goalloc's C++ class for PyTorch reuse a freed block for the next request of its size and stream without calling Go, and pass frees to Go in batches",
+	"yield_every":       "how often a thread calling goalloc's C++ class for PyTorch yields to Go's scheduler, a duration below 10ms such as 9ms, or 0 for never (the default)",
 	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 16M (raised to the device's granularity where smaller)",
 }
 
@@ -140,6 +154,8 @@ func ParseConfig(s string) (Config, error) {
 			c.MissRelease, err = strconv.ParseBool(v)
 		case "front":
 			c.Front, err = strconv.ParseBool(v)
+		case "yield_every":
+			c.YieldEvery, err = parseYieldEvery(v)
 		case "backend":
 			if v != "async" && v != "vmm" {
 				err = fmt.Errorf("%q is neither async nor vmm", v)
@@ -223,6 +239,18 @@ func knownKeys() string {
 	return strings.Join(keys, ", ")
 }
 
+// parseYieldEvery parses yield_every: a Go duration in [0, 10ms).
+func parseYieldEvery(v string) (time.Duration, error) {
+	d, err := time.ParseDuration(v) // takes "0" too
+	if err != nil {
+		return 0, fmt.Errorf("%q is not a duration such as 8ms", v)
+	}
+	if d < 0 || d >= maxYieldEvery {
+		return 0, fmt.Errorf("%v is outside (0, %v); 0 turns yielding off", d, maxYieldEvery)
+	}
+	return d, nil
+}
+
 // parseShare parses a float in (0,1) with the ends allowed as asked.
 func parseShare(v string, zeroOK, oneOK bool) (float64, error) {
 	f, err := parseNumber(v)
@@ -266,6 +294,9 @@ func (c Config) String() string {
 	}
 	if !c.Front {
 		out += ",front:false"
+	}
+	if c.YieldEvery != 0 {
+		out += ",yield_every:" + strconv.FormatInt(int64(c.YieldEvery), 10) + "ns"
 	}
 	// The VMM layout when it is not the default.
 	if c.VMM.Placement != "" && c.VMM.Placement != arena.DefaultVMMPlacement {

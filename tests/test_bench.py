@@ -1113,6 +1113,35 @@ def test_step_stats_reports_first_sights_paired_steps_and_moves(capsys):
     assert step_stats.report(doc, "gpt2") == []
 
 
+def test_step_stats_pairs_simultaneous_suites(tmp_path: Path):
+    step_stats = load("step_stats")
+
+    def run(config: str, repeat: int, ups: float, step: float, status: str = "ok") -> dict[str, Any]:
+        log = [{"shape": [32, 160], "seconds": step, "timed": True}] * 3
+        return {"name": f"{config}-r{repeat}", "workload": "resnet50", "config": config, "repeat": repeat,
+                "status": status, "result": {"units_per_s": ups, "step_log": log}}
+
+    # Lane A ran goalloc-vmm then native in repeat 0, lane B the other way round.
+    a = {"runs": [run("goalloc-vmm", 0, 900, 0.022), run("native", 0, 1100, 0.019),
+                  run("native", 1, 1000, 0.020), run("goalloc-vmm", 1, 1000, 0.020)]}
+    b = {"runs": [run("native", 0, 1000, 0.020), run("goalloc-vmm", 0, 1050, 0.018),
+                  run("goalloc-vmm", 1, 950, 0.021), run("native", 1, 0, 0.0, status="skipped")]}
+    lines = step_stats.simultaneous(a, b, "resnet50", "goalloc-vmm", "native")
+    text = "\n".join(lines)
+    assert "r0  goalloc-vmm 900  native 1,000  ratio 0.900  median step +2.00 ms" in text, text
+    assert "r0  goalloc-vmm 1,050  native 1,100  ratio 0.955  median step -1.00 ms" in text, text
+    assert "r1  goalloc-vmm 950  native 1,000  ratio 0.950  median step +1.00 ms" in text, text
+    assert "3 pairs: goalloc-vmm over native, median 0.950 (min 0.900, max 0.955); below 1 in 3" in text, text
+    # Suites out of step are said so, not paired.
+    b["runs"][0], b["runs"][1] = b["runs"][1], b["runs"][0]
+    assert any("did not run in step" in x for x in step_stats.simultaneous(a, b, "resnet50", "goalloc-vmm", "native"))
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    p = run_py(str(BENCH / "step_stats.py"), str(fa), "--simultaneous", "goalloc-vmm", "native")
+    assert p.returncode == 2 and "exactly two" in p.stderr
+
+
 def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
     plain = suite.parse_args(["OUT", "--workloads", "llama,resnet50"])
     planned = suite.parse_args(["OUT", "--workloads", "llama,resnet50", "--llama-plan-shapes"])

@@ -111,6 +111,14 @@ def test_the_module_name_follows_the_headers_too(tmp_path, monkeypatch):
     assert _cxx.module_name() != before
 
 
+def test_the_headers_are_what_the_source_includes_from_its_folder():
+    """Every header the class's source includes from csrc/ is in HEADERS, so
+    that a change to any of them builds a new module."""
+    import re
+    included = set(re.findall(r'^#include "([^"]+)"', _cxx.SOURCE.read_text(), re.M))
+    assert included == {h.name for h in _cxx.HEADERS}
+
+
 def test_builds_are_kept_per_torch_and_python_version(fake_torch):
     tag = _cxx.build_tag(fake_torch)
     assert tag.startswith("torch-0.0_fake-py3")

@@ -42,6 +42,7 @@
 #include <dlfcn.h>
 
 #include "goalloc_front.h"
+#include "goalloc_sched.h"
 
 #include <atomic>
 #include <cstdint>
@@ -92,6 +93,8 @@ struct Library {
   void (*string_free)(char*);
   void* (*front_log)(int);
   int (*front_drain)(int);
+  void (*sched_yield)();
+  long long (*yield_every_ns)();
 };
 
 Library lib;
@@ -135,6 +138,8 @@ void open_library(const std::string& path) {
   GOALLOC_SYM(string_free, "goalloc_string_free");
   GOALLOC_SYM(front_log, "goalloc_front");
   GOALLOC_SYM(front_drain, "goalloc_front_drain");
+  GOALLOC_SYM(sched_yield, "goalloc_sched_yield");
+  GOALLOC_SYM(yield_every_ns, "goalloc_yield_every_ns");
 #undef GOALLOC_SYM
   TORCH_CHECK(missing.empty(), "goalloc: ", path, " lacks", missing,
               "; it is older than this allocator class: rebuild it (make lib)");
@@ -277,12 +282,29 @@ void raw_delete_fn(void* ptr);
 
 // The front (goalloc_front.h): a freed block served again to the next
 // request of its stream and size, and frees handed to Go in batches.
+// Each thread yields to Go's scheduler now and then, before a call into Go
+// (goalloc_sched.h), so that its calls keep their Go processor.
+void sched_yield() { lib.sched_yield(); }
+long long yield_every_ns() { return lib.yield_every_ns(); }
+goalloc_sched::Keeper<>& keeper = *new goalloc_sched::Keeper<>(&yield_every_ns, &sched_yield);
+
 void* front_log_of(int device) { return lib.front_log(device); }
-int front_drain(int device) { return lib.front_drain(device); }
+int front_drain(int device) {
+  keeper.before_go_call();
+  return lib.front_drain(device);
+}
 // Never destroyed: torch frees tensors it keeps in its own statics (cuBLAS
 // workspaces) while the process exits, after this library's statics would
 // have gone, and each of those frees asks the front first.
 goalloc_front::Front& front = *new goalloc_front::Front(&front_log_of, &front_drain);
+
+// free_block frees ptr through the front, or in Go when the front does not
+// take it: goalloc_free_ptr's status (0: freed).
+int free_block(void* ptr) {
+  if (ptr == nullptr || front.give(ptr)) return 0;
+  keeper.before_go_call();
+  return lib.free_ptr(ptr);
+}
 
 // A pool checkpoint: the live blocks of a private pool, as
 // goalloc_pool_live_blocks lists them (address, size, requested, stream).
@@ -321,6 +343,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     }
     int oom = 0;
     char* err = nullptr;
+    keeper.before_go_call();
     void* p = lib.pool_malloc(size, device, stream, id0, id1, &oom, &err);
     if (p != nullptr) {
       if (id0 == 0 && id1 == 0) front.track(p, device, s, size);
@@ -349,9 +372,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     return malloc(nbytes, device, stream);
   }
 
-  void raw_delete(void* ptr) override {
-    if (ptr != nullptr && !front.give(ptr)) check(lib.free_ptr(ptr));
-  }
+  void raw_delete(void* ptr) override { check(free_block(ptr)); }
 
   void copy_data(void* dest, const void* src, std::size_t count) const final {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
@@ -736,9 +757,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
 // The deleter of every DataPtr this class makes, and its raw_deleter():
 // PyTorch's CUDA graph trees compare the two. A deleter must not throw; a
 // bad free is counted and reported by goalloc.
-void raw_delete_fn(void* ptr) {
-  if (ptr != nullptr && !front.give(ptr)) (void)lib.free_ptr(ptr);
-}
+void raw_delete_fn(void* ptr) { (void)free_block(ptr); }
 
 #ifndef GOALLOC_TORCH_NO_MODULE
 std::shared_ptr<GoallocAllocator> installed;
