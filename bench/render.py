@@ -283,18 +283,13 @@ def section_header(doc: dict[str, Any]) -> list[str]:
     ]
     if inputs:
         for i, d in enumerate(inputs, 1):
-            lines += [f"Input {i}: `{d.get('path', '?')}`", ""] + environment(d)
-            if d.get("dropped"):
-                lines.append(f"- left out (`--drop`): {', '.join(d['dropped'])}")
-            lines.append("")
+            lines += [f"Input {i}: `{d.get('path', '?')}`", ""] + environment(d) + dropped(d) + [""]
         counts = status_counts(runs)
         lines.append("- merged runs: " + (", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none")
                      + (f"; {doc['replaced']} run(s) of an earlier input replaced by a later one's"
                         if doc.get("replaced") else ""))
     else:
-        lines += environment(doc)
-        if doc.get("dropped"):
-            lines.append(f"- left out (`--drop`): {', '.join(doc['dropped'])}")
+        lines += environment(doc) + dropped(doc)
     bad = [r for r in runs if r.get("status") not in ("ok", None)]
     if bad:
         lines += ["", "Runs that did not finish:", ""]
@@ -302,6 +297,11 @@ def section_header(doc: dict[str, Any]) -> list[str]:
             why = r.get("reason") or first_line(dig(r, "meta", "error")) or first_line(r.get("output_tail"), last=True)
             lines.append(f"- {r.get('name', '?')}: {r.get('status')}" + (f": {why}" if why else ""))
     return lines
+
+
+def dropped(doc: dict[str, Any]) -> list[str]:
+    """The header's line on what --drop left out of one input, if anything."""
+    return [f"- left out (`--drop`): {', '.join(doc['dropped'])}"] if doc.get("dropped") else []
 
 
 def status_counts(runs: list[dict[str, Any]]) -> dict[str, int]:

@@ -404,8 +404,8 @@ func TestParseConfig(t *testing.T) {
 		{"large_cache:-5M", "not a byte size"},
 		{"quiet:maybe", "quiet"},
 		{"fraction:0.5,fraction:0.6", "given twice"},
-		{"yield_every:10ms", "outside (0, 10ms)"},
-		{"yield_every:-1ms", "outside (0, 10ms)"},
+		{"yield_every:10ms", "outside [0, 10ms)"},
+		{"yield_every:-1ms", "outside [0, 10ms)"},
 		{"yield_every:often", "not a duration"},
 	} {
 		_, err := ParseConfig(bad.conf)

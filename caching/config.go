@@ -190,7 +190,7 @@ func ParseConfig(s string) (Config, error) {
 //
 // backend:vmm caches up to 256 MiB of large blocks: a hit then skips the
 // placement's Go work, and the placement itself keeps the device at
-// 1.008-1.016x of the live peak with it (BENCHMARKS.md).
+// 1.006-1.013x of the live peak with it (BENCHMARKS.md).
 //
 // backend:async caches none: the stream-ordered pool below already keeps
 // what is freed to it (release threshold at maximum) and hands it to any
@@ -246,7 +246,7 @@ func parseYieldEvery(v string) (time.Duration, error) {
 		return 0, fmt.Errorf("%q is not a duration such as 8ms", v)
 	}
 	if d < 0 || d >= maxYieldEvery {
-		return 0, fmt.Errorf("%v is outside (0, %v); 0 turns yielding off", d, maxYieldEvery)
+		return 0, fmt.Errorf("%v is outside [0, %v) (0: never yield)", d, maxYieldEvery)
 	}
 	return d, nil
 }

@@ -280,14 +280,15 @@ Json parse(char* s) {
 
 void raw_delete_fn(void* ptr);
 
-// The front (goalloc_front.h): a freed block served again to the next
-// request of its stream and size, and frees handed to Go in batches.
-// Each thread yields to Go's scheduler now and then, before a call into Go
-// (goalloc_sched.h), so that its calls keep their Go processor.
+// With GOALLOC_CONF's yield_every, each thread yields to Go's scheduler now
+// and then, before a call into Go, so that its calls keep their Go
+// processor (goalloc_sched.h). Never destroyed, like the front below.
 void sched_yield() { lib.sched_yield(); }
 long long yield_every_ns() { return lib.yield_every_ns(); }
 goalloc_sched::Keeper<>& keeper = *new goalloc_sched::Keeper<>(&yield_every_ns, &sched_yield);
 
+// The front (goalloc_front.h): a freed block served again to the next
+// request of its stream and size, and frees handed to Go in batches.
 void* front_log_of(int device) { return lib.front_log(device); }
 int front_drain(int device) {
   keeper.before_go_call();
