@@ -1142,6 +1142,22 @@ def test_step_stats_pairs_simultaneous_suites(tmp_path: Path):
     assert p.returncode == 2 and "exactly two" in p.stderr
 
 
+def test_call_gaps_counts_the_gaps_between_requests(tmp_path: Path):
+    trace = tmp_path / "t.jsonl"
+    events = [{"workload": "x"}, {"a": "alloc", "t": 0}, {"a": "free_requested", "t": 10},
+              {"a": "alloc", "t": 30}, {"a": "alloc", "t": 35}, {"a": "alloc", "t": 1035}]
+    trace.write_text("".join(json.dumps(e) + "\n" for e in events))
+    p = run_py(str(BENCH / "call_gaps.py"), str(trace), "--at", "5,30,1000")
+    assert p.returncode == 0, p.stderr
+    # Gaps between requests: 30, 5, 1000 (the free in between is not a request).
+    assert "4 requests over 0.00 s" in p.stdout
+    assert "gap >=      5 us:        3 (100.0% of 3)" in p.stdout
+    assert "gap >=     30 us:        2 (66.7% of 3)" in p.stdout
+    assert "gap >=  1,000 us:        1 (33.3% of 3)" in p.stdout
+    p = run_py(str(BENCH / "call_gaps.py"), str(trace), "--at", "soon")
+    assert p.returncode == 2 and "--at" in p.stderr
+
+
 def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
     plain = suite.parse_args(["OUT", "--workloads", "llama,resnet50"])
     planned = suite.parse_args(["OUT", "--workloads", "llama,resnet50", "--llama-plan-shapes"])
