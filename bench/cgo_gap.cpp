@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -60,8 +61,15 @@ static Figures run(double gap_us, goalloc_sched::Keeper<>* keeper) {
     int oom = 0;
     char* err = nullptr;
     void* p = pool_malloc(1 << 20, 0, nullptr, 0, 0, &oom, &err);
+    if (p == nullptr) {
+      std::fprintf(stderr, "cgo_gap: goalloc_pool_malloc failed: %s\n", err != nullptr ? err : "(no message)");
+      std::exit(1);
+    }
     if (keeper != nullptr) keeper->before_go_call();
-    free_ptr(p);
+    if (free_ptr(p) != 0) {
+      std::fprintf(stderr, "cgo_gap: goalloc_free_ptr failed\n");
+      std::exit(1);
+    }
     ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
   }
   double sum = 0;

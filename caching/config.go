@@ -203,9 +203,12 @@ func ParseConfig(s string) (Config, error) {
 // 3.28 GiB above the idle process. goalloc's cache held next to nothing at
 // the peak (goalloc's reserved peak was 3.2 MiB above its allocated peak):
 // what the pool kept was the layout the cached blocks had made it take
-// earlier. Without the cache, a large request costs a
-// cuMemAllocFromPoolAsync and its free a cuMemFreeAsync, as under torch's
-// backend.
+// earlier. (Those were two suites of the same call, one after the other;
+// a later suite interleaving all five configurations, six repeats, had
+// goalloc without the cache and torch's backend both at 2.97 GiB, and the
+// driver's count at 3.21 and 3.28 GiB.) Without the cache, a large
+// request costs a cuMemAllocFromPoolAsync and its free a cuMemFreeAsync,
+// as under torch's backend.
 func largeCacheDefault(backend string) uint64 {
 	if backend == "async" {
 		return 0

@@ -38,15 +38,18 @@ class Keeper {
   Keeper(long long (*every_ns)(), void (*yield)()) : every_ns_(every_ns), yield_(yield) {}
 
   void before_go_call() {
+    // Off (the default): one load of a process-wide figure, no per-thread
+    // record touched, on every call into Go.
+    long long every = interval_.load(std::memory_order_relaxed);
+    if (every == 0) return;
     Thread& t = thread();
     if (++t.calls % kCheckEvery != 0) return;
-    long long every = interval_.load(std::memory_order_relaxed);
     if (every < 0) {
       every = every_ns_();
       if (every < 0) return;  // the library has not read its configuration yet
       interval_.store(every, std::memory_order_relaxed);
+      if (every == 0) return;
     }
-    if (every == 0) return;
     typename Clock::time_point now = Clock::now();
     if (t.yielded && now - t.last < std::chrono::nanoseconds(every)) return;
     t.last = now;
