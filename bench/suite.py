@@ -54,6 +54,7 @@ CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-m
 # c-floor too (by default it runs the microbenchmarks only).
 DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm", "goalloc-mempool")
+CLASS_CONFIGS = ("goalloc", "goalloc-vmm")  # goalloc.install(): torch's allocator is goalloc's C++ class
 WORKLOADS = ("micro", "gpt2", "llama", "resnet50", "replay")
 TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
 REPLAY_POLICIES = ("goalloc", "passthrough")
@@ -182,6 +183,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--goalloc-conf", default="",
                    help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
                         "no backend: goalloc-vmm adds backend:vmm to it")
+    p.add_argument("--call-clock", choices=("off", "on", "probe"), default="off",
+                   help="training runs of goalloc and goalloc-vmm time the C++ class's calls into Go over their "
+                        "timed steps (bench/call_clock.py reads them); probe adds an empty call into Go before each")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole suite may take (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--timeout", type=float, help="a fixed per-run timeout in seconds (default: from the estimates)")
@@ -344,6 +348,8 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
                 "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]
         if args.resnet_plan_shapes:
             cmd.append("--plan-shapes")
+    if run.workload in TRAIN_WORKLOADS and run.config in CLASS_CONFIGS and args.call_clock != "off":
+        cmd += ["--call-clock", args.call_clock]
     return cmd
 
 

@@ -249,6 +249,19 @@ class Allocator:
         self.pool_reserved_max = max(self.pool_reserved_max, v, int(getattr(f, "pool_reserved_high_bytes", 0)))
         return v
 
+    def call_clock(self, mode: str) -> None:
+        """Start goalloc's call clock (goalloc._cxx.set_call_clock); the run
+        fails if the class is not torch's allocator."""
+        from goalloc import _cxx
+
+        _cxx.set_call_clock(mode)
+
+    def read_call_clock(self) -> dict[str, Any]:
+        from goalloc import _cxx
+
+        _cxx.set_call_clock("off")
+        return _cxx.read_call_clock()
+
     def device_allocs(self) -> Optional[int]:
         """How many allocations this allocator asked the driver for so far."""
         if self.cfloor is not None:
@@ -671,8 +684,11 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
         out["build_s"] = time.perf_counter() - t_build
         if mem is not None:
             mem.start()
+        clock = getattr(args, "call_clock", "off")
         for i, shape in enumerate(shapes):
             sync()
+            if clock != "off" and i == warmup:
+                alloc.call_clock(clock)
             t0 = time.perf_counter()
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss, units = forward(shape)
@@ -693,6 +709,8 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             log.append(entry)
         if mem is not None:
             mem.stop()
+        if clock != "off":
+            out["call_clock"] = {"mode": clock, "steps": steps, "kinds": alloc.read_call_clock()}
         timed = [e for e in log if e["timed"]]
         seconds = sum(e["seconds"] for e in timed)
         out.update({
@@ -738,11 +756,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="before the warm-up, one untimed step of every distinct shape the run trains")
     p.add_argument("--resnet-batch", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"))
     p.add_argument("--resnet-res", type=int, nargs=2, default=(160, 224), metavar=("MIN", "MAX"))
+    p.add_argument("--call-clock", choices=("off", "on", "probe"), default="off",
+                   help="goalloc's C++ class times its calls into Go over the timed steps (goalloc_clock.h); "
+                        "probe: an empty call into Go before each, timed apart")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="run the training loop on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
     if args.smoke_cpu and (args.workload in ("micro",) or args.config != "native"):
         p.error("--smoke-cpu runs env, gpt2, llama or resnet50 with --config native only")
+    if args.call_clock != "off" and args.config not in GOALLOC_INSTALLED:
+        p.error(f"--call-clock needs a configuration with goalloc's class ({', '.join(GOALLOC_INSTALLED)})")
     return args
 
 

@@ -1218,3 +1218,57 @@ def test_front_coverage_follows_the_fronts_rule():
     assert (k["allocations"], k["served_by_front"]) == (5, 2)
     assert fc.coverage_kept(many, keep=64)["served_by_front"] == 10
     assert fc.coverage_kept(many, keep=5)["served_by_front"] == 5
+
+
+def test_call_clock_is_passed_to_the_class_configurations_training_runs_only():
+    args = suite.parse_args(["OUT", "--workloads", "micro,resnet50,gpt2", "--call-clock", "probe",
+                             "--train-configs", "native,goalloc,goalloc-vmm,goalloc-mempool"])
+    seen = set()
+    for run in suite.build_plan(args):
+        cmd = suite.workload_command(run, args, Path("R.json"))
+        has = "--call-clock" in cmd
+        assert has == (run.workload in ("resnet50", "gpt2") and run.config in ("goalloc", "goalloc-vmm")), run.name
+        if has:
+            assert cmd[cmd.index("--call-clock") + 1] == "probe"
+            seen.add(run.config)
+    assert seen == {"goalloc", "goalloc-vmm"}
+    off = suite.parse_args(["OUT", "--workloads", "resnet50"])
+    assert all("--call-clock" not in suite.workload_command(r, off, Path("R.json")) for r in suite.build_plan(off))
+    p = run_py(str(BENCH / "workloads.py"), "--workload", "resnet50", "--config", "native", "--out", "x.json",
+               "--call-clock", "on")
+    assert p.returncode == 2 and "--call-clock needs a configuration with goalloc's class" in p.stderr
+
+
+def test_call_clock_report(tmp_path: Path):
+    cc = load("call_clock")
+    hist = [0] * 40
+    hist[8], hist[9], hist[13] = 50, 48, 2  # 256-511 ns, 512-1023 ns, 8-16 us
+    assert cc.quantile_ns(hist, 0.5) == 512 and cc.quantile_ns(hist, 0.99) == 16384
+    assert cc.quantile_ns([0] * 40, 0.5) is None
+    assert cc.slow_calls(hist) == 2
+    kinds = {"malloc": {"calls": 100, "ns": 200_000, "hist": hist},
+             "free": {"calls": 0, "ns": 0, "hist": [0] * 40},
+             "drain": {"calls": 10, "ns": 30_000, "hist": [0] * 11 + [10] + [0] * 28},
+             "probe": {"calls": 0, "ns": 0, "hist": [0] * 40}}
+    doc = {"runs": [
+        {"id": 1, "workload": "resnet50", "config": "goalloc-vmm", "repeat": 0, "status": "ok",
+         "result": {"median_step_s": 0.025, "call_clock": {"mode": "on", "steps": 10, "kinds": kinds}}},
+        {"id": 2, "workload": "resnet50", "config": "native", "repeat": 0, "status": "ok",
+         "result": {"median_step_s": 0.022}},
+    ]}
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps(doc))
+    p = run_py(str(BENCH / "call_clock.py"), str(f))
+    assert p.returncode == 0, p.stderr
+    # 100 requests over 10 steps: 10 a step, 2 us mean, 0.02 ms a step; 2 slow ones, 0.2 a step.
+    assert "1 goalloc-vmm r0 (on, 10 steps, median step 25.00 ms)" in p.stdout
+    assert "malloc     10.0/step  mean   2.00 us  p50 <  0.51 us  p99 <  16.38 us  slow    0.2/step   0.020 ms/step" \
+        in p.stdout
+    assert "drain       1.0/step  mean   3.00 us" in p.stdout
+    assert "free " not in p.stdout and "probe " not in p.stdout  # kinds never called are left out
+    assert "goalloc-vmm  all 0.023  (malloc 0.020, drain 0.003; 1 runs)" in p.stdout
+    assert "native" not in p.stdout
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"runs": doc["runs"][1:]}))
+    p = run_py(str(BENCH / "call_clock.py"), str(empty))
+    assert p.returncode == 1 and "--call-clock on" in p.stderr

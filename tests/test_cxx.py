@@ -194,3 +194,13 @@ def test_package_build_tries_the_class_where_torch_is_importable(tmp_path):
     without = _build_py(tmp_path / "b", None)
     assert without.returncode == 0, without.stderr[-2000:]
     assert "torch is importable here" not in without.stdout
+
+
+def test_call_clock_needs_the_class_and_a_known_mode():
+    with pytest.raises(ValueError, match="'fast' is not one of off, on, probe"):
+        _cxx.set_call_clock("fast")
+    if not _cxx.installed():
+        with pytest.raises(RuntimeError, match="needs goalloc's C\\+\\+ allocator class installed"):
+            _cxx.set_call_clock("on")
+        with pytest.raises(RuntimeError, match="needs goalloc's C\\+\\+ allocator class installed"):
+            _cxx.read_call_clock()

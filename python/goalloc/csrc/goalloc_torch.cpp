@@ -41,6 +41,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include "goalloc_clock.h"
 #include "goalloc_front.h"
 #include "goalloc_sched.h"
 
@@ -52,6 +53,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 #include <vector>
 
@@ -287,12 +289,18 @@ void sched_yield() { lib.sched_yield(); }
 long long yield_every_ns() { return lib.yield_every_ns(); }
 goalloc_sched::Keeper<>& keeper = *new goalloc_sched::Keeper<>(&yield_every_ns, &sched_yield);
 
+// The call clock (goalloc_clock.h): the class's calls into Go timed where
+// they are made, when asked (call_clock in the module below). Its probe is
+// the cheapest call into Go there is.
+void probe_go() { (void)lib.yield_every_ns(); }
+goalloc_clock::CallClock<>& call_clock = *new goalloc_clock::CallClock<>(&probe_go);
+
 // The front (goalloc_front.h): a freed block served again to the next
 // request of its stream and size, and frees handed to Go in batches.
 void* front_log_of(int device) { return lib.front_log(device); }
 int front_drain(int device) {
   keeper.before_go_call();
-  return lib.front_drain(device);
+  return call_clock.time(goalloc_clock::kDrain, [&] { return lib.front_drain(device); });
 }
 // Never destroyed: torch frees tensors it keeps in its own statics (cuBLAS
 // workspaces) while the process exits, after this library's statics would
@@ -304,7 +312,7 @@ goalloc_front::Front& front = *new goalloc_front::Front(&front_log_of, &front_dr
 int free_block(void* ptr) {
   if (ptr == nullptr || front.give(ptr)) return 0;
   keeper.before_go_call();
-  return lib.free_ptr(ptr);
+  return call_clock.time(goalloc_clock::kFree, [&] { return lib.free_ptr(ptr); });
 }
 
 // A pool checkpoint: the live blocks of a private pool, as
@@ -345,7 +353,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     int oom = 0;
     char* err = nullptr;
     keeper.before_go_call();
-    void* p = lib.pool_malloc(size, device, stream, id0, id1, &oom, &err);
+    void* p = call_clock.time(goalloc_clock::kMalloc,
+                              [&] { return lib.pool_malloc(size, device, stream, id0, id1, &oom, &err); });
     if (p != nullptr) {
       if (id0 == 0 && id1 == 0) front.track(p, device, s, size);
       return p;
@@ -774,6 +783,24 @@ void install(const std::string& path) {
 }
 
 bool is_installed() { return installed != nullptr && CCA::get() == installed.get(); }
+
+// set_call_clock starts (1: on, 2: probing) or stops (0) the call clock.
+void set_call_clock(int mode) {
+  TORCH_CHECK(mode == goalloc_clock::kOff || mode == goalloc_clock::kOn || mode == goalloc_clock::kProbing,
+              "goalloc: call clock mode ", mode, " is not 0 (off), 1 (on) or 2 (probing)");
+  call_clock.set_mode(mode);
+}
+
+// read_call_clock: what the clock holds, by kind: {kind: (calls, ns, histogram)}.
+std::map<std::string, std::tuple<uint64_t, uint64_t, std::vector<uint64_t>>> read_call_clock() {
+  static const char* names[goalloc_clock::kKinds] = {"malloc", "free", "drain", "probe"};
+  std::map<std::string, std::tuple<uint64_t, uint64_t, std::vector<uint64_t>>> out;
+  for (int k = 0; k < goalloc_clock::kKinds; k++) {
+    goalloc_clock::Reading r = call_clock.read(static_cast<goalloc_clock::Kind>(k));
+    out[names[k]] = {r.calls, r.ns, std::vector<uint64_t>(r.hist, r.hist + goalloc_clock::kBuckets)};
+  }
+  return out;
+}
 #endif  // GOALLOC_TORCH_NO_MODULE
 
 }  // namespace goalloc_torch
@@ -784,5 +811,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &goalloc_torch::install, "Make goalloc (libgoalloc.so at path) torch's CUDA allocator");
   m.def("is_installed", &goalloc_torch::is_installed, "Whether goalloc's class is torch's CUDA allocator now");
   m.attr("stat_figures") = goalloc_torch::kStatFigures;
+  m.def("set_call_clock", &goalloc_torch::set_call_clock,
+        "Start (1: on, 2: probing) or stop (0) timing the class's calls into Go (goalloc_clock.h)");
+  m.def("read_call_clock", &goalloc_torch::read_call_clock,
+        "The call clock's figures by kind: (calls, ns, histogram of 2^b ns buckets)");
 }
 #endif  // GOALLOC_TORCH_NO_MODULE

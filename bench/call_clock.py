@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""What goalloc's calls into Go cost inside a training step: the call clock's figures.
+
+    python3 bench/call_clock.py BENCH.json [BENCH.json ...] [--workload resnet50]
+
+A suite run with `--call-clock on` (or `probe`) has goalloc's C++ class time
+every call it makes into Go over the timed steps (csrc/goalloc_clock.h), by
+kind: requests the class's front did not serve (malloc), frees it did not
+take (free), its log of frees handed over (drain) and, with probe, an empty
+call into Go made before each of those (probe: the crossing alone). For each
+such run this prints, per kind: calls per timed step, the mean, the median
+and the 99th percentile (the upper edge of the histogram's power-of-two
+bucket that holds it), how many calls per step took 4 us or more, and the
+milliseconds per step the calls took; then the run's median timed step.
+
+Set beside the step time native and goalloc trained the same shapes in
+(bench/step_stats.py --simultaneous), this says how much of the difference
+is the time spent inside the calls. Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+KINDS = ("malloc", "free", "drain", "probe")
+SLOW_NS = 4096  # "slow": bucket 12 and up, calls of 4,096 ns or more
+
+
+def quantile_ns(hist: list[int], q: float) -> Optional[int]:
+    """The upper edge (ns) of the bucket that holds quantile q; None if empty."""
+    n = sum(hist)
+    if n == 0:
+        return None
+    want, seen = q * n, 0
+    for b, c in enumerate(hist):
+        seen += c
+        if seen >= want and c > 0:
+            return 2 ** (b + 1)
+    return 2 ** len(hist)
+
+
+def slow_calls(hist: list[int]) -> int:
+    """Calls in the buckets of SLOW_NS and up."""
+    first = SLOW_NS.bit_length() - 1
+    return sum(hist[first:])
+
+
+def kind_figures(k: dict[str, Any], steps: int) -> Optional[dict[str, float]]:
+    calls, ns, hist = int(k.get("calls", 0)), int(k.get("ns", 0)), list(k.get("hist") or [])
+    if calls == 0 or steps <= 0:
+        return None
+    return {
+        "calls_per_step": calls / steps,
+        "mean_ns": ns / calls,
+        "p50_ns": float(quantile_ns(hist, 0.5) or 0),
+        "p99_ns": float(quantile_ns(hist, 0.99) or 0),
+        "slow_per_step": slow_calls(hist) / steps,
+        "ms_per_step": ns / steps / 1e6,
+    }
+
+
+def run_lines(r: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    res = r.get("result") or {}
+    clock = res.get("call_clock") or {}
+    steps = int(clock.get("steps") or 0)
+    figures: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        f = kind_figures((clock.get("kinds") or {}).get(kind) or {}, steps)
+        if f is not None:
+            figures[kind] = f
+    med = res.get("median_step_s")
+    head = (f"  {r.get('id', 0):>3} {r.get('config')} r{r.get('repeat')} ({clock.get('mode')}, {steps} steps"
+            + (f", median step {med * 1e3:.2f} ms)" if med else ")"))
+    lines = [head]
+    for kind, f in figures.items():
+        lines.append(f"      {kind:<6} {f['calls_per_step']:8.1f}/step  mean {f['mean_ns'] / 1e3:6.2f} us  "
+                     f"p50 <{f['p50_ns'] / 1e3:6.2f} us  p99 <{f['p99_ns'] / 1e3:7.2f} us  "
+                     f"slow {f['slow_per_step']:6.1f}/step  {f['ms_per_step']:6.3f} ms/step")
+    return lines, figures
+
+
+def report(doc: dict[str, Any], workload: str) -> list[str]:
+    runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"
+            and (r.get("result") or {}).get("call_clock")]
+    if not runs:
+        return []
+    out = [f"== {workload}: goalloc's calls into Go, timed where the class makes them"]
+    per_config: dict[str, dict[str, list[float]]] = {}
+    for r in sorted(runs, key=lambda r: r.get("id", 0)):
+        lines, figures = run_lines(r)
+        out += lines
+        total = sum(f["ms_per_step"] for k, f in figures.items())
+        agg = per_config.setdefault(r["config"], {})
+        agg.setdefault("total", []).append(total)
+        for kind, f in figures.items():
+            agg.setdefault(kind, []).append(f["ms_per_step"])
+    out.append("medians over runs (ms per step in the calls):")
+    for config, agg in per_config.items():
+        parts = [f"{k} {statistics.median(v):.3f}" for k, v in agg.items() if k != "total"]
+        out.append(f"  {config:<12} all {statistics.median(agg['total']):.3f}  ({', '.join(parts)}; "
+                   f"{len(agg['total'])} runs)")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench", nargs="+", help="bench.json files of suites run with --call-clock")
+    p.add_argument("--workload", choices=("gpt2", "llama", "resnet50"), help="one workload (default: all)")
+    args = p.parse_args(argv)
+    printed = False
+    for f in args.bench:
+        try:
+            doc = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"{f}: {e}")
+        for w in [args.workload] if args.workload else ["gpt2", "llama", "resnet50"]:
+            for line in report(doc, w):
+                print(line)
+                printed = True
+    if not printed:
+        print("no run with the call clock's figures (run the suite with --call-clock on)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
