@@ -1272,3 +1272,28 @@ def test_call_clock_report(tmp_path: Path):
     empty.write_text(json.dumps({"runs": doc["runs"][1:]}))
     p = run_py(str(BENCH / "call_clock.py"), str(empty))
     assert p.returncode == 1 and "--call-clock on" in p.stderr
+
+
+def test_hostcost_summary_and_arguments(tmp_path: Path):
+    out = tmp_path / "h"
+    out.mkdir()
+    for config, p, us in [("native", 0, 2.0), ("native", 1, 4.0), ("goalloc-vmm", 0, 6.0), ("goalloc-vmm", 1, 6.0)]:
+        cases = {"empty": {"median_us": us}, "conv": {"median_us": us * 10}}
+        (out / f"{config}-p{p}.json").write_text(json.dumps({"config": config, "cases": cases}))
+    (out / "broken.json").write_text("{")
+    p = run_py(str(BENCH / "hostcost.py"), "--summary", str(out))
+    assert p.returncode == 0, p.stderr
+    lines = {line.split()[0]: line for line in p.stdout.splitlines()[1:]}
+    # native: medians 3.0 and 30.0; goalloc-vmm 6.0 and 60.0, so 2.00x of native.
+    assert lines["native"].split() == ["native", "3.00", "1.00x", "30.00", "1.00x", "n=2"]
+    assert lines["goalloc-vmm"].split() == ["goalloc-vmm", "6.00", "2.00x", "60.00", "2.00x", "n=2"]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    p = run_py(str(BENCH / "hostcost.py"), "--summary", str(empty))
+    assert p.returncode == 1 and "no results" in p.stderr
+    p = run_py(str(BENCH / "hostcost.py"), "--run", str(tmp_path / "r"), "--configs", "native,bogus")
+    assert p.returncode == 2 and "unknown configuration 'bogus'" in p.stderr
+    p = run_py(str(BENCH / "hostcost.py"), "--iters", "0", "--summary", str(out))
+    assert p.returncode == 2 and "must be positive" in p.stderr
+    p = run_py(str(BENCH / "hostcost.py"))
+    assert p.returncode == 2 and "give --config and --out" in p.stderr
