@@ -10,8 +10,9 @@ take (free), its log of frees handed over (drain) and, with probe, an empty
 call into Go made before each of those (probe: the crossing alone). For each
 such run this prints, per kind: calls per timed step, the mean, the median
 and the 99th percentile (the upper edge of the histogram's power-of-two
-bucket that holds it), how many calls per step took 4 us or more, and the
-milliseconds per step the calls took; then the run's median timed step.
+bucket that holds it), how many calls per step took --slow-ns or more
+(4,096 ns unless given) and the milliseconds per step the calls took; then
+the run's median timed step.
 
 Set beside the step time native and goalloc trained the same shapes in
 (bench/step_stats.py --simultaneous), this says how much of the difference
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 KINDS = ("malloc", "free", "drain", "probe")
-SLOW_NS = 4096  # "slow": bucket 12 and up, calls of 4,096 ns or more
+SLOW_NS = 4096  # "slow" by default: bucket 12 and up, calls of 4,096 ns or more
 
 
 def quantile_ns(hist: list[int], q: float) -> Optional[int]:
@@ -43,13 +44,13 @@ def quantile_ns(hist: list[int], q: float) -> Optional[int]:
     return 2 ** len(hist)
 
 
-def slow_calls(hist: list[int]) -> int:
-    """Calls in the buckets of SLOW_NS and up."""
-    first = SLOW_NS.bit_length() - 1
+def slow_calls(hist: list[int], slow_ns: int = SLOW_NS) -> int:
+    """Calls in the buckets of slow_ns (a power of two) and up."""
+    first = slow_ns.bit_length() - 1
     return sum(hist[first:])
 
 
-def kind_figures(k: dict[str, Any], steps: int) -> Optional[dict[str, float]]:
+def kind_figures(k: dict[str, Any], steps: int, slow_ns: int = SLOW_NS) -> Optional[dict[str, float]]:
     calls, ns, hist = int(k.get("calls", 0)), int(k.get("ns", 0)), list(k.get("hist") or [])
     if calls == 0 or steps <= 0:
         return None
@@ -58,18 +59,18 @@ def kind_figures(k: dict[str, Any], steps: int) -> Optional[dict[str, float]]:
         "mean_ns": ns / calls,
         "p50_ns": float(quantile_ns(hist, 0.5) or 0),
         "p99_ns": float(quantile_ns(hist, 0.99) or 0),
-        "slow_per_step": slow_calls(hist) / steps,
+        "slow_per_step": slow_calls(hist, slow_ns) / steps,
         "ms_per_step": ns / steps / 1e6,
     }
 
 
-def run_lines(r: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
+def run_lines(r: dict[str, Any], slow_ns: int = SLOW_NS) -> tuple[list[str], dict[str, dict[str, float]]]:
     res = r.get("result") or {}
     clock = res.get("call_clock") or {}
     steps = int(clock.get("steps") or 0)
     figures: dict[str, dict[str, float]] = {}
     for kind in KINDS:
-        f = kind_figures((clock.get("kinds") or {}).get(kind) or {}, steps)
+        f = kind_figures((clock.get("kinds") or {}).get(kind) or {}, steps, slow_ns)
         if f is not None:
             figures[kind] = f
     med = res.get("median_step_s")
@@ -79,11 +80,11 @@ def run_lines(r: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]
     for kind, f in figures.items():
         lines.append(f"      {kind:<6} {f['calls_per_step']:8.1f}/step  mean {f['mean_ns'] / 1e3:6.2f} us  "
                      f"p50 <{f['p50_ns'] / 1e3:6.2f} us  p99 <{f['p99_ns'] / 1e3:7.2f} us  "
-                     f"slow {f['slow_per_step']:6.1f}/step  {f['ms_per_step']:6.3f} ms/step")
+                     f">={slow_ns}ns {f['slow_per_step']:6.1f}/step  {f['ms_per_step']:6.3f} ms/step")
     return lines, figures
 
 
-def report(doc: dict[str, Any], workload: str) -> list[str]:
+def report(doc: dict[str, Any], workload: str, slow_ns: int = SLOW_NS) -> list[str]:
     runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"
             and (r.get("result") or {}).get("call_clock")]
     if not runs:
@@ -91,7 +92,7 @@ def report(doc: dict[str, Any], workload: str) -> list[str]:
     out = [f"== {workload}: goalloc's calls into Go, timed where the class makes them"]
     per_config: dict[str, dict[str, list[float]]] = {}
     for r in sorted(runs, key=lambda r: r.get("id", 0)):
-        lines, figures = run_lines(r)
+        lines, figures = run_lines(r, slow_ns)
         out += lines
         total = sum(f["ms_per_step"] for k, f in figures.items())
         agg = per_config.setdefault(r["config"], {})
@@ -110,7 +111,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", nargs="+", help="bench.json files of suites run with --call-clock")
     p.add_argument("--workload", choices=("gpt2", "llama", "resnet50"), help="one workload (default: all)")
+    p.add_argument("--slow-ns", type=int, default=SLOW_NS,
+                   help=f"count the calls of this many ns or more, a power of two (default {SLOW_NS})")
     args = p.parse_args(argv)
+    if args.slow_ns < 2 or args.slow_ns & (args.slow_ns - 1):
+        p.error("--slow-ns must be a power of two (the histogram's buckets are)")
     printed = False
     for f in args.bench:
         try:
@@ -118,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (OSError, ValueError) as e:
             p.error(f"{f}: {e}")
         for w in [args.workload] if args.workload else ["gpt2", "llama", "resnet50"]:
-            for line in report(doc, w):
+            for line in report(doc, w, args.slow_ns):
                 print(line)
                 printed = True
     if not printed:
