@@ -11,7 +11,8 @@ call into Go made before each of those (probe: the crossing alone). For each
 such run this prints, per kind: calls per timed step, the mean, the median
 and the 99th percentile (the upper edge of the histogram's power-of-two
 bucket that holds it), how many calls per step took --slow-ns or more
-(4,096 ns unless given) and the milliseconds per step the calls took; then
+(4,096 ns unless given) and at least how long they took (each at its
+bucket's lower edge), and the milliseconds per step the calls took; then
 the run's median timed step.
 
 Set beside the step time native and goalloc trained the same shapes in
@@ -50,6 +51,13 @@ def slow_calls(hist: list[int], slow_ns: int = SLOW_NS) -> int:
     return sum(hist[first:])
 
 
+def slow_ms_floor(hist: list[int], slow_ns: int = SLOW_NS) -> float:
+    """At least how many ms the calls of slow_ns and up took: each counted at
+    its bucket's lower edge."""
+    first = slow_ns.bit_length() - 1
+    return sum(c * 2 ** b for b, c in enumerate(hist) if b >= first) / 1e6
+
+
 def kind_figures(k: dict[str, Any], steps: int, slow_ns: int = SLOW_NS) -> Optional[dict[str, float]]:
     calls, ns, hist = int(k.get("calls", 0)), int(k.get("ns", 0)), list(k.get("hist") or [])
     if calls == 0 or steps <= 0:
@@ -60,6 +68,7 @@ def kind_figures(k: dict[str, Any], steps: int, slow_ns: int = SLOW_NS) -> Optio
         "p50_ns": float(quantile_ns(hist, 0.5) or 0),
         "p99_ns": float(quantile_ns(hist, 0.99) or 0),
         "slow_per_step": slow_calls(hist, slow_ns) / steps,
+        "slow_ms_floor_per_step": slow_ms_floor(hist, slow_ns) / steps,
         "ms_per_step": ns / steps / 1e6,
     }
 
@@ -80,7 +89,8 @@ def run_lines(r: dict[str, Any], slow_ns: int = SLOW_NS) -> tuple[list[str], dic
     for kind, f in figures.items():
         lines.append(f"      {kind:<6} {f['calls_per_step']:8.1f}/step  mean {f['mean_ns'] / 1e3:6.2f} us  "
                      f"p50 <{f['p50_ns'] / 1e3:6.2f} us  p99 <{f['p99_ns'] / 1e3:7.2f} us  "
-                     f">={slow_ns}ns {f['slow_per_step']:6.1f}/step  {f['ms_per_step']:6.3f} ms/step")
+                     f">={slow_ns}ns {f['slow_per_step']:6.1f}/step (>={f['slow_ms_floor_per_step']:.3f} ms)  "
+                     f"{f['ms_per_step']:6.3f} ms/step")
     return lines, figures
 
 
