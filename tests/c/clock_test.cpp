@@ -9,27 +9,8 @@
 #include <vector>
 
 #include "goalloc_clock.h"
+#include "fake_clock.h"
 
-static int failures = 0;
-#define EXPECT(cond)                                                   \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      std::fprintf(stderr, "%s:%d: FAILED %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                      \
-    }                                                                  \
-  } while (0)
-
-// A clock that moves only when the code under the clock says.
-struct FakeClock {
-  using duration = std::chrono::nanoseconds;
-  using rep = duration::rep;
-  using period = duration::period;
-  using time_point = std::chrono::time_point<FakeClock>;
-  static constexpr bool is_steady = true;
-  static time_point t;
-  static time_point now() { return t; }
-};
-FakeClock::time_point FakeClock::t{};
 static void advance(long long ns) { FakeClock::t += std::chrono::nanoseconds(ns); }
 
 static int probes = 0;

@@ -11,28 +11,8 @@
 #include <thread>
 
 #include "goalloc_sched.h"
+#include "fake_clock.h"
 #include "open_library.h"
-
-static int failures = 0;
-#define EXPECT(cond)                                                   \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      std::fprintf(stderr, "%s:%d: FAILED %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                      \
-    }                                                                  \
-  } while (0)
-
-// A clock that moves only when the test says.
-struct FakeClock {
-  using duration = std::chrono::nanoseconds;
-  using rep = duration::rep;
-  using period = duration::period;
-  using time_point = std::chrono::time_point<FakeClock>;
-  static constexpr bool is_steady = true;
-  static time_point t;
-  static time_point now() { return t; }
-};
-FakeClock::time_point FakeClock::t{};
 
 static long long interval = -1;  // what the fake library answers
 static int asked = 0, yields = 0;

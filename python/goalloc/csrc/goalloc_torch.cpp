@@ -290,8 +290,9 @@ long long yield_every_ns() { return lib.yield_every_ns(); }
 goalloc_sched::Keeper<>& keeper = *new goalloc_sched::Keeper<>(&yield_every_ns, &sched_yield);
 
 // The call clock (goalloc_clock.h): the class's calls into Go timed where
-// they are made, when asked (call_clock in the module below). Its probe is
-// the cheapest call into Go there is.
+// they are made, when asked (set_call_clock in the module below). Its probe
+// is the cheapest call into Go there is. Never destroyed: frees made while
+// the process exits pass through it.
 void probe_go() { (void)lib.yield_every_ns(); }
 goalloc_clock::CallClock<>& call_clock = *new goalloc_clock::CallClock<>(&probe_go);
 
