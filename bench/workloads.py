@@ -257,6 +257,7 @@ class Allocator:
         _cxx.set_call_clock(mode)
 
     def read_call_clock(self) -> dict[str, Any]:
+        """Stop the call clock and read it: by kind, calls, ns and histogram."""
         from goalloc import _cxx
 
         _cxx.set_call_clock("off")
