@@ -102,70 +102,90 @@ func traceName(path string) string {
 // PyTorch's own work does between two calls into goalloc in training, so
 // that each call finds the caches cold. It reports the calls' ns per event,
 // split into requests that the cache served (hits) and those that went to
-// the device (misses); profiled (-cpuprofile), it says where a cold call's
-// time goes.
+// the device (misses), and the walk's own ns per event; profiled
+// (-cpuprofile), it says where a cold call's time goes. With calls=false
+// it makes no call at all: the walk's time then, against the walk's time
+// with the calls, is what the calls cost the work around them (the cache
+// lines they evicted).
 func BenchmarkReplayVMMCold(b *testing.B) {
-	for _, walk := range []int{0, 1 << 20, 8 << 20} {
-		b.Run(fmt.Sprintf("walk=%dKiB", walk>>10), func(b *testing.B) {
-			tr, err := Open(bundled[1])
-			if err != nil {
-				b.Fatal(err)
+	for _, walk := range []int{0, 256 << 10, 1 << 20, 8 << 20} {
+		for _, calls := range []bool{true, false} {
+			if walk == 0 && !calls {
+				continue
 			}
-			buf := make([]byte, walk)
-			var sink byte
-			var hitNs, missNs, freeNs time.Duration
-			var hits, misses, frees int
-			for b.Loop() {
-				dev, err := arena.NewSimVMMWith(0, 80<<30, arena.VMMLayout{})
+			b.Run(fmt.Sprintf("walk=%dKiB/calls=%v", walk>>10, calls), func(b *testing.B) {
+				replayCold(b, walk, calls)
+			})
+		}
+	}
+}
+
+func replayCold(b *testing.B, walk int, calls bool) {
+	tr, err := Open(bundled[1])
+	if err != nil {
+		b.Fatal(err)
+	}
+	buf := make([]byte, walk)
+	var sink byte
+	var hitNs, missNs, freeNs, walkNs time.Duration
+	var hits, misses, frees, walks int
+	for b.Loop() {
+		dev, err := arena.NewSimVMMWith(0, 80<<30, arena.VMMLayout{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		cd := newCountingDevice(dev)
+		a, err := policies.New("goalloc", cd.asDevice(), "backend:vmm")
+		if err != nil {
+			b.Fatal(err)
+		}
+		ptrs := make([]uintptr, tr.Slots)
+		for i := range tr.Events {
+			w0 := time.Now()
+			for j := 0; j < len(buf); j += 64 {
+				buf[j]++
+			}
+			walkNs, walks = walkNs+time.Since(w0), walks+1
+			if !calls {
+				continue
+			}
+			ev := &tr.Events[i]
+			switch ev.Op {
+			case OpAlloc:
+				before := cd.counts.Allocs()
+				t0 := time.Now()
+				p, err := a.Malloc(ev.Size, ev.Stream)
+				d := time.Since(t0)
 				if err != nil {
 					b.Fatal(err)
 				}
-				cd := newCountingDevice(dev)
-				a, err := policies.New("goalloc", cd.asDevice(), "backend:vmm")
-				if err != nil {
+				if cd.counts.Allocs() != before {
+					missNs, misses = missNs+d, misses+1
+				} else {
+					hitNs, hits = hitNs+d, hits+1
+				}
+				ptrs[ev.Slot] = p
+			case OpFree:
+				t0 := time.Now()
+				if err := a.Free(ptrs[ev.Slot], ev.Size, ev.Stream); err != nil {
 					b.Fatal(err)
 				}
-				ptrs := make([]uintptr, tr.Slots)
-				for i := range tr.Events {
-					for j := 0; j < len(buf); j += 64 {
-						buf[j]++
-					}
-					ev := &tr.Events[i]
-					switch ev.Op {
-					case OpAlloc:
-						before := cd.counts.Allocs()
-						t0 := time.Now()
-						p, err := a.Malloc(ev.Size, ev.Stream)
-						d := time.Since(t0)
-						if err != nil {
-							b.Fatal(err)
-						}
-						if cd.counts.Allocs() != before {
-							missNs, misses = missNs+d, misses+1
-						} else {
-							hitNs, hits = hitNs+d, hits+1
-						}
-						ptrs[ev.Slot] = p
-					case OpFree:
-						t0 := time.Now()
-						if err := a.Free(ptrs[ev.Slot], ev.Size, ev.Stream); err != nil {
-							b.Fatal(err)
-						}
-						freeNs, frees = freeNs+time.Since(t0), frees+1
-					}
-				}
-				if len(buf) > 0 {
-					sink += buf[0]
-				}
-				if err := a.Close(); err != nil {
-					b.Fatal(err)
-				}
+				freeNs, frees = freeNs+time.Since(t0), frees+1
 			}
-			_ = sink
-			b.ReportMetric(float64(hitNs.Nanoseconds())/float64(max(hits, 1)), "ns/hit")
-			b.ReportMetric(float64(missNs.Nanoseconds())/float64(max(misses, 1)), "ns/miss")
-			b.ReportMetric(float64(freeNs.Nanoseconds())/float64(max(frees, 1)), "ns/free")
-			b.ReportMetric(float64(misses)/float64(max(hits+misses, 1)), "miss-share")
-		})
+		}
+		if len(buf) > 0 {
+			sink += buf[0]
+		}
+		if err := a.Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	_ = sink
+	b.ReportMetric(float64(walkNs.Nanoseconds())/float64(max(walks, 1)), "ns/walk")
+	if calls {
+		b.ReportMetric(float64(hitNs.Nanoseconds())/float64(max(hits, 1)), "ns/hit")
+		b.ReportMetric(float64(missNs.Nanoseconds())/float64(max(misses, 1)), "ns/miss")
+		b.ReportMetric(float64(freeNs.Nanoseconds())/float64(max(frees, 1)), "ns/free")
+		b.ReportMetric(float64(misses)/float64(max(hits+misses, 1)), "miss-share")
 	}
 }
