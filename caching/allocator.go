@@ -124,7 +124,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	}
 	a.limited = arena.NewLimited(src, limit)
 	a.counting = arena.NewCounting(a.limited)
-	a.held = &heldObserver{MemorySource: a.counting, st: &a.stats}
+	a.held = newHeldObserver(a.counting, &a.stats)
 	a.mem = arena.NewRetrying(a.held, a.retryAfterOOM)
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)

@@ -504,3 +504,36 @@ func TestFreeWithWrongSizeAndStreamCountsBoth(t *testing.T) {
 	assert.Zero(t, st.Allocation[StatAll].Current)
 	require.NoError(t, a.CheckInvariants())
 }
+
+// A miss that gives a cached block back and then takes new memory reaches
+// the device twice, and reads what the device holds once, when the figure
+// is next read; the figure and its peak are still the device's own.
+func TestAMissReadsWhatTheDeviceHoldsOnce(t *testing.T) {
+	a, sim := newTestAllocator(t, DefaultConfig())
+	big, err := a.Malloc(8<<20, 0)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(big, 8<<20, 0)) // cached
+	allocs, frees, reads := sim.Allocs, sim.Frees, sim.UsageReads
+	p, err := a.Malloc(4<<20, 0) // too small for the cached block: a miss that releases it
+	require.NoError(t, err)
+	assert.Equal(t, allocs+1, sim.Allocs)
+	assert.Equal(t, frees+1, sim.Frees, "the miss gave the cached block back")
+	assert.Equal(t, reads+1, sim.UsageReads, "and read the device's figure once")
+	u, err := sim.PoolUsage()
+	require.NoError(t, err)
+	assert.EqualValues(t, u.ReservedCurrent, a.Scalar(ScalarReservedBytes), "memory_reserved() is the device's figure")
+	assert.EqualValues(t, u.ReservedHigh, a.Scalar(ScalarReservedBytesPeak))
+	st := a.Stats()
+	assert.EqualValues(t, u.ReservedCurrent, st.ReservedBytes[StatAll].Current)
+	assert.EqualValues(t, u.ReservedHigh, st.ReservedBytes[StatAll].Peak)
+	reads = sim.UsageReads
+	q, err := a.Malloc(4<<20, 0) // a miss of a fresh block, nothing to give back
+	require.NoError(t, err)
+	assert.Equal(t, reads+1, sim.UsageReads)
+	reads = sim.UsageReads
+	_ = a.Stats() // nothing reached the device since: no read
+	assert.Equal(t, reads, sim.UsageReads)
+	require.NoError(t, a.Free(p, 4<<20, 0))
+	require.NoError(t, a.Free(q, 4<<20, 0))
+	require.NoError(t, a.CheckInvariants())
+}

@@ -20,11 +20,16 @@ import "github.com/goalloc/goalloc/arena"
 // segments and blocks, and goalloc.own_reserved_bytes is goalloc's own
 // total.
 //
-// The figure is read after every call that reaches the memory source (a
-// miss, a free to the source, a trim) and after the calls that change it
-// outside the stack (empty_cache, a new cap, a reset of the peaks), never
-// on the cache-hit path: reading it is a driver call. Between those calls
-// the VMM backend's figure cannot change. The pool's can, in one case: it
+// The figure is read when it is next read after a call that reached the
+// memory source (a miss, a free to the source, a trim: the observer marks
+// it stale, and reservedAll reads it again first), and at once after the
+// calls that change it outside the stack (empty_cache, a new cap, a reset
+// of the peaks); never on the cache-hit path: reading it is a driver call
+// on the pool, and a lock of the VMM backend's. So a miss, which gives a
+// cached block back and then takes its memory (two calls to the source),
+// reads it once, when the mutex's Unlock publishes it; the high-water mark
+// is the source's own, so no peak between two reads is lost. Between those
+// calls the VMM backend's figure cannot change. The pool's can, in one case: it
 // releases idle memory on its own at a synchronisation (of a stream, event
 // or the context) when it holds more than its release threshold. goalloc
 // sets the threshold to the maximum (Config.ReleaseThreshold), so by
@@ -36,15 +41,24 @@ import "github.com/goalloc/goalloc/arena"
 // memory_reserved().
 
 // heldObserver is a MemorySource adaptor that, after every call that can
-// change what its device holds, reads the device's figure into Stats. Every
-// call reaches it under the allocator's mutex, like Stats itself.
+// change what its device holds, marks the device's figure in Stats stale;
+// reservedAll reads it again (refresh) before it answers. Every call
+// reaches it under the allocator's mutex, like Stats itself.
 type heldObserver struct {
 	arena.MemorySource
 	st *Stats
 }
 
-// refresh reads the device's figure; a failed read keeps the last one.
+func newHeldObserver(src arena.MemorySource, st *Stats) *heldObserver {
+	o := &heldObserver{MemorySource: src, st: st}
+	st.readHeld = o.refresh
+	return o
+}
+
+// refresh reads the device's figure; a failed read keeps the last one (and
+// is not tried again until the source is called again).
 func (o *heldObserver) refresh() {
+	o.st.heldStale = false
 	if u, err := o.MemorySource.PoolUsage(); err == nil {
 		o.st.heldNow, o.st.heldHigh = int64(u.ReservedCurrent), int64(u.ReservedHigh)
 	}
@@ -52,31 +66,38 @@ func (o *heldObserver) refresh() {
 
 func (o *heldObserver) Alloc(size uint64, s arena.Stream) (uintptr, error) {
 	p, err := o.MemorySource.Alloc(size, s)
-	o.refresh()
+	o.st.heldStale = true
 	return p, err
 }
 
 func (o *heldObserver) AllocUncaptured(size uint64) (uintptr, error) {
 	p, err := o.MemorySource.AllocUncaptured(size)
-	o.refresh()
+	o.st.heldStale = true
 	return p, err
 }
 
 func (o *heldObserver) Free(ptr uintptr, size uint64, s arena.Stream) error {
 	err := o.MemorySource.Free(ptr, size, s)
-	o.refresh()
+	o.st.heldStale = true
 	return err
 }
 
 func (o *heldObserver) Trim(keep uint64) error {
 	err := o.MemorySource.Trim(keep)
-	o.refresh()
+	o.st.heldStale = true
 	return err
 }
 
 // reservedAll is reserved_bytes.all's current and peak as reported: the
-// device's figure, as of the last read.
-func (s *Stats) reservedAll() (current, peak int64) { return s.heldNow, s.heldHigh }
+// device's figure, read again first if a call reached the device since the
+// last read. Called with the allocator's mutex held, on the allocator's own
+// Stats (a copy from clone is a snapshot, read before it was taken).
+func (s *Stats) reservedAll() (current, peak int64) {
+	if s.heldStale && s.readHeld != nil {
+		s.readHeld()
+	}
+	return s.heldNow, s.heldHigh
+}
 
 // reservedFigure reads again what a pool that releases memory on its own
 // holds (heldDrifts) before a reserved figure is read; it is the published

@@ -102,8 +102,12 @@ type Stats struct {
 
 	// heldNow and heldHigh are what the device holds and its high-water
 	// mark, as of the last read (held.go); reserved_bytes.all reports them
-	// (reservedAll).
+	// (reservedAll). Invariant: unless heldStale, no call has reached the
+	// memory source since they were read; readHeld reads them (the
+	// observer's refresh; nil in a copy).
 	heldNow, heldHigh int64
+	heldStale         bool
+	readHeld          func()
 }
 
 // Map flattens s into PyTorch's memory_stats() keys, e.g.
@@ -203,7 +207,9 @@ func (s *Stats) resetPeaks() {
 }
 
 func (s *Stats) clone() Stats {
+	s.reservedAll() // the copy holds the device's figure as of now
 	c := *s
+	c.readHeld = nil
 	c.BadInput = make(map[string]int64, len(s.BadInput))
 	for k, v := range s.BadInput {
 		c.BadInput[k] = v
