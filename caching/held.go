@@ -20,21 +20,21 @@ import "github.com/goalloc/goalloc/arena"
 // segments and blocks, and goalloc.own_reserved_bytes is goalloc's own
 // total.
 //
-// The figure is read when it is next read after a call that reached the
+// The figure is read when it is next wanted after a call that reached the
 // memory source (a miss, a free to the source, a trim: the observer marks
 // it stale, and reservedAll reads it again first), and at once after the
 // calls that change it outside the stack (empty_cache, a new cap, a reset
 // of the peaks); never on the cache-hit path: reading it is a driver call
 // on the pool, and a lock of the VMM backend's. So a miss, which gives a
 // cached block back and then takes its memory (two calls to the source),
-// reads it once, when the mutex's Unlock publishes it; the high-water mark
-// is the source's own, so no peak between two reads is lost. Between those
-// calls the VMM backend's figure cannot change. The pool's can, in one case: it
-// releases idle memory on its own at a synchronisation (of a stream, event
-// or the context) when it holds more than its release threshold. goalloc
-// sets the threshold to the maximum (Config.ReleaseThreshold), so by
-// default the pool releases memory only when goalloc trims it, and the
-// figure read after each call is exact. A user who sets release_threshold
+// reads it once, when the mutex's Unlock publishes it, before the mutex is
+// let go; the high-water mark is the source's own, so no peak between two
+// reads is lost. Between those calls the VMM backend's figure cannot
+// change. The pool's can, in one case: it releases idle memory on its own
+// at a synchronisation (of a stream, event or the context) when it holds
+// more than its release threshold. goalloc sets the threshold to the
+// maximum (Config.ReleaseThreshold), so by default the pool releases memory
+// only when goalloc trims it, and the figure so read is exact. A user who sets release_threshold
 // below the maximum lets the pool release at synchronisations goalloc does
 // not see; then the figure is read again whenever it is read (Stats, and
 // the published scalars, see reservedFigure): one driver call more per
