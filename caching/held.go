@@ -34,11 +34,11 @@ import "github.com/goalloc/goalloc/arena"
 // at a synchronisation (of a stream, event or the context) when it holds
 // more than its release threshold. goalloc sets the threshold to the
 // maximum (Config.ReleaseThreshold), so by default the pool releases memory
-// only when goalloc trims it, and the figure so read is exact. A user who sets release_threshold
-// below the maximum lets the pool release at synchronisations goalloc does
-// not see; then the figure is read again whenever it is read (Stats, and
-// the published scalars, see reservedFigure): one driver call more per
-// memory_reserved().
+// only when goalloc trims it, and the figure so read is exact. A user who
+// sets release_threshold below the maximum lets the pool release at
+// synchronisations goalloc does not see; then the figure is read again
+// whenever it is read (Stats, and the published scalars, see
+// reservedFigure): one driver call more per memory_reserved().
 
 // heldObserver is a MemorySource adaptor that, after every call that can
 // change what its device holds, marks the device's figure in Stats stale;
