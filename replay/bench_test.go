@@ -128,8 +128,9 @@ func replayCold(b *testing.B, walk int, calls bool) {
 	buf := make([]byte, walk)
 	var sink byte
 	var hitNs, missNs, freeNs, walkNs time.Duration
-	var hits, misses, frees, walks int
+	var hits, misses, frees, walks, loops int
 	for b.Loop() {
+		loops++
 		dev, err := arena.NewSimVMMWith(0, 80<<30, arena.VMMLayout{})
 		if err != nil {
 			b.Fatal(err)
@@ -154,7 +155,7 @@ func replayCold(b *testing.B, walk int, calls bool) {
 			case OpAlloc:
 				before := cd.counts.Allocs()
 				t0 := time.Now()
-				p, err := a.Malloc(ev.Size, ev.Stream)
+				p, err := coldMalloc(a, ev.Size, ev.Stream)
 				d := time.Since(t0)
 				if err != nil {
 					b.Fatal(err)
@@ -167,7 +168,7 @@ func replayCold(b *testing.B, walk int, calls bool) {
 				ptrs[ev.Slot] = p
 			case OpFree:
 				t0 := time.Now()
-				if err := a.Free(ptrs[ev.Slot], ev.Size, ev.Stream); err != nil {
+				if err := coldFree(a, ptrs[ev.Slot], ev.Size, ev.Stream); err != nil {
 					b.Fatal(err)
 				}
 				freeNs, frees = freeNs+time.Since(t0), frees+1
@@ -187,5 +188,20 @@ func replayCold(b *testing.B, walk int, calls bool) {
 		b.ReportMetric(float64(missNs.Nanoseconds())/float64(max(misses, 1)), "ns/miss")
 		b.ReportMetric(float64(freeNs.Nanoseconds())/float64(max(frees, 1)), "ns/free")
 		b.ReportMetric(float64(misses)/float64(max(hits+misses, 1)), "miss-share")
+		b.ReportMetric(float64(hits+misses+frees)/float64(max(loops, 1)), "calls/replay")
 	}
+}
+
+// coldMalloc and coldFree are the calls replayCold times, kept out of line
+// so that cachegrind can count inside them alone
+// (--toggle-collect='*replay.coldMalloc', tests/misspath_compare.sh).
+//
+//go:noinline
+func coldMalloc(a policies.Allocator, size uint64, s arena.Stream) (uintptr, error) {
+	return a.Malloc(size, s)
+}
+
+//go:noinline
+func coldFree(a policies.Allocator, p uintptr, size uint64, s arena.Stream) error {
+	return a.Free(p, size, s)
 }
