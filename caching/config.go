@@ -60,9 +60,9 @@ type Config struct {
 	// YieldEvery is how often a thread that calls into goalloc through its
 	// C++ class for PyTorch yields to Go's scheduler (0, the default:
 	// never), so that the thread keeps its Go processor between calls; see
-	// export/sched.go, which says why it is off until measured on a GPU
-	// machine. It must be below 10 ms, the staleness after which Go takes
-	// the processor.
+	// export/sched.go, which says why it is off: on the GPU machine the
+	// crossing into Go was cheap in training without it. It must be below
+	// 10 ms, the staleness after which Go takes the processor.
 	YieldEvery time.Duration
 }
 

@@ -33,9 +33,15 @@ package main
 // thread in Go is, and cost about 100-150 us on the 2-core machine.
 // There, yielding every 8 or 9 ms brought the pairs 200 us apart to 3.7-3.8
 // us on average (p50 0.3-0.4 us against 9.6-17.3) and made those 20-60 us
-// apart 0.2-1.2 us slower. What it does on a GPU machine, with a step's
-// real stretches, is to be measured there (bench/cgo_gap.cpp, and the
-// benchmark suite with --goalloc-conf yield_every:9ms).
+// apart 0.2-1.2 us slower. On the two-GPU H200 host's CPU
+// (bench/results/cgo_gap/gpu-h200x2.txt, run_gpu.sh cgogap) the price is
+// smaller: a pair 200 us after the last cost 2.9 us on average, 1.7 us with
+// a yield every 9 ms. And in ResNet-50 training there, the class's call
+// clock found the crossing cheap where the step makes it: an empty call
+// into Go made before each request took 0.30-0.36 us on average (p50 under
+// 0.26 us; BENCHMARKS.md, "Where goalloc's time goes in a ResNet-50 step").
+// So yielding stays off: the time a step spends in Go is Go's work, not
+// the way in.
 
 /*
 typedef long long goalloc_ns;
