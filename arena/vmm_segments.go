@@ -368,6 +368,9 @@ type vmmSegment struct {
 	base   uintptr
 	size   uint64
 	spans  []segSpan // sorted by base
+	// free is the stream's free index (vmmSegments.free[stream]), kept
+	// here so that a change to a free span costs no map lookup.
+	free *freeIndex
 	// unfenced counts the frees left unrecorded since the last fence.
 	unfenced int
 	// handles, by granule from base, up to the highest granule mapped so
@@ -404,9 +407,20 @@ func (k freeKey) less(o freeKey) bool {
 // (ResNet-50), medians of 3 (go test ./replay -bench ReplayVMM -count 3).
 type freeIndex []freeKey
 
-// search is the first position whose key is not below k.
+// search is the first position whose key is not below k. It is written
+// out rather than through sort.Search, whose closure call per probe was a
+// fifth of the index's cost on a cache miss.
 func (x freeIndex) search(k freeKey) int {
-	return sort.Search(len(x), func(i int) bool { return !x[i].less(k) })
+	lo, hi := 0, len(x)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if x[m].less(k) {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	return lo
 }
 
 func (x *freeIndex) add(k freeKey) {
@@ -422,11 +436,39 @@ func (x *freeIndex) remove(k freeKey) {
 	}
 }
 
-// find is the index of the span starting at va, or -1.
+// replace puts k in the place of old, which it holds: the keys between
+// the two places shift by one, where a remove and an add would each shift
+// everything after their place. Step 1 makes k smaller than old, so the
+// shift is over the spans between the two sizes.
+func (x freeIndex) replace(old, k freeKey) {
+	i := x.search(old)
+	if i == len(x) || x[i] != old {
+		panic(fmt.Sprintf("arena: VMM: free index has no key %v", old))
+	}
+	j := x.search(k)
+	if j > i {
+		j-- // old's place, above k's, is vacated
+		copy(x[i:j], x[i+1:j+1])
+	} else {
+		copy(x[j+1:i+1], x[j:i])
+	}
+	x[j] = k
+}
+
+// find is the index of the span starting at va, or -1 (a binary search
+// written out, as freeIndex.search is).
 func (g *vmmSegment) find(va uintptr) int {
-	i := sort.Search(len(g.spans), func(i int) bool { return g.spans[i].base >= va })
-	if i < len(g.spans) && g.spans[i].base == va {
-		return i
+	lo, hi := 0, len(g.spans)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if g.spans[m].base < va {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	if lo < len(g.spans) && g.spans[lo].base == va {
+		return lo
 	}
 	return -1
 }
@@ -532,13 +574,13 @@ func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
 // it out, when it is free; every change to a free span goes through them.
 func (e *vmmSegments) index(g *vmmSegment, sp *segSpan) {
 	if sp.state == spanFree {
-		e.free[g.stream].add(freeKey{sp.size, g.order, sp.base})
+		g.free.add(freeKey{sp.size, g.order, sp.base})
 	}
 }
 
 func (e *vmmSegments) unindex(g *vmmSegment, sp *segSpan) {
 	if sp.state == spanFree {
-		e.free[g.stream].remove(freeKey{sp.size, g.order, sp.base})
+		g.free.remove(freeKey{sp.size, g.order, sp.base})
 	}
 }
 
@@ -566,13 +608,14 @@ func (e *vmmSegments) take(k freeKey, s Stream, n uint64) uintptr {
 	g := e.byStream[s][k.order]
 	i := g.find(k.base)
 	sp := &g.spans[i]
-	e.unindex(g, sp)
 	if sp.size > n {
+		// The rest keeps the span's place in the index, moved to its size.
 		rest := segSpan{base: k.base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
+		g.free.replace(k, freeKey{rest.size, g.order, rest.base})
 		*sp = segSpan{base: k.base, size: n, state: spanLive}
 		g.spans = insertSegSpan(g.spans, i+1, rest)
-		e.index(g, &rest)
 	} else {
+		e.unindex(g, sp)
 		e.dropEvent(sp.event)
 		*sp = segSpan{base: k.base, size: n, state: spanLive}
 	}
@@ -808,10 +851,10 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			unpay()
 			return 0, err
 		}
-		g := &vmmSegment{stream: s, order: int32(len(e.byStream[s])), base: base, size: size}
 		if e.free[s] == nil {
 			e.free[s] = &freeIndex{}
 		}
+		g := &vmmSegment{stream: s, order: int32(len(e.byStream[s])), base: base, size: size, free: e.free[s]}
 		e.segs = append(e.segs, g)
 		e.byStream[s] = append(e.byStream[s], g)
 		f.g, f.start, f.run = g, base, base

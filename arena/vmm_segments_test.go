@@ -624,3 +624,36 @@ func TestSegmentsFenceSkipsACapturingStream(t *testing.T) {
 	assert.Zero(t, e.Held(), "fenced, complete at once on the idle stream, and given back")
 	require.NoError(t, e.CheckInvariants())
 }
+
+// TestFreeIndexReplaceKeepsItsOrder checks the free index's one-shift move
+// against a remove and an add, for keys moved down, up, and in place.
+func TestFreeIndexReplaceKeepsItsOrder(t *testing.T) {
+	keys := func(sizes ...uint64) freeIndex {
+		var x freeIndex
+		for i, s := range sizes {
+			x.add(freeKey{size: s, base: uintptr(i+1) << 20})
+		}
+		return x
+	}
+	for _, tc := range []struct {
+		name string
+		from int
+		to   uint64
+	}{{"down to the front", 3, 100}, {"down past two", 4, 250}, {"up to the end", 0, 9000}, {"up past two", 1, 450}, {"in place", 2, 320}} {
+		t.Run(tc.name, func(t *testing.T) {
+			x := keys(128, 256, 300, 384, 512, 1024)
+			want := keys(128, 256, 300, 384, 512, 1024)
+			old := x[tc.from]
+			k := freeKey{size: tc.to, base: old.base + 512}
+			x.replace(old, k)
+			want.remove(old)
+			want.add(k)
+			assert.Equal(t, want, x)
+			for i := 1; i < len(x); i++ {
+				assert.True(t, x[i-1].less(x[i]), "keys %v and %v out of order", x[i-1], x[i])
+			}
+		})
+	}
+	x := keys(128, 256)
+	assert.Panics(t, func() { x.replace(freeKey{size: 200}, freeKey{size: 100}) }, "a key the index does not hold")
+}
