@@ -223,7 +223,7 @@ func liveGranuleBytes(e vmmPlacer) uint64 {
 	var n uint64
 	for _, g := range seg.segs {
 		last := -1
-		for _, sp := range g.spans {
+		for _, sp := range g.spanList() {
 			if sp.state != spanLive {
 				continue
 			}

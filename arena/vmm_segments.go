@@ -361,13 +361,38 @@ const fenceEvery = 32
 
 func (sp *segSpan) end() uintptr { return sp.base + uintptr(sp.size) }
 
+// spanID names a span of a segment: its node among the segment's nodes,
+// which stays the span's while the span lasts (splitting or coalescing
+// changes a span's bytes, not its node). So whatever refers to a span, the
+// free index, the live spans by base, the polling lists, a miss's plan,
+// holds its node and never searches for it.
+type spanID int32
+
+// noSpan is no span: before the first one, after the last.
+const noSpan spanID = -1
+
+// spanNode is a span and its neighbours in address order: a segment's
+// spans form a list, so that splitting and coalescing them, a cache miss's
+// work, moves no other span. They were a slice sorted by address, and
+// shifting it on every split and merge was a fifth of a miss's simulated
+// first-level cache misses (tests/misspath_compare.sh).
+type spanNode struct {
+	segSpan
+	prev, next spanID
+}
+
 // vmmSegment is one stream's VA reservation.
 type vmmSegment struct {
 	stream Stream
 	order  int32 // its place among its stream's segments, in creation order
 	base   uintptr
 	size   uint64
-	spans  []segSpan // sorted by base
+	// nodes holds the spans, linked in address order from first to last
+	// (noSpan: none), and the nodes of no span, listed in unused for
+	// reuse. Invariant: every node is in exactly one of the two.
+	nodes       []spanNode
+	first, last spanID
+	unused      []spanID
 	// free is the stream's free index (vmmSegments.free[stream]), kept
 	// here so that a change to a free span costs no map lookup.
 	free *freeIndex
@@ -381,12 +406,89 @@ type vmmSegment struct {
 
 func (g *vmmSegment) end() uintptr { return g.base + uintptr(g.size) }
 
+// span is the span id names; the pointer lasts until the next insert.
+func (g *vmmSegment) span(id spanID) *segSpan { return &g.nodes[id].segSpan }
+
+func (g *vmmSegment) next(id spanID) spanID { return g.nodes[id].next }
+func (g *vmmSegment) prev(id spanID) spanID { return g.nodes[id].prev }
+
+// insert links sp in before the span next (noSpan: after the last) and
+// names it. It may move the nodes, so pointers from span do not survive
+// it; names do.
+func (g *vmmSegment) insert(next spanID, sp segSpan) spanID {
+	var id spanID
+	if k := len(g.unused); k > 0 {
+		id = g.unused[k-1]
+		g.unused = g.unused[:k-1]
+	} else {
+		g.nodes = append(g.nodes, spanNode{})
+		id = spanID(len(g.nodes) - 1)
+	}
+	prev := g.last
+	if next != noSpan {
+		prev = g.nodes[next].prev
+	}
+	g.nodes[id] = spanNode{segSpan: sp, prev: prev, next: next}
+	if prev == noSpan {
+		g.first = id
+	} else {
+		g.nodes[prev].next = id
+	}
+	if next == noSpan {
+		g.last = id
+	} else {
+		g.nodes[next].prev = id
+	}
+	return id
+}
+
+// unlink takes span id out of the list; its node goes to unused.
+func (g *vmmSegment) unlink(id spanID) {
+	n := &g.nodes[id]
+	if n.prev == noSpan {
+		g.first = n.next
+	} else {
+		g.nodes[n.prev].next = n.next
+	}
+	if n.next == noSpan {
+		g.last = n.prev
+	} else {
+		g.nodes[n.next].prev = n.prev
+	}
+	*n = spanNode{prev: noSpan, next: noSpan}
+	g.unused = append(g.unused, id)
+}
+
+// spanAt is the first span at or above va, or noSpan: a walk, for grow,
+// which walks every span anyway.
+func (g *vmmSegment) spanAt(va uintptr) spanID {
+	id := g.first
+	for id != noSpan && g.nodes[id].base < va {
+		id = g.nodes[id].next
+	}
+	return id
+}
+
+// ordered is the spans in address order, and their names (for checks and
+// tests).
+func (g *vmmSegment) ordered() ([]segSpan, []spanID) {
+	var spans []segSpan
+	var ids []spanID
+	for id := g.first; id != noSpan && len(ids) <= len(g.nodes); id = g.next(id) {
+		spans = append(spans, *g.span(id))
+		ids = append(ids, id)
+	}
+	return spans, ids
+}
+
 // freeKey orders a stream's free spans as step 1 chooses among them: the
-// smallest first, then the earlier segment, then the lower address.
+// smallest first, then the earlier segment, then the lower address. id
+// names the span, and takes no part in the order.
 type freeKey struct {
 	size  uint64
-	order int32
 	base  uintptr
+	order int32
+	id    spanID
 }
 
 func (k freeKey) less(o freeKey) bool {
@@ -455,23 +557,6 @@ func (x freeIndex) replace(old, k freeKey) {
 	x[j] = k
 }
 
-// find is the index of the span starting at va, or -1 (a binary search
-// written out, as freeIndex.search is).
-func (g *vmmSegment) find(va uintptr) int {
-	lo, hi := 0, len(g.spans)
-	for lo < hi {
-		m := int(uint(lo+hi) >> 1)
-		if g.spans[m].base < va {
-			lo = m + 1
-		} else {
-			hi = m
-		}
-	}
-	if lo < len(g.spans) && g.spans[lo].base == va {
-		return lo
-	}
-	return -1
-}
 
 // vmmSegments is the segments placement.
 type vmmSegments struct {
@@ -486,7 +571,7 @@ type vmmSegments struct {
 	// free indexes each stream's free spans. Invariant: it holds exactly
 	// the free spans of the stream's segments (CheckInvariants).
 	free     map[Stream]*freeIndex
-	byBase   map[uintptr]*vmmSegment // live spans by base
+	byBase   map[uintptr]segRef // live spans by base
 	pending  []segRef                // pending spans, oldest first
 	draining []segRef                // draining spans, oldest first
 	// drainMaps counts, per handle, its mappings in draining spans: those
@@ -503,9 +588,10 @@ type vmmSegments struct {
 	held, heldHigh, live, mapped uint64
 }
 
+// segRef names a span of a segment.
 type segRef struct {
-	g    *vmmSegment
-	base uintptr
+	g  *vmmSegment
+	id spanID
 }
 
 func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
@@ -513,7 +599,7 @@ func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 	if g == 0 || g&(g-1) != 0 {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
-	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]segRef{},
 		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}, free: map[Stream]*freeIndex{}}
 	e.segVA = e.roundGranule(mem)
 	return e, nil
@@ -557,30 +643,30 @@ func (e *vmmSegments) putEvent(ev Event)   { e.events = append(e.events, ev) }
 func (e *vmmSegments) event() (Event, error) { return takeEvent(&e.events, e.drv) }
 
 func (e *vmmSegments) Owns(va uintptr) (uint64, bool) {
-	g := e.byBase[va]
-	if g == nil {
+	r, ok := e.byBase[va]
+	if !ok {
 		return 0, false
 	}
-	return g.spans[g.find(va)].size, true
+	return r.g.span(r.id).size, true
 }
 
 func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
-	for va, g := range e.byBase {
-		f(va, g.spans[g.find(va)].size)
+	for va, r := range e.byBase {
+		f(va, r.g.span(r.id).size)
 	}
 }
 
 // index and unindex add a span of g to its stream's free index, or take
 // it out, when it is free; every change to a free span goes through them.
-func (e *vmmSegments) index(g *vmmSegment, sp *segSpan) {
-	if sp.state == spanFree {
-		g.free.add(freeKey{sp.size, g.order, sp.base})
+func (e *vmmSegments) index(g *vmmSegment, id spanID) {
+	if sp := g.span(id); sp.state == spanFree {
+		g.free.add(freeKey{size: sp.size, base: sp.base, order: g.order, id: id})
 	}
 }
 
-func (e *vmmSegments) unindex(g *vmmSegment, sp *segSpan) {
-	if sp.state == spanFree {
-		g.free.remove(freeKey{sp.size, g.order, sp.base})
+func (e *vmmSegments) unindex(g *vmmSegment, id spanID) {
+	if sp := g.span(id); sp.state == spanFree {
+		g.free.remove(freeKey{size: sp.size, base: sp.base, order: g.order, id: id})
 	}
 }
 
@@ -606,20 +692,19 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 // rest stays free, with the event of its last use.
 func (e *vmmSegments) take(k freeKey, s Stream, n uint64) uintptr {
 	g := e.byStream[s][k.order]
-	i := g.find(k.base)
-	sp := &g.spans[i]
+	sp := g.span(k.id)
 	if sp.size > n {
 		// The rest keeps the span's place in the index, moved to its size.
 		rest := segSpan{base: k.base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
-		g.free.replace(k, freeKey{rest.size, g.order, rest.base})
 		*sp = segSpan{base: k.base, size: n, state: spanLive}
-		g.spans = insertSegSpan(g.spans, i+1, rest)
+		r := g.insert(g.next(k.id), rest)
+		g.free.replace(k, freeKey{size: rest.size, base: rest.base, order: g.order, id: r})
 	} else {
-		e.unindex(g, sp)
+		e.unindex(g, k.id)
 		e.dropEvent(sp.event)
 		*sp = segSpan{base: k.base, size: n, state: spanLive}
 	}
-	e.byBase[k.base] = g
+	e.byBase[k.base] = segRef{g, k.id}
 	e.live += n
 	return k.base
 }
@@ -633,8 +718,8 @@ type fill struct {
 	g          *vmmSegment
 	start, run uintptr
 	need       uint64
-	left       int // index of the free span used whole, or -1
-	right      int // index of the free span whose head is used, or -1
+	left       spanID // the free span used whole, or noSpan
+	right      spanID // the free span whose head is used, or noSpan
 	rightUse   uint64
 }
 
@@ -647,44 +732,48 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 		}
 	}
 	for _, g := range e.byStream[s] {
-		for i := 0; i <= len(g.spans); i++ {
-			// The hole before span i (i == len: the segment's end).
+		// The hole between prev and next, each noSpan at the segment's
+		// ends: before every span, and after the last.
+		prev, next := noSpan, g.first
+		for {
 			holeBase, holeEnd := g.base, g.end()
-			if i > 0 {
-				holeBase = g.spans[i-1].end()
+			if prev != noSpan {
+				holeBase = g.span(prev).end()
 			}
-			if i < len(g.spans) {
-				holeEnd = g.spans[i].base
+			if next != noSpan {
+				holeEnd = g.span(next).base
 			}
-			hole := uint64(holeEnd - holeBase)
-			if hole == 0 {
-				continue
-			}
-			var l, r uint64
-			if i > 0 && g.spans[i-1].state == spanFree {
-				l = g.spans[i-1].size
-			}
-			if i < len(g.spans) && g.spans[i].state == spanFree {
-				r = g.spans[i].size
-			}
-			// Step 1 failed: l < n and r < n. A hole's ends are on
-			// granules, so need (whole granules) starts at one.
-			if m := e.roundGranule(n - l); l > 0 && m <= hole {
-				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: m, left: i - 1, right: -1})
-			}
-			if m := e.roundGranule(n - r); r > 0 && m <= hole {
-				f := fill{g: g, start: holeEnd - uintptr(m), run: holeEnd - uintptr(m), need: m, left: -1, right: -1}
-				if n > m { // else the request fits the new granules, and their rest joins the span
-					f.right, f.rightUse = i, n-m
+			if hole := uint64(holeEnd - holeBase); hole > 0 {
+				var l, r uint64
+				if prev != noSpan && g.span(prev).state == spanFree {
+					l = g.span(prev).size
 				}
-				consider(f)
+				if next != noSpan && g.span(next).state == spanFree {
+					r = g.span(next).size
+				}
+				// Step 1 failed: l < n and r < n. A hole's ends are on
+				// granules, so need (whole granules) starts at one.
+				if m := e.roundGranule(n - l); l > 0 && m <= hole {
+					consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: m, left: prev, right: noSpan})
+				}
+				if m := e.roundGranule(n - r); r > 0 && m <= hole {
+					f := fill{g: g, start: holeEnd - uintptr(m), run: holeEnd - uintptr(m), need: m, left: noSpan, right: noSpan}
+					if n > m { // else the request fits the new granules, and their rest joins the span
+						f.right, f.rightUse = next, n-m
+					}
+					consider(f)
+				}
+				if l > 0 && r > 0 && l+hole < n && n <= l+hole+r {
+					consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: hole, left: prev, right: next, rightUse: n - l - hole})
+				}
+				if m := e.roundGranule(n); m <= hole {
+					consider(fill{g: g, start: holeBase, run: holeBase, need: m, left: noSpan, right: noSpan})
+				}
 			}
-			if l > 0 && r > 0 && l+hole < n && n <= l+hole+r {
-				consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: hole, left: i - 1, right: i, rightUse: n - l - hole})
+			if next == noSpan {
+				break
 			}
-			if m := e.roundGranule(n); m <= hole {
-				consider(fill{g: g, start: holeBase, run: holeBase, need: m, left: -1, right: -1})
-			}
+			prev, next = next, g.next(next)
 		}
 	}
 	return best, ok
@@ -696,7 +785,7 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 // here, draining, until the event of its free completes.
 type segPay struct {
 	g     *vmmSegment
-	base  uintptr
+	id    spanID
 	bytes uint64
 	drain bool
 	// A drain leaves up to two free pieces of the span, before and after
@@ -713,27 +802,28 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 	f, ok := e.bestFill(n, s)
 	newSeg := !ok
 	if newSeg {
-		f = fill{need: e.roundGranule(n), left: -1, right: -1}
+		f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
 	}
 	// Step 3: what pays for the new granules.
 	type cand struct {
 		g   *vmmSegment
-		i   int
+		id  spanID
 		ord int
 	}
 	var cands []cand
 	for si, g := range e.segs {
-		for i := range g.spans {
-			if g.spans[i].state != spanFree || (g == f.g && (i == f.left || i == f.right)) {
+		for id := g.first; id != noSpan; id = g.next(id) {
+			sp := g.span(id)
+			if sp.state != spanFree || (g == f.g && (id == f.left || id == f.right)) {
 				continue
 			}
-			if lo, hi := e.whole(&g.spans[i]); hi > lo {
-				cands = append(cands, cand{g, i, si})
+			if lo, hi := e.whole(sp); hi > lo {
+				cands = append(cands, cand{g, id, si})
 			}
 		}
 	}
 	wholeBytes := func(c cand) uint64 {
-		lo, hi := e.whole(&c.g.spans[c.i])
+		lo, hi := e.whole(c.g.span(c.id))
 		return uint64(hi - lo)
 	}
 	sort.SliceStable(cands, func(a, b int) bool { return wholeBytes(cands[a]) > wholeBytes(cands[b]) })
@@ -744,7 +834,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		if paid >= f.need {
 			break
 		}
-		sp := &c.g.spans[c.i]
+		sp := c.g.span(c.id)
 		done, err := e.spanDone(sp)
 		if err != nil {
 			return 0, err
@@ -759,7 +849,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			continue
 		}
 		take := min(wholeBytes(c), f.need-paid)
-		pays = append(pays, segPay{g: c.g, base: sp.base, bytes: take})
+		pays = append(pays, segPay{g: c.g, id: c.id, bytes: take})
 		paid += take
 	}
 	// Then s's own free spans whose last use may still run: their work
@@ -779,7 +869,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		if paid >= f.need {
 			break
 		}
-		sp := &c.g.spans[c.i]
+		sp := c.g.span(c.id)
 		if sp.event == unrecorded {
 			// The draining tail is polled: it needs an event, and one
 			// recorded now covers its free; without one, it does not lend.
@@ -789,7 +879,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		}
 		_, hi := e.whole(sp)
 		take := min(wholeBytes(c), f.need-paid)
-		p := segPay{g: c.g, base: sp.base, bytes: take, drain: true}
+		p := segPay{g: c.g, id: c.id, bytes: take, drain: true}
 		// The pieces left free need events of their own: ones recorded
 		// now on s come after the free's.
 		pieces := 0
@@ -854,7 +944,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		if e.free[s] == nil {
 			e.free[s] = &freeIndex{}
 		}
-		g := &vmmSegment{stream: s, order: int32(len(e.byStream[s])), base: base, size: size, free: e.free[s]}
+		g := &vmmSegment{stream: s, order: int32(len(e.byStream[s])), base: base, size: size, free: e.free[s], first: noSpan, last: noSpan}
 		e.segs = append(e.segs, g)
 		e.byStream[s] = append(e.byStream[s], g)
 		f.g, f.start, f.run = g, base, base
@@ -863,7 +953,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		if p.drain {
 			continue
 		}
-		if err := e.unmapWhole(p.g, p.base, p.bytes, false); err != nil {
+		if err := e.unmapWhole(p.g, p.id, p.bytes, false); err != nil {
 			unpay()
 			return 0, errors.Join(err, e.releaseSpare())
 		}
@@ -911,33 +1001,38 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		}
 	}
 	live := segSpan{base: f.start, size: n, state: spanLive}
-	at := sort.Search(len(g.spans), func(i int) bool { return g.spans[i].base >= f.start })
-	if f.left >= 0 {
-		// The whole left span goes into the request: at points at it.
-		e.unindex(g, &g.spans[at])
-		e.dropEvent(g.spans[at].event)
-		g.spans = append(g.spans[:at], g.spans[at+1:]...)
+	// next: the span the live one goes before.
+	next := g.spanAt(f.start)
+	if f.left != noSpan {
+		// The whole left span goes into the request: next is it.
+		e.unindex(g, next)
+		e.dropEvent(g.span(next).event)
+		left := next
+		next = g.next(left)
+		g.unlink(left)
 	}
-	if f.right >= 0 {
-		r := &g.spans[at]
-		e.unindex(g, r)
+	if f.right != noSpan {
+		r := g.span(next)
+		e.unindex(g, next)
 		if f.rightUse == r.size {
 			e.dropEvent(r.event)
-			g.spans = append(g.spans[:at], g.spans[at+1:]...)
+			right := next
+			next = g.next(right)
+			g.unlink(right)
 		} else {
 			r.base += uintptr(f.rightUse)
 			r.size -= f.rightUse
-			e.index(g, r)
+			e.index(g, next)
 		}
 	}
-	g.spans = insertSegSpan(g.spans, at, live)
+	at := g.insert(next, live)
 	if end, mapped := f.start+uintptr(n), f.run+uintptr(f.need); end < mapped {
 		// The new granules' rest: free, complete, joined to a free span
 		// after it.
-		g.spans = insertSegSpan(g.spans, at+1, segSpan{base: end, size: uint64(mapped - end)})
-		e.setFree(g, at+1, 0, 0)
+		rest := g.insert(g.next(at), segSpan{base: end, size: uint64(mapped - end)})
+		e.setFree(g, rest, 0, 0)
 	}
-	e.byBase[f.start] = g
+	e.byBase[f.start] = segRef{g, at}
 	e.live += n
 	return f.start, nil
 }
@@ -948,35 +1043,37 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 // of the span before and after them, if any, stay free with p.events.
 func (e *vmmSegments) drain(p segPay) {
 	g := p.g
-	i := g.find(p.base)
-	sp := g.spans[i]
+	sp := *g.span(p.id)
 	_, hi := e.whole(&sp)
 	tail := segSpan{base: hi - uintptr(p.bytes), size: p.bytes, state: spanDraining, event: sp.event, seq: sp.seq}
-	pieces := make([]segSpan, 0, 3)
-	k := 0
+	var pieces [3]segSpan
+	np, k, at := 0, 0, 0 // at: the tail's place among the pieces
 	if tail.base > sp.base {
 		e.seq++
-		pieces = append(pieces, segSpan{base: sp.base, size: uint64(tail.base - sp.base), state: spanFree, event: p.events[k], seq: e.seq})
-		k++
+		pieces[np] = segSpan{base: sp.base, size: uint64(tail.base - sp.base), state: spanFree, event: p.events[k], seq: e.seq}
+		np, k, at = np+1, k+1, 1
 	}
-	pieces = append(pieces, tail)
+	pieces[np] = tail
+	np++
 	if hi < sp.end() {
 		e.seq++
-		pieces = append(pieces, segSpan{base: hi, size: uint64(sp.end() - hi), state: spanFree, event: p.events[k], seq: e.seq})
+		pieces[np] = segSpan{base: hi, size: uint64(sp.end() - hi), state: spanFree, event: p.events[k], seq: e.seq}
+		np++
 	}
-	e.unindex(g, &sp)
-	g.spans[i] = pieces[0]
-	for j, piece := range pieces[1:] {
-		g.spans = insertSegSpan(g.spans, i+1+j, piece)
+	e.unindex(g, p.id)
+	ids := [3]spanID{p.id}
+	*g.span(p.id) = pieces[0]
+	for j := 1; j < np; j++ {
+		ids[j] = g.insert(g.next(ids[j-1]), pieces[j])
 	}
-	for j := range pieces {
-		e.index(g, &pieces[j])
+	for j := 0; j < np; j++ {
+		e.index(g, ids[j])
 	}
 	for va := tail.base; va < tail.end(); va += uintptr(e.gran) {
 		e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]]++
 	}
 	e.mapped -= p.bytes
-	e.draining = append(e.draining, segRef{g, tail.base})
+	e.draining = append(e.draining, segRef{g, ids[at]})
 }
 
 // drainMapped says whether a whole granule of sp, of g, has a handle also
@@ -1009,17 +1106,16 @@ func (e *vmmSegments) pollDraining() error {
 // span it handled without error leaves the list. Polling stops at the first
 // error (the rest stay listed, as they were). Events are polled, never
 // waited on.
-func (e *vmmSegments) pollSpans(refs []segRef, done func(g *vmmSegment, i int) error) ([]segRef, error) {
+func (e *vmmSegments) pollSpans(refs []segRef, done func(g *vmmSegment, id spanID) error) ([]segRef, error) {
 	keep := refs[:0]
 	var err error
 	for _, ref := range refs {
 		if err == nil {
-			i := ref.g.find(ref.base)
-			ok, qerr := e.drv.EventDone(ref.g.spans[i].event)
+			ok, qerr := e.drv.EventDone(ref.g.span(ref.id).event)
 			if qerr != nil {
 				err = qerr
 			} else if ok {
-				if err = done(ref.g, i); err == nil {
+				if err = done(ref.g, ref.id); err == nil {
 					continue
 				}
 			}
@@ -1029,11 +1125,11 @@ func (e *vmmSegments) pollSpans(refs []segRef, done func(g *vmmSegment, i int) e
 	return keep, err
 }
 
-// unmapDraining drops the mappings of draining span i of g, from its tail
+// unmapDraining drops the mappings of draining span id of g, from its tail
 // (the span shrinks as it goes, so an error leaves it consistent; it goes
 // when empty). The handles stay with their owners.
-func (e *vmmSegments) unmapDraining(g *vmmSegment, i int) error {
-	sp := &g.spans[i]
+func (e *vmmSegments) unmapDraining(g *vmmSegment, id spanID) error {
+	sp := g.span(id)
 	for sp.size > 0 {
 		va := sp.end() - uintptr(e.gran)
 		k := int((va - g.base) / uintptr(e.gran))
@@ -1048,16 +1144,10 @@ func (e *vmmSegments) unmapDraining(g *vmmSegment, i int) error {
 		sp.size -= e.gran
 	}
 	e.dropEvent(sp.event)
-	g.spans = append(g.spans[:i], g.spans[i+1:]...)
+	g.unlink(id)
 	return nil
 }
 
-func insertSegSpan(spans []segSpan, i int, sp segSpan) []segSpan {
-	spans = append(spans, segSpan{})
-	copy(spans[i+1:], spans[i:])
-	spans[i] = sp
-	return spans
-}
 
 func (e *vmmSegments) setHandle(g *vmmSegment, va uintptr, h PhysHandle) {
 	k := int((va - g.base) / uintptr(e.gran))
@@ -1117,34 +1207,32 @@ func (e *vmmSegments) releaseSpare() error {
 }
 
 // unmapWhole unmaps bytes from the tail of the whole granules of the
-// complete free span at base of g, a granule at a time; the handles become
+// complete free span id of g, a granule at a time; the handles become
 // spare, or are released. Each unmapped granule cuts the span: what lies
 // before it keeps the base, what lies after it (the span's end, in a
 // granule shared with the next span) becomes a free span of its own, and
 // the granule a hole between them; so an error leaves a consistent state.
-// bytes is at most the span's whole granules, so the span at base lasts
-// until the last granule.
-func (e *vmmSegments) unmapWhole(g *vmmSegment, base uintptr, bytes uint64, release bool) error {
+// bytes is at most the span's whole granules, so span id lasts until the
+// last granule.
+func (e *vmmSegments) unmapWhole(g *vmmSegment, id spanID, bytes uint64, release bool) error {
 	for done := uint64(0); done < bytes; done += e.gran {
-		i := g.find(base)
-		sp := g.spans[i]
+		sp := *g.span(id)
 		_, hi := e.whole(&sp)
 		va := hi - uintptr(e.gran)
 		if err := e.unmapGranule(g, va); err != nil {
 			return err
 		}
 		after := segSpan{base: va + uintptr(e.gran), size: uint64(sp.end() - va - uintptr(e.gran)), state: spanFree}
-		e.unindex(g, &sp)
+		e.unindex(g, id)
+		next := g.next(id)
 		if va > sp.base {
-			g.spans[i].size = uint64(va - sp.base)
-			e.index(g, &g.spans[i])
-			i++
+			g.span(id).size = uint64(va - sp.base)
+			e.index(g, id)
 		} else {
-			g.spans = append(g.spans[:i], g.spans[i+1:]...)
+			g.unlink(id)
 		}
 		if after.size > 0 {
-			g.spans = insertSegSpan(g.spans, i, after)
-			e.index(g, &after)
+			e.index(g, g.insert(next, after))
 		}
 		if release {
 			if err := e.releaseSpare(); err != nil {
@@ -1160,10 +1248,11 @@ func (e *vmmSegments) unmapWhole(g *vmmSegment, base uintptr, bytes uint64, rele
 // fence, see "Events"); on another, it is pending until the event recorded
 // there now completes.
 func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
-	g := e.byBase[va]
-	if g == nil {
+	r, ok := e.byBase[va]
+	if !ok {
 		return fmt.Errorf("arena: VMM: free of %#x, which is not a live range", va)
 	}
+	g := r.g
 	own := s == g.stream && s != anyStream
 	var ev Event
 	if !done && !own {
@@ -1176,61 +1265,69 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 			return err
 		}
 	}
-	i := g.find(va)
 	delete(e.byBase, va)
-	e.live -= g.spans[i].size
+	sp := g.span(r.id)
+	e.live -= sp.size
 	if done {
-		e.setFree(g, i, 0, 0)
+		e.setFree(g, r.id, 0, 0)
 		return nil
 	}
 	if own {
 		// Free for s at once, its event recorded later (unrecorded).
 		e.seq++
-		e.setFree(g, i, unrecorded, e.seq)
+		e.setFree(g, r.id, unrecorded, e.seq)
 		if g.unfenced++; g.unfenced >= fenceEvery {
 			e.fence(g, true)
 		}
 		return nil
 	}
-	g.spans[i].state, g.spans[i].event = spanPending, ev
-	e.pending = append(e.pending, segRef{g, va})
+	sp.state, sp.event = spanPending, ev
+	e.pending = append(e.pending, r)
 	return nil
 }
 
-// setFree makes span i of g free with event ev (0: complete), recorded at
+// setFree makes span id of g free with event ev (0: complete), recorded at
 // seq, and coalesces it with free neighbours: the newer event covers both,
 // as both were recorded on the segment's stream.
-func (e *vmmSegments) setFree(g *vmmSegment, i int, ev Event, seq uint64) {
+func (e *vmmSegments) setFree(g *vmmSegment, id spanID, ev Event, seq uint64) {
 	if ev == 0 {
 		seq = 0
 	}
-	g.spans[i] = segSpan{base: g.spans[i].base, size: g.spans[i].size, state: spanFree, event: ev, seq: seq}
-	merge := func(a, b int) { // b into a, adjacent free spans
-		x, y := &g.spans[a], &g.spans[b]
-		switch {
-		case y.event == 0:
-		case x.event == 0 || y.seq > x.seq:
-			e.dropEvent(x.event)
-			x.event, x.seq = y.event, y.seq
-		default:
-			e.dropEvent(y.event)
+	sp := g.span(id)
+	*sp = segSpan{base: sp.base, size: sp.size, state: spanFree, event: ev, seq: seq}
+	if next := g.next(id); next != noSpan {
+		if nx := g.span(next); nx.state == spanFree && sp.end() == nx.base {
+			e.unindex(g, next)
+			e.merge(g, id, next)
 		}
-		if y.base < x.base {
-			x.base = y.base
+	}
+	if prev := g.prev(id); prev != noSpan {
+		if pv := g.span(prev); pv.state == spanFree && pv.end() == sp.base {
+			e.unindex(g, prev)
+			e.merge(g, prev, id)
+			id = prev
 		}
-		x.size += y.size
-		g.spans = append(g.spans[:b], g.spans[b+1:]...)
 	}
-	if i+1 < len(g.spans) && g.spans[i+1].state == spanFree && g.spans[i].end() == g.spans[i+1].base {
-		e.unindex(g, &g.spans[i+1])
-		merge(i, i+1)
+	e.index(g, id)
+}
+
+// merge coalesces the free span b of g into a, its neighbour: the newer
+// event covers both, as both were recorded on the segment's stream.
+func (e *vmmSegments) merge(g *vmmSegment, a, b spanID) {
+	x, y := g.span(a), g.span(b)
+	switch {
+	case y.event == 0:
+	case x.event == 0 || y.seq > x.seq:
+		e.dropEvent(x.event)
+		x.event, x.seq = y.event, y.seq
+	default:
+		e.dropEvent(y.event)
 	}
-	if i > 0 && g.spans[i-1].state == spanFree && g.spans[i-1].end() == g.spans[i].base {
-		e.unindex(g, &g.spans[i-1])
-		merge(i-1, i)
-		i--
+	if y.base < x.base {
+		x.base = y.base
 	}
-	e.index(g, &g.spans[i])
+	x.size += y.size
+	g.unlink(b)
 }
 
 // dropEvent lets go of a span's event: it goes back to the spare events
@@ -1278,8 +1375,8 @@ func (e *vmmSegments) spanDone(sp *segSpan) (bool, error) {
 func (e *vmmSegments) fence(g *vmmSegment, freeing bool) {
 	g.unfenced = 0
 	n := int32(0)
-	for i := range g.spans {
-		if g.spans[i].event == unrecorded {
+	for id := g.first; id != noSpan; id = g.next(id) {
+		if g.span(id).event == unrecorded {
 			n++
 		}
 	}
@@ -1300,8 +1397,8 @@ func (e *vmmSegments) fence(g *vmmSegment, freeing bool) {
 		return
 	}
 	e.seq++
-	for i := range g.spans {
-		if sp := &g.spans[i]; sp.event == unrecorded {
+	for id := g.first; id != noSpan; id = g.next(id) {
+		if sp := g.span(id); sp.event == unrecorded {
 			sp.event, sp.seq = ev, e.seq
 		}
 	}
@@ -1326,8 +1423,8 @@ func (e *vmmSegments) syncMark() uint64 { return e.seq }
 // Only the unrecorded ones change here; recorded events say so when polled.
 func (e *vmmSegments) synchronized(mark uint64) {
 	for _, g := range e.segs {
-		for i := range g.spans {
-			if sp := &g.spans[i]; sp.event == unrecorded && sp.seq <= mark {
+		for id := g.first; id != noSpan; id = g.next(id) {
+			if sp := g.span(id); sp.event == unrecorded && sp.seq <= mark {
 				sp.event, sp.seq = 0, 0
 			}
 		}
@@ -1337,9 +1434,9 @@ func (e *vmmSegments) synchronized(mark uint64) {
 // pollPending frees the pending spans whose events have completed.
 func (e *vmmSegments) pollPending() error {
 	var err error
-	e.pending, err = e.pollSpans(e.pending, func(g *vmmSegment, i int) error {
-		e.dropEvent(g.spans[i].event)
-		e.setFree(g, i, 0, 0)
+	e.pending, err = e.pollSpans(e.pending, func(g *vmmSegment, id spanID) error {
+		e.dropEvent(g.span(id).event)
+		e.setFree(g, id, 0, 0)
 		return nil
 	})
 	return err
@@ -1363,14 +1460,14 @@ func (e *vmmSegments) Trim(keep uint64) error {
 	}
 	var free []segRef
 	for _, g := range e.segs {
-		for _, sp := range g.spans {
-			if sp.state == spanFree {
-				free = append(free, segRef{g, sp.base})
+		for id := g.first; id != noSpan; id = g.next(id) {
+			if g.span(id).state == spanFree {
+				free = append(free, segRef{g, id})
 			}
 		}
 	}
 	wholeBytes := func(ref segRef) uint64 {
-		lo, hi := e.whole(&ref.g.spans[ref.g.find(ref.base)])
+		lo, hi := e.whole(ref.g.span(ref.id))
 		return uint64(hi - lo)
 	}
 	sort.SliceStable(free, func(a, b int) bool { return wholeBytes(free[a]) > wholeBytes(free[b]) })
@@ -1378,7 +1475,7 @@ func (e *vmmSegments) Trim(keep uint64) error {
 		if e.held <= keep {
 			break
 		}
-		sp := &ref.g.spans[ref.g.find(ref.base)]
+		sp := ref.g.span(ref.id)
 		if done, err := e.spanDone(sp); err != nil {
 			return err
 		} else if !done {
@@ -1391,7 +1488,7 @@ func (e *vmmSegments) Trim(keep uint64) error {
 		if bytes == 0 {
 			continue
 		}
-		if err := e.unmapWhole(ref.g, ref.base, bytes, true); err != nil {
+		if err := e.unmapWhole(ref.g, ref.id, bytes, true); err != nil {
 			return err
 		}
 	}
@@ -1405,7 +1502,7 @@ func (e *vmmSegments) Close() error {
 	// Draining mappings go first: a handle is released only once mapped
 	// nowhere.
 	for _, ref := range e.draining {
-		errs = append(errs, e.unmapDraining(ref.g, ref.g.find(ref.base)))
+		errs = append(errs, e.unmapDraining(ref.g, ref.id))
 	}
 	e.draining = nil
 	destroyed := map[Event]bool{}
@@ -1415,19 +1512,19 @@ func (e *vmmSegments) Close() error {
 				errs = append(errs, e.unmapGranule(g, g.base+uintptr(k)*uintptr(e.gran)))
 			}
 		}
-		for _, sp := range g.spans {
-			if sp.event != 0 && sp.event != unrecorded && !destroyed[sp.event] {
+		for id := g.first; id != noSpan; id = g.next(id) {
+			if sp := g.span(id); sp.event != 0 && sp.event != unrecorded && !destroyed[sp.event] {
 				destroyed[sp.event] = true // a fence's event, shared
 				errs = append(errs, e.drv.DestroyEvent(sp.event))
 			}
 		}
-		g.spans = nil
+		g.nodes, g.unused, g.first, g.last = nil, nil, noSpan, noSpan
 		errs = append(errs, e.releaseSpare(), e.drv.FreeVA(g.base, g.size))
 	}
 	for _, ev := range e.events {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
-	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]*vmmSegment{},
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]segRef{},
 		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}, free: map[Stream]*freeIndex{}}
 	return errors.Join(errs...)
 }
@@ -1443,10 +1540,14 @@ func (e *vmmSegments) CheckInvariants() error {
 		if g.base%uintptr(e.gran) != 0 || g.size%e.gran != 0 {
 			return fmt.Errorf("segment %#x+%d is not granule-aligned", g.base, g.size)
 		}
+		if err := g.checkList(); err != nil {
+			return err
+		}
+		spans, ids := g.ordered()
 		// covered: per granule, 1 when spans cover it, 2 when a draining
 		// span does (alone: a draining span is whole granules).
 		covered := make([]uint8, len(g.mapped))
-		for i, sp := range g.spans {
+		for i, sp := range spans {
 			if sp.size == 0 || sp.size%segQuantum != 0 || sp.base%segQuantum != 0 {
 				return fmt.Errorf("span %#x+%d is not whole quanta", sp.base, sp.size)
 			}
@@ -1458,18 +1559,18 @@ func (e *vmmSegments) CheckInvariants() error {
 			}
 			// Spans tile runs of mapped granules: next to a hole, a
 			// span ends on a granule.
-			if i == 0 || g.spans[i-1].end() != sp.base {
+			if i == 0 || spans[i-1].end() != sp.base {
 				if sp.base%uintptr(e.gran) != 0 {
 					return fmt.Errorf("span %#x+%d begins after a hole, off a granule", sp.base, sp.size)
 				}
 			}
-			if i+1 == len(g.spans) || sp.end() != g.spans[i+1].base {
+			if i+1 == len(spans) || sp.end() != spans[i+1].base {
 				if sp.end()%uintptr(e.gran) != 0 {
 					return fmt.Errorf("span %#x+%d ends before a hole, off a granule", sp.base, sp.size)
 				}
 			}
 			if i > 0 {
-				prev := g.spans[i-1]
+				prev := spans[i-1]
 				if prev.end() > sp.base {
 					return fmt.Errorf("span %#x+%d overlaps %#x", prev.base, prev.size, sp.base)
 				}
@@ -1504,7 +1605,7 @@ func (e *vmmSegments) CheckInvariants() error {
 			case spanLive:
 				live += sp.size
 				nLive++
-				if e.byBase[sp.base] != g {
+				if r := e.byBase[sp.base]; r.g != g || r.id != ids[i] {
 					return fmt.Errorf("live span %#x is not indexed", sp.base)
 				}
 				if sp.event != 0 {
@@ -1558,9 +1659,10 @@ func (e *vmmSegments) CheckInvariants() error {
 		if e.byStream[g.stream][g.order] != g {
 			return fmt.Errorf("segment %#x is not at its place %d among its stream's", g.base, g.order)
 		}
-		for _, sp := range g.spans {
+		spans, ids := g.ordered()
+		for i, sp := range spans {
 			if sp.state == spanFree {
-				want[g.stream] = append(want[g.stream], freeKey{sp.size, g.order, sp.base})
+				want[g.stream] = append(want[g.stream], freeKey{size: sp.size, base: sp.base, order: g.order, id: ids[i]})
 			}
 		}
 	}
@@ -1610,17 +1712,58 @@ func (e *vmmSegments) CheckInvariants() error {
 		return fmt.Errorf("%d pending spans, %d listed", nPending, len(e.pending))
 	}
 	for _, ref := range e.pending {
-		if i := ref.g.find(ref.base); i < 0 || ref.g.spans[i].state != spanPending {
-			return fmt.Errorf("listed pending %#x is not a pending span", ref.base)
+		if !ref.g.linked(ref.id) || ref.g.span(ref.id).state != spanPending {
+			return fmt.Errorf("listed pending span %d is not a pending span", ref.id)
 		}
 	}
 	if nDraining != len(e.draining) {
 		return fmt.Errorf("%d draining spans, %d listed", nDraining, len(e.draining))
 	}
 	for _, ref := range e.draining {
-		if i := ref.g.find(ref.base); i < 0 || ref.g.spans[i].state != spanDraining {
-			return fmt.Errorf("listed draining %#x is not a draining span", ref.base)
+		if !ref.g.linked(ref.id) || ref.g.span(ref.id).state != spanDraining {
+			return fmt.Errorf("listed draining span %d is not a draining span", ref.id)
 		}
 	}
 	return nil
+}
+
+// checkList verifies the list of g's spans: linked both ways from first to
+// last, and every node either in it or unused, once.
+func (g *vmmSegment) checkList() error {
+	seen := make([]bool, len(g.nodes))
+	prev := noSpan
+	for id := g.first; id != noSpan; prev, id = id, g.next(id) {
+		if id < 0 || int(id) >= len(g.nodes) || seen[id] {
+			return fmt.Errorf("segment %#x: span %d is outside its nodes or listed twice", g.base, id)
+		}
+		seen[id] = true
+		if g.prev(id) != prev {
+			return fmt.Errorf("segment %#x: span %d follows %d, says %d", g.base, id, prev, g.prev(id))
+		}
+	}
+	if g.last != prev {
+		return fmt.Errorf("segment %#x: the last span is %d, the list ends at %d", g.base, g.last, prev)
+	}
+	for _, id := range g.unused {
+		if id < 0 || int(id) >= len(g.nodes) || seen[id] {
+			return fmt.Errorf("segment %#x: unused node %d is a span, or listed twice", g.base, id)
+		}
+		seen[id] = true
+	}
+	for id, ok := range seen {
+		if !ok {
+			return fmt.Errorf("segment %#x: node %d is neither a span nor unused", g.base, id)
+		}
+	}
+	return nil
+}
+
+// linked says whether id names a span of g (for checks: a walk).
+func (g *vmmSegment) linked(id spanID) bool {
+	for k := g.first; k != noSpan; k = g.next(k) {
+		if k == id {
+			return true
+		}
+	}
+	return false
 }

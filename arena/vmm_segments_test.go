@@ -23,7 +23,7 @@ func segmentsOnly(t *testing.T, capacity, limit uint64) (*vmmSegments, *FakePhys
 // state) triples, for comparisons.
 func spanStates(g *vmmSegment) [][3]uint64 {
 	var out [][3]uint64
-	for _, sp := range g.spans {
+	for _, sp := range g.spanList() {
 		out = append(out, [3]uint64{uint64(sp.base-g.base) / mib, sp.size / mib, uint64(sp.state)})
 	}
 	return out
@@ -52,8 +52,8 @@ func TestSegmentsSplitCoalesceAndSameStreamReuse(t *testing.T) {
 	require.NoError(t, e.Free(a, 1, false))
 	require.NoError(t, e.Free(b, 1, false))
 	assert.Equal(t, [][3]uint64{{0, 10, spanFree}}, spanStates(g), "neighbouring frees coalesce")
-	assert.Equal(t, unrecorded, g.spans[0].event, "frees on the segment's own stream record no event")
-	assert.Equal(t, e.seq, g.spans[0].seq, "the newer free orders the coalesced span")
+	assert.Equal(t, unrecorded, g.spanList()[0].event, "frees on the segment's own stream record no event")
+	assert.Equal(t, e.seq, g.spanList()[0].seq, "the newer free orders the coalesced span")
 	require.NoError(t, e.CheckInvariants())
 }
 
@@ -85,9 +85,9 @@ func TestSegmentsOwnStreamFreesShareOneFence(t *testing.T) {
 	require.NoError(t, e.Free(ps[2*(fenceEvery-1)], 1, false))
 	assert.Equal(t, 1, *records, "the fence: one event for all of them")
 	g := e.byStream[1][0]
-	ev := g.spans[0].event
+	ev := g.spanList()[0].event
 	require.NotEqual(t, unrecorded, ev)
-	for _, sp := range g.spans {
+	for _, sp := range g.spanList() {
 		if sp.state == spanFree {
 			assert.Equal(t, ev, sp.event, "every span freed since the last fence holds the fence's event")
 		}
@@ -126,8 +126,8 @@ func TestSegmentsSynchronizeCompletesUnrecordedFrees(t *testing.T) {
 	e.synchronized(mark)
 	g := e.byStream[1][0]
 	assert.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 8, spanLive}, {16, 8, spanFree}}, spanStates(g))
-	assert.EqualValues(t, 0, g.spans[0].event, "freed before the mark: complete")
-	assert.Equal(t, unrecorded, g.spans[2].event, "freed after it: not known complete")
+	assert.EqualValues(t, 0, g.spanList()[0].event, "freed before the mark: complete")
+	assert.Equal(t, unrecorded, g.spanList()[2].event, "freed after it: not known complete")
 	require.NoError(t, e.CheckInvariants())
 	assert.Zero(t, *records)
 	require.NoError(t, e.Trim(0))
@@ -573,9 +573,9 @@ func TestSegmentsLendTheWholeGranulesOfASpanInUse(t *testing.T) {
 	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}, {4, 4, spanDraining}, {8, 1, spanFree}, {9, 1, spanLive},
 		{10, 7, spanLive}, {17, 1, spanFree}}, spanStates(g))
 	for _, i := range []int{1, 3} {
-		assert.NotZero(t, g.spans[i].event, "a piece left free carries an event of its own")
+		assert.NotZero(t, g.spanList()[i].event, "a piece left free carries an event of its own")
 	}
-	assert.NotEqual(t, g.spans[1].event, g.spans[3].event)
+	assert.NotEqual(t, g.spanList()[1].event, g.spanList()[3].event)
 	require.NoError(t, e.CheckInvariants())
 	sim.Complete(1)
 	require.NoError(t, e.Trim(e.Held()))
@@ -616,7 +616,7 @@ func TestSegmentsFenceSkipsACapturingStream(t *testing.T) {
 	require.NoError(t, e.Trim(0))
 	assert.Zero(t, *records, "nothing recorded on the capturing stream")
 	assert.EqualValues(t, 8*mib, e.Held(), "not known complete: kept")
-	assert.Equal(t, unrecorded, e.byStream[1][0].spans[0].event)
+	assert.Equal(t, unrecorded, e.byStream[1][0].spanList()[0].event)
 	require.NoError(t, e.CheckInvariants())
 	sim.SetCapture(1, CaptureNone)
 	require.NoError(t, e.Trim(0))
@@ -656,4 +656,10 @@ func TestFreeIndexReplaceKeepsItsOrder(t *testing.T) {
 	}
 	x := keys(128, 256)
 	assert.Panics(t, func() { x.replace(freeKey{size: 200}, freeKey{size: 100}) }, "a key the index does not hold")
+}
+
+// spanList is g's spans in address order.
+func (g *vmmSegment) spanList() []segSpan {
+	spans, _ := g.ordered()
+	return spans
 }
