@@ -557,7 +557,6 @@ func (x freeIndex) replace(old, k freeKey) {
 	x[j] = k
 }
 
-
 // vmmSegments is the segments placement.
 type vmmSegments struct {
 	drv   PhysDriver
@@ -572,8 +571,8 @@ type vmmSegments struct {
 	// the free spans of the stream's segments (CheckInvariants).
 	free     map[Stream]*freeIndex
 	byBase   map[uintptr]segRef // live spans by base
-	pending  []segRef                // pending spans, oldest first
-	draining []segRef                // draining spans, oldest first
+	pending  []segRef           // pending spans, oldest first
+	draining []segRef           // draining spans, oldest first
 	// drainMaps counts, per handle, its mappings in draining spans: those
 	// are besides the one in the span that owns it.
 	drainMaps map[PhysHandle]int32
@@ -1147,7 +1146,6 @@ func (e *vmmSegments) unmapDraining(g *vmmSegment, id spanID) error {
 	g.unlink(id)
 	return nil
 }
-
 
 func (e *vmmSegments) setHandle(g *vmmSegment, va uintptr, h PhysHandle) {
 	k := int((va - g.base) / uintptr(e.gran))
