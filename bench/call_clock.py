@@ -13,7 +13,8 @@ and the 99th percentile (the upper edge of the histogram's power-of-two
 bucket that holds it), how many calls per step took --slow-ns or more
 (4,096 ns unless given) and at least how long they took (each at its
 bucket's lower edge), and the milliseconds per step the calls took; then
-the run's median timed step.
+the run's median timed step. Medians per configuration follow each file's
+runs and, given several files (bench/clock_ab.sh's suites), all of theirs.
 
 Set beside the step time native and goalloc trained the same shapes in
 (bench/step_stats.py --simultaneous), this says how much of the difference
@@ -94,27 +95,39 @@ def run_lines(r: dict[str, Any], slow_ns: int = SLOW_NS) -> tuple[list[str], dic
     return lines, figures
 
 
-def report(doc: dict[str, Any], workload: str, slow_ns: int = SLOW_NS) -> list[str]:
-    runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"
-            and (r.get("result") or {}).get("call_clock")]
-    if not runs:
-        return []
-    out = [f"== {workload}: goalloc's calls into Go, timed where the class makes them"]
-    per_config: dict[str, dict[str, list[float]]] = {}
-    for r in sorted(runs, key=lambda r: r.get("id", 0)):
-        lines, figures = run_lines(r, slow_ns)
-        out += lines
-        total = sum(f["ms_per_step"] for k, f in figures.items())
-        agg = per_config.setdefault(r["config"], {})
-        agg.setdefault("total", []).append(total)
-        for kind, f in figures.items():
-            agg.setdefault(kind, []).append(f["ms_per_step"])
-    out.append("medians over runs (ms per step in the calls):")
+Medians = dict[str, dict[str, list[float]]]  # configuration -> kind (and "total") -> ms per step, per run
+
+
+def medians_lines(per_config: Medians) -> list[str]:
+    out = []
     for config, agg in per_config.items():
         parts = [f"{k} {statistics.median(v):.3f}" for k, v in agg.items() if k != "total"]
         out.append(f"  {config:<12} all {statistics.median(agg['total']):.3f}  ({', '.join(parts)}; "
                    f"{len(agg['total'])} runs)")
     return out
+
+
+def report(doc: dict[str, Any], workload: str, slow_ns: int = SLOW_NS,
+           every: Optional[dict[str, Medians]] = None) -> list[str]:
+    """The lines for doc's runs of workload; every, when given, gathers their
+    figures across several files."""
+    runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"
+            and (r.get("result") or {}).get("call_clock")]
+    if not runs:
+        return []
+    out = [f"== {workload}: goalloc's calls into Go, timed where the class makes them"]
+    per_config: Medians = {}
+    for r in sorted(runs, key=lambda r: r.get("id", 0)):
+        lines, figures = run_lines(r, slow_ns)
+        out += lines
+        total = sum(f["ms_per_step"] for k, f in figures.items())
+        for into in [per_config] + ([every.setdefault(workload, {})] if every is not None else []):
+            agg = into.setdefault(r["config"], {})
+            agg.setdefault("total", []).append(total)
+            for kind, f in figures.items():
+                agg.setdefault(kind, []).append(f["ms_per_step"])
+    out.append("medians over runs (ms per step in the calls):")
+    return out + medians_lines(per_config)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -127,15 +140,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.slow_ns < 2 or args.slow_ns & (args.slow_ns - 1):
         p.error("--slow-ns must be a power of two (the histogram's buckets are)")
     printed = False
+    every: dict[str, Medians] = {}
     for f in args.bench:
         try:
             doc = json.loads(Path(f).read_text())
         except (OSError, ValueError) as e:
             p.error(f"{f}: {e}")
         for w in [args.workload] if args.workload else ["gpt2", "llama", "resnet50"]:
-            for line in report(doc, w, args.slow_ns):
+            for line in report(doc, w, args.slow_ns, every):
                 print(line)
                 printed = True
+    if len(args.bench) > 1:
+        for w, per_config in every.items():
+            print(f"== {w}: medians over the runs of all {len(args.bench)} files (ms per step in the calls):")
+            for line in medians_lines(per_config):
+                print(line)
     if not printed:
         print("no run with the call clock's figures (run the suite with --call-clock on)", file=sys.stderr)
         return 1

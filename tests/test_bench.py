@@ -1269,6 +1269,18 @@ def test_call_clock_report(tmp_path: Path):
     assert "free " not in p.stdout and "probe " not in p.stdout  # kinds never called are left out
     assert "goalloc-vmm  all 0.023  (malloc 0.020, drain 0.003; 1 runs)" in p.stdout
     assert "native" not in p.stdout
+    # Two files: each file's medians, then the medians over both files' runs.
+    doc2 = json.loads(json.dumps(doc))
+    doc2["runs"][0]["result"]["call_clock"]["kinds"]["malloc"]["ns"] = 400_000  # 0.04 ms a step
+    f2 = tmp_path / "bench2.json"
+    f2.write_text(json.dumps(doc2))
+    p = run_py(str(BENCH / "call_clock.py"), str(f), str(f2))
+    assert p.returncode == 0, p.stderr
+    assert "goalloc-vmm  all 0.043  (malloc 0.040, drain 0.003; 1 runs)" in p.stdout
+    merged = p.stdout.split("medians over the runs of all 2 files")[1]
+    assert "goalloc-vmm  all 0.033  (malloc 0.030, drain 0.003; 2 runs)" in merged
+    p = run_py(str(BENCH / "call_clock.py"), str(f))
+    assert "all 2 files" not in p.stdout and "files" not in p.stdout
     p = run_py(str(BENCH / "call_clock.py"), str(f), "--slow-ns", "512")
     # 48 + 2 calls of 512 ns and up over 10 steps, at least (48 x 512 + 2 x 8,192) ns.
     assert ">=512ns    5.0/step (>=0.004 ms)" in p.stdout
@@ -1303,3 +1315,55 @@ def test_hostcost_summary_and_arguments(tmp_path: Path):
     assert p.returncode == 2 and "must be positive" in p.stderr
     p = run_py(str(BENCH / "hostcost.py"))
     assert p.returncode == 2 and "give --config and --out" in p.stderr
+
+
+STUB_CLOCK_WORKLOADS = r'''
+import argparse, json, os
+p = argparse.ArgumentParser()
+p.add_argument("--workload"); p.add_argument("--config", default="native"); p.add_argument("--repeat", type=int, default=0)
+p.add_argument("--out"); p.add_argument("--call-clock")
+args, _ = p.parse_known_args()
+res = {"workload": args.workload, "config": args.config, "repeat": args.repeat, "ok": True}
+if args.workload == "env":
+    res["result"] = {"torch": "2.11.0+stub", "gpu": "Stub GPU", "python": "3.12"}
+else:
+    res["result"] = {"unit": "images", "units_per_s": 1000.0, "median_step_s": 0.02,
+                     "library": os.environ.get("GOALLOC_LIBRARY", "") if args.config != "native" else ""}
+    if args.call_clock:
+        # Library a spends 2 us a request in Go, library b 1 us: 0.020 and 0.010 ms a step.
+        ns = 200_000 if os.environ["GOALLOC_LIBRARY"].endswith("a.so") else 100_000
+        res["result"]["call_clock"] = {"mode": args.call_clock, "steps": 10, "kinds": {
+            "malloc": {"calls": 100, "ns": ns, "hist": [0] * 10 + [100] + [0] * 29}}}
+json.dump(res, open(args.out, "w"))
+'''
+
+
+def test_clock_ab_alternates_two_libraries_on_the_same_shapes(tmp_path: Path):
+    stub = tmp_path / "stub_workloads.py"
+    stub.write_text(STUB_CLOCK_WORKLOADS)
+    liba, libb = tmp_path / "a.so", tmp_path / "b.so"
+    liba.write_text("")
+    libb.write_text("")
+    out = tmp_path / "ab"
+    p = subprocess.run(["bash", str(BENCH / "clock_ab.sh"), str(out), str(liba), str(libb), "2",
+                        "--workloads", "resnet50", "--train-configs", "native,goalloc-vmm",
+                        "--workloads-script", str(stub), "--build-dir", str(tmp_path / "build")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    rounds = [line.split(" (")[0] for line in p.stdout.splitlines() if line.startswith("== round")]
+    assert rounds == ["== round 0, side a", "== round 0, side b", "== round 1, side b", "== round 1, side a"], p.stdout
+    for side, lib in (("a", liba), ("b", libb)):
+        for i in range(2):
+            doc = json.loads((out / f"{side}-{i}" / "bench.json").read_text())
+            runs = [r for r in doc["runs"] if r["workload"] == "resnet50"]
+            assert {r["repeat"] for r in runs} == {i}, "both sides of a round train the same repeat's shapes"
+            assert [r["result"]["library"] for r in runs if r["config"] == "goalloc-vmm"] == [str(lib)]
+    a, b = p.stdout.split("== side b")
+    assert "goalloc-vmm  all 0.020  (malloc 0.020; 2 runs)" in a.split("medians over the runs of all 2 files")[1]
+    assert "goalloc-vmm  all 0.010  (malloc 0.010; 2 runs)" in b.split("medians over the runs of all 2 files")[1]
+    p = subprocess.run(["bash", str(BENCH / "clock_ab.sh"), str(out), str(liba), str(tmp_path / "none.so"), "2"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "no library at" in p.stderr
+    p = subprocess.run(["bash", str(BENCH / "clock_ab.sh"), str(out), str(liba), str(libb), "0"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "ROUNDS must be a positive number" in p.stderr
