@@ -1372,37 +1372,46 @@ func (e *vmmSegments) spanDone(sp *segSpan) (bool, error) {
 // not asked (cuStreamIsCapturing cost 8 us a call on the H200).
 func (e *vmmSegments) fence(g *vmmSegment, freeing bool) {
 	g.unfenced = 0
-	n := int32(0)
+	// One walk: the event is recorded at the first unrecorded span, so that
+	// a segment with none costs no driver call, and the spans from there
+	// on take it as the walk goes.
+	ev, n := Event(0), int32(0)
 	for id := g.first; id != noSpan; id = g.next(id) {
-		if g.span(id).event == unrecorded {
-			n++
+		sp := g.span(id)
+		if sp.event != unrecorded {
+			continue
 		}
-	}
-	if n == 0 {
-		return
-	}
-	if !freeing {
-		if st, err := e.drv.CaptureStatus(g.stream); err != nil || st != CaptureNone {
-			return
+		if ev == 0 {
+			if ev = e.fenceEvent(g, freeing); ev == 0 {
+				return
+			}
+			e.seq++
 		}
-	}
-	ev, err := e.event()
-	if err != nil {
-		return
-	}
-	if err := e.drv.RecordEvent(ev, g.stream); err != nil {
-		e.events = append(e.events, ev)
-		return
-	}
-	e.seq++
-	for id := g.first; id != noSpan; id = g.next(id) {
-		if sp := g.span(id); sp.event == unrecorded {
-			sp.event, sp.seq = ev, e.seq
-		}
+		sp.event, sp.seq = ev, e.seq
+		n++
 	}
 	if n > 1 {
 		e.holders[ev] = n
 	}
+}
+
+// fenceEvent is an event recorded now on g's stream for fence, or 0 when
+// the stream is being captured or the driver refuses.
+func (e *vmmSegments) fenceEvent(g *vmmSegment, freeing bool) Event {
+	if !freeing {
+		if st, err := e.drv.CaptureStatus(g.stream); err != nil || st != CaptureNone {
+			return 0
+		}
+	}
+	ev, err := e.event()
+	if err != nil {
+		return 0
+	}
+	if err := e.drv.RecordEvent(ev, g.stream); err != nil {
+		e.events = append(e.events, ev)
+		return 0
+	}
+	return ev
 }
 
 // fenceAll fences every segment with unrecorded spans.
