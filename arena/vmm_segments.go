@@ -393,8 +393,8 @@ type vmmSegment struct {
 	nodes       []spanNode
 	first, last spanID
 	unused      []spanID
-	// free is the stream's free index (vmmSegments.free[stream]), kept
-	// here so that a change to a free span costs no map lookup.
+	// free is its stream's free index (segStream.free), kept here so that
+	// a change to a free span costs no map lookup.
 	free *freeIndex
 	// unfenced counts the frees left unrecorded since the last fence.
 	unfenced int
@@ -566,10 +566,7 @@ type vmmSegments struct {
 	mem   uint64 // the device's memory: more can never be held
 
 	segs     []*vmmSegment // in creation order
-	byStream map[Stream][]*vmmSegment
-	// free indexes each stream's free spans. Invariant: it holds exactly
-	// the free spans of the stream's segments (CheckInvariants).
-	free     map[Stream]*freeIndex
+	streams  map[Stream]*segStream
 	byBase   map[uintptr]segRef // live spans by base
 	pending  []segRef           // pending spans, oldest first
 	draining []segRef           // draining spans, oldest first
@@ -587,6 +584,16 @@ type vmmSegments struct {
 	held, heldHigh, live, mapped uint64
 }
 
+// segStream is a stream's share of the placement, found with one lookup:
+// its segments, in creation order (a segment's order is its place here),
+// and the index of their free spans.
+type segStream struct {
+	segs []*vmmSegment
+	// free indexes the free spans of segs. Invariant: it holds exactly
+	// those (CheckInvariants).
+	free freeIndex
+}
+
 // segRef names a span of a segment.
 type segRef struct {
 	g  *vmmSegment
@@ -598,8 +605,8 @@ func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 	if g == 0 || g&(g-1) != 0 {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
-	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]segRef{},
-		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}, free: map[Stream]*freeIndex{}}
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, streams: map[Stream]*segStream{}, byBase: map[uintptr]segRef{},
+		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
 	e.segVA = e.roundGranule(mem)
 	return e, nil
 }
@@ -679,18 +686,18 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 		return 0, err
 	}
 	// Step 1: the first free span of at least n bytes in step 1's order.
-	if x := e.free[s]; x != nil {
-		if j := x.search(freeKey{size: n}); j < len(*x) {
-			return e.take((*x)[j], s, n), nil
+	if st := e.streams[s]; st != nil {
+		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
+			return e.take(st, st.free[j], n), nil
 		}
 	}
 	return e.grow(n, s)
 }
 
-// take places n bytes at the head of the free span k of s (step 1): the
-// rest stays free, with the event of its last use.
-func (e *vmmSegments) take(k freeKey, s Stream, n uint64) uintptr {
-	g := e.byStream[s][k.order]
+// take places n bytes at the head of the free span k of the stream st
+// (step 1): the rest stays free, with the event of its last use.
+func (e *vmmSegments) take(st *segStream, k freeKey, n uint64) uintptr {
+	g := st.segs[k.order]
 	sp := g.span(k.id)
 	if sp.size > n {
 		// The rest keeps the span's place in the index, moved to its size.
@@ -730,7 +737,11 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 			best, ok = f, true
 		}
 	}
-	for _, g := range e.byStream[s] {
+	st := e.streams[s]
+	if st == nil {
+		return best, false
+	}
+	for _, g := range st.segs {
 		// The hole between prev and next, each noSpan at the segment's
 		// ends: before every span, and after the last.
 		prev, next := noSpan, g.first
@@ -940,12 +951,14 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			unpay()
 			return 0, err
 		}
-		if e.free[s] == nil {
-			e.free[s] = &freeIndex{}
+		st := e.streams[s]
+		if st == nil {
+			st = &segStream{}
+			e.streams[s] = st
 		}
-		g := &vmmSegment{stream: s, order: int32(len(e.byStream[s])), base: base, size: size, free: e.free[s], first: noSpan, last: noSpan}
+		g := &vmmSegment{stream: s, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
 		e.segs = append(e.segs, g)
-		e.byStream[s] = append(e.byStream[s], g)
+		st.segs = append(st.segs, g)
 		f.g, f.start, f.run = g, base, base
 	}
 	for _, p := range pays {
@@ -1531,8 +1544,8 @@ func (e *vmmSegments) Close() error {
 	for _, ev := range e.events {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
-	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, byStream: map[Stream][]*vmmSegment{}, byBase: map[uintptr]segRef{},
-		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}, free: map[Stream]*freeIndex{}}
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, streams: map[Stream]*segStream{}, byBase: map[uintptr]segRef{},
+		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
 	return errors.Join(errs...)
 }
 
@@ -1663,7 +1676,7 @@ func (e *vmmSegments) CheckInvariants() error {
 	// Each stream's free index is exactly its free spans, in step 1's order.
 	want := map[Stream]freeIndex{}
 	for _, g := range e.segs {
-		if e.byStream[g.stream][g.order] != g {
+		if st := e.streams[g.stream]; st == nil || int(g.order) >= len(st.segs) || st.segs[g.order] != g {
 			return fmt.Errorf("segment %#x is not at its place %d among its stream's", g.base, g.order)
 		}
 		spans, ids := g.ordered()
@@ -1673,11 +1686,11 @@ func (e *vmmSegments) CheckInvariants() error {
 			}
 		}
 	}
-	for s, x := range e.free {
+	for s, st := range e.streams {
 		w := want[s]
 		sort.Slice(w, func(i, j int) bool { return w[i].less(w[j]) })
-		if !slices.Equal(*x, w) {
-			return fmt.Errorf("stream %#x: free index %v, free spans %v", s, *x, w)
+		if !slices.Equal(st.free, w) {
+			return fmt.Errorf("stream %#x: free index %v, free spans %v", s, st.free, w)
 		}
 		delete(want, s)
 	}
