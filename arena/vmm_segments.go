@@ -87,8 +87,14 @@
 //
 // A miss served by step 1 makes no driver call, and neither does a free
 // on the segment's own stream but one in fenceEvery (see "Events"); step
-// 1 is a binary search in the stream's index of free spans (freeIndex). Step 2 costs a map per new granule and one set-access;
-// paying costs an unmap per granule moved, and creates only for growth.
+// 1 is a binary search in the stream's index of free spans (freeIndex).
+// A segment's spans are a list in address order (spanNode), each named by
+// its node (spanID), so splitting a span or coalescing it with its
+// neighbours moves no other span, and whatever refers to a span holds its
+// name rather than searching for it. Only the rarer step 2, Trim and the
+// fences walk a segment's spans. Step 2 costs a map per new granule and
+// one set-access; paying costs an unmap per granule moved, and creates
+// only for growth.
 // Handles are one granule each, so any free granule can be given up
 // without splitting a handle; the price is a call per granule where the
 // ranges placement makes one call per handle of any size, paid only when
@@ -176,8 +182,9 @@
 // # Invariants
 //
 // CheckInvariants verifies, after every step of the random-ops test: the
-// spans of a segment are sorted, in steps of 512 bytes, inside it and do
-// not overlap; a span next to a hole ends on a granule, and a draining
+// spans of a segment are linked both ways in address order, and every node
+// is a span or unused, once; they are in steps of 512 bytes, inside the
+// segment, and do not overlap; a span next to a hole ends on a granule, and a draining
 // span is whole granules; the granules the spans touch are exactly the
 // segment's mapped ones; each mapped granule's handle is owned once, by
 // the spans that are not draining there, and a handle in a draining span
