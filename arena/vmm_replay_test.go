@@ -2,6 +2,7 @@ package arena_test
 
 import (
 	"fmt"
+	"hash/fnv"
 	"slices"
 	"strings"
 	"testing"
@@ -204,4 +205,69 @@ func TestVMMHandleConf(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(4<<20), small.Phys().Granularity())
 	require.NoError(t, small.Close())
+}
+
+// placementHash is a device that folds every request goalloc's cache makes
+// of it, and where the placement put it, into one number.
+type placementHash struct {
+	*arena.SimVMM
+	sum uint64
+}
+
+func (d *placementHash) mix(op byte, a, b uint64) {
+	f := fnv.New64a()
+	fmt.Fprintf(f, "%d %c %x %x", d.sum, op, a, b)
+	d.sum = f.Sum64()
+}
+
+func (d *placementHash) Alloc(size uint64, s arena.Stream) (uintptr, error) {
+	p, err := d.SimVMM.Alloc(size, s)
+	d.mix('a', uint64(p), size)
+	return p, err
+}
+
+func (d *placementHash) Free(p uintptr, size uint64, s arena.Stream) error {
+	err := d.SimVMM.Free(p, size, s)
+	d.mix('f', uint64(p), size)
+	return err
+}
+
+// TestVMMPlacementsAreUnchanged replays the bundled traces on the simulated
+// VMM device under several configurations and layouts, and checks every
+// address the placements chose, and the peak, against those of the
+// release before the segments' spans became a list (01ce892): work on the
+// placements' speed must not move a byte. A change meant to place
+// differently updates these figures, and says why.
+func TestVMMPlacementsAreUnchanged(t *testing.T) {
+	if testing.Short() {
+		t.Skip("replays both bundled traces ten times")
+	}
+	for _, tc := range []struct {
+		trace, conf string
+		layout      arena.VMMLayout
+		sum, peak   uint64
+	}{
+		{"gpt2", "backend:vmm", arena.VMMLayout{}, 0xad2c925cb40cb563, 25518145536},
+		{"gpt2", "backend:vmm,large_cache:0", arena.VMMLayout{}, 0x321fb482b76f0bfc, 25518145536},
+		{"gpt2", "backend:vmm,miss_release:false", arena.VMMLayout{}, 0x2f00e7bcc2cadf37, 25635586048},
+		{"gpt2", "backend:vmm", arena.VMMLayout{Handle: 2 << 20}, 0xc20a6b4660f69412, 25421676544},
+		{"gpt2", "backend:vmm", arena.VMMLayout{Placement: arena.VMMRanges}, 0xc5268af86ae39e30, 25633488896},
+		{"resnet50", "backend:vmm", arena.VMMLayout{}, 0x4c887e6a325948ab, 5955911680},
+		{"resnet50", "backend:vmm,large_cache:0", arena.VMMLayout{}, 0x86504081a3e8712c, 5972688896},
+		{"resnet50", "backend:vmm,miss_release:false", arena.VMMLayout{}, 0xa343d943c87e78cc, 6106906624},
+		{"resnet50", "backend:vmm", arena.VMMLayout{Handle: 2 << 20}, 0x6eac7fa81ad7dd32, 5955911680},
+		{"resnet50", "backend:vmm", arena.VMMLayout{Placement: arena.VMMRanges}, 0x0707dbfd7111c7a6, 5989466112},
+	} {
+		t.Run(fmt.Sprintf("%s/%s/%+v", tc.trace, tc.conf, tc.layout), func(t *testing.T) {
+			tr, err := replay.Open("../traces/" + tc.trace + "-train.jsonl.gz")
+			require.NoError(t, err)
+			dev, err := arena.NewSimVMMWith(0, 0, tc.layout)
+			require.NoError(t, err)
+			d := &placementHash{SimVMM: dev}
+			r, err := replay.Replay(tr, d, replay.Options{Policy: "goalloc", Conf: tc.conf})
+			require.NoError(t, err)
+			assert.Equal(t, tc.peak, r.PeakReservedBytes)
+			assert.Equal(t, fmt.Sprintf("%#x", tc.sum), fmt.Sprintf("%#x", d.sum), "the placements' addresses")
+		})
+	}
 }

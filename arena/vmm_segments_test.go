@@ -663,3 +663,46 @@ func (g *vmmSegment) spanList() []segSpan {
 	spans, _ := g.ordered()
 	return spans
 }
+
+// TestSpanListLinksAndReusesNodes checks a segment's list of spans alone:
+// inserting at either end and between, unlinking, reusing unlinked nodes,
+// finding the first span at an address, and checkList catching a broken
+// link.
+func TestSpanListLinksAndReusesNodes(t *testing.T) {
+	g := &vmmSegment{base: 0, size: 1 << 30, first: noSpan, last: noSpan}
+	bases := func() []uintptr {
+		var out []uintptr
+		for _, sp := range g.spanList() {
+			out = append(out, sp.base)
+		}
+		return out
+	}
+	b := g.insert(noSpan, segSpan{base: 2 << 20, size: 1 << 20})
+	a := g.insert(b, segSpan{base: 1 << 20, size: 1 << 20})
+	d := g.insert(noSpan, segSpan{base: 4 << 20, size: 1 << 20})
+	c := g.insert(d, segSpan{base: 3 << 20, size: 1 << 20})
+	require.NoError(t, g.checkList())
+	assert.Equal(t, []uintptr{1 << 20, 2 << 20, 3 << 20, 4 << 20}, bases())
+	assert.Equal(t, a, g.first)
+	assert.Equal(t, d, g.last)
+	assert.Equal(t, c, g.spanAt(3<<20-512), "the first span at or above the address")
+	assert.Equal(t, noSpan, g.spanAt(5<<20))
+
+	g.unlink(a)
+	g.unlink(d)
+	require.NoError(t, g.checkList())
+	assert.Equal(t, []uintptr{2 << 20, 3 << 20}, bases())
+	assert.Equal(t, b, g.first)
+	assert.Equal(t, c, g.last)
+	e := g.insert(c, segSpan{base: 2<<20 + 512, size: 512})
+	assert.Contains(t, []spanID{a, d}, e, "an unlinked node is reused")
+	assert.Len(t, g.nodes, 4, "no node added while one was unused")
+	require.NoError(t, g.checkList())
+	assert.Equal(t, []uintptr{2 << 20, 2<<20 + 512, 3 << 20}, bases())
+
+	g.nodes[e].prev = c // a broken back link
+	assert.ErrorContains(t, g.checkList(), "follows")
+	g.nodes[e].prev = b
+	g.unused = append(g.unused, e) // a span also listed unused
+	assert.ErrorContains(t, g.checkList(), "unused node")
+}
