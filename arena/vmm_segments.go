@@ -208,6 +208,8 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+
+	"github.com/goalloc/goalloc/internal/addrmap"
 )
 
 // VMMPlacement names how the VMM backend places large requests.
@@ -574,9 +576,9 @@ type vmmSegments struct {
 
 	segs     []*vmmSegment // in creation order
 	streams  map[Stream]*segStream
-	byBase   map[uintptr]segRef // live spans by base
-	pending  []segRef           // pending spans, oldest first
-	draining []segRef           // draining spans, oldest first
+	byBase   addrmap.Map[segRef] // live spans by base
+	pending  []segRef            // pending spans, oldest first
+	draining []segRef            // draining spans, oldest first
 	// drainMaps counts, per handle, its mappings in draining spans: those
 	// are besides the one in the span that owns it.
 	drainMaps map[PhysHandle]int32
@@ -612,7 +614,7 @@ func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 	if g == 0 || g&(g-1) != 0 {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
-	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, streams: map[Stream]*segStream{}, byBase: map[uintptr]segRef{},
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, streams: map[Stream]*segStream{},
 		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
 	e.segVA = e.roundGranule(mem)
 	return e, nil
@@ -656,7 +658,7 @@ func (e *vmmSegments) putEvent(ev Event)   { e.events = append(e.events, ev) }
 func (e *vmmSegments) event() (Event, error) { return takeEvent(&e.events, e.drv) }
 
 func (e *vmmSegments) Owns(va uintptr) (uint64, bool) {
-	r, ok := e.byBase[va]
+	r, ok := e.byBase.Get(va)
 	if !ok {
 		return 0, false
 	}
@@ -664,9 +666,10 @@ func (e *vmmSegments) Owns(va uintptr) (uint64, bool) {
 }
 
 func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
-	for va, r := range e.byBase {
+	e.byBase.Range(func(va uintptr, r segRef) bool {
 		f(va, r.g.span(r.id).size)
-	}
+		return true
+	})
 }
 
 // index and unindex add a span of g to its stream's free index, or take
@@ -717,7 +720,7 @@ func (e *vmmSegments) take(st *segStream, k freeKey, n uint64) uintptr {
 		e.dropEvent(sp.event)
 		*sp = segSpan{base: k.base, size: n, state: spanLive}
 	}
-	e.byBase[k.base] = segRef{g, k.id}
+	e.byBase.Put(k.base, segRef{g, k.id})
 	e.live += n
 	return k.base
 }
@@ -1051,7 +1054,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		rest := g.insert(g.next(at), segSpan{base: end, size: uint64(mapped - end)})
 		e.setFree(g, rest, 0, 0)
 	}
-	e.byBase[f.start] = segRef{g, at}
+	e.byBase.Put(f.start, segRef{g, at})
 	e.live += n
 	return f.start, nil
 }
@@ -1266,7 +1269,7 @@ func (e *vmmSegments) unmapWhole(g *vmmSegment, id spanID, bytes uint64, release
 // fence, see "Events"); on another, it is pending until the event recorded
 // there now completes.
 func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
-	r, ok := e.byBase[va]
+	r, ok := e.byBase.Get(va)
 	if !ok {
 		return fmt.Errorf("arena: VMM: free of %#x, which is not a live range", va)
 	}
@@ -1283,7 +1286,7 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 			return err
 		}
 	}
-	delete(e.byBase, va)
+	e.byBase.Delete(va)
 	sp := g.span(r.id)
 	e.live -= sp.size
 	if done {
@@ -1551,7 +1554,7 @@ func (e *vmmSegments) Close() error {
 	for _, ev := range e.events {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
-	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, streams: map[Stream]*segStream{}, byBase: map[uintptr]segRef{},
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, streams: map[Stream]*segStream{},
 		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
 	return errors.Join(errs...)
 }
@@ -1632,7 +1635,7 @@ func (e *vmmSegments) CheckInvariants() error {
 			case spanLive:
 				live += sp.size
 				nLive++
-				if r := e.byBase[sp.base]; r.g != g || r.id != ids[i] {
+				if r, _ := e.byBase.Get(sp.base); r.g != g || r.id != ids[i] {
 					return fmt.Errorf("live span %#x is not indexed", sp.base)
 				}
 				if sp.event != 0 {
@@ -1732,8 +1735,8 @@ func (e *vmmSegments) CheckInvariants() error {
 	if live != e.live || live > e.held {
 		return fmt.Errorf("live %d, live spans add up to %d, held %d", e.live, live, e.held)
 	}
-	if nLive != len(e.byBase) {
-		return fmt.Errorf("%d live spans, %d indexed", nLive, len(e.byBase))
+	if nLive != e.byBase.Len() {
+		return fmt.Errorf("%d live spans, %d indexed", nLive, e.byBase.Len())
 	}
 	if nPending != len(e.pending) {
 		return fmt.Errorf("%d pending spans, %d listed", nPending, len(e.pending))

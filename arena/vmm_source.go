@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+
+	"github.com/goalloc/goalloc/internal/addrmap"
 )
 
 // vmmSource is the VMM backend's MemorySource, in plain Go over a
@@ -28,7 +30,7 @@ type vmmSource struct {
 	gran     uint64
 	pages    map[uintptr]*vmmPage  // by base
 	owned    map[Stream][]*vmmPage // pages by owner stream
-	small    map[uintptr]uint64    // live pieces: address -> rounded size
+	small    addrmap.Map[uint64]   // live pieces: address -> rounded size
 	wait     []vmmPiece            // pieces freed on another stream, not yet complete
 	used     uint64                // rounded bytes of live allocations
 	usedHigh uint64
@@ -71,7 +73,7 @@ func newVMMSource(phys PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSourc
 		return nil, err
 	}
 	return &vmmSource{eng: eng, drv: drv, gran: eng.granule(), pages: map[uintptr]*vmmPage{},
-		owned: map[Stream][]*vmmPage{}, small: map[uintptr]uint64{}}, nil
+		owned: map[Stream][]*vmmPage{}}, nil
 }
 
 // DriverCalls is the profile of the driver calls made so far.
@@ -160,7 +162,7 @@ func (v *vmmSource) allocSmall(n uint64, s Stream) (uintptr, error) {
 		best.free = append(best.free[:bi], best.free[bi+1:]...)
 	}
 	best.live += n
-	v.small[p] = n
+	v.small.Put(p, n)
 	return p, nil
 }
 
@@ -220,7 +222,7 @@ func (v *vmmSource) free(ptr uintptr, size uint64, s Stream) error {
 	if v.closed {
 		return errVMMClosed
 	}
-	if n, ok := v.small[ptr]; ok {
+	if n, ok := v.small.Get(ptr); ok {
 		want := (size + pieceAlign - 1) &^ (pieceAlign - 1)
 		if want == 0 {
 			want = pieceAlign
@@ -230,7 +232,7 @@ func (v *vmmSource) free(ptr uintptr, size uint64, s Stream) error {
 		}
 		pg := v.pages[ptr&^uintptr(v.gran-1)]
 		if pg.owner == s && s != anyStream {
-			delete(v.small, ptr)
+			v.small.Delete(ptr)
 			pg.live -= n
 			v.count(-int64(n))
 			return v.putPiece(pg, ptr, n)
@@ -243,7 +245,7 @@ func (v *vmmSource) free(ptr uintptr, size uint64, s Stream) error {
 			v.eng.putEvent(ev)
 			return err
 		}
-		delete(v.small, ptr)
+		v.small.Delete(ptr)
 		pg.live -= n
 		pg.wait++
 		v.count(-int64(n))
@@ -328,17 +330,24 @@ func (v *vmmSource) checkInvariants() error {
 		return err
 	}
 	var used uint64
-	for p, n := range v.small {
+	var err error
+	v.small.Range(func(p uintptr, n uint64) bool {
 		used += n
 		pg := v.pages[p&^uintptr(v.gran-1)]
 		if pg == nil {
-			return fmt.Errorf("piece %#x lies in no page", p)
+			err = fmt.Errorf("piece %#x lies in no page", p)
+			return false
 		}
 		for _, sp := range pg.free {
 			if p < sp.base+uintptr(sp.size) && sp.base < p+uintptr(n) {
-				return fmt.Errorf("live piece %#x+%d overlaps unused %#x+%d", p, n, sp.base, sp.size)
+				err = fmt.Errorf("live piece %#x+%d overlaps unused %#x+%d", p, n, sp.base, sp.size)
+				return false
 			}
 		}
+		return true
+	})
+	if err != nil {
+		return err
 	}
 	for _, pg := range v.pages {
 		if _, ok := v.eng.Owns(pg.base); !ok {

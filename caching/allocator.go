@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/internal/addrmap"
 	"github.com/goalloc/goalloc/streams"
 	"github.com/goalloc/goalloc/units"
 )
@@ -60,7 +61,7 @@ type Allocator struct {
 	blocks    []Block
 	unusedIDs []blockID
 	// largeByAddr finds every large block goalloc holds (live, pending or cached).
-	largeByAddr map[uintptr]blockID
+	largeByAddr addrmap.Map[blockID]
 
 	// segments holds every small segment, sorted by address, so a pointer
 	// finds its segment by binary search.
@@ -89,13 +90,12 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		return nil, fmt.Errorf("goalloc: reading device %d memory: %w", dev.Ordinal(), err)
 	}
 	a := &Allocator{
-		dev:         dev,
-		cfg:         cfg,
-		total:       total,
-		largeByAddr: map[uintptr]blockID{},
-		private:     map[PoolID]*cachePool{},
-		recorded:    map[uintptr][]arena.Stream{},
-		stats:       Stats{BadInput: map[string]int64{}},
+		dev:      dev,
+		cfg:      cfg,
+		total:    total,
+		private:  map[PoolID]*cachePool{},
+		recorded: map[uintptr][]arena.Stream{},
+		stats:    Stats{BadInput: map[string]int64{}},
 	}
 	a.retained.lru = emptyList()
 	a.general = newGeneralPool(&a.retained, cfg)
@@ -255,7 +255,7 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 func (a *Allocator) Free(ptr uintptr, size uint64, s arena.Stream) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if id, ok := a.largeByAddr[ptr]; ok {
+	if id, ok := a.largeByAddr.Get(ptr); ok {
 		return a.freeBlock(id, ptr, size, s)
 	}
 	if seg := a.findSegment(ptr); seg != nil {
@@ -292,7 +292,7 @@ func (a *Allocator) countFree(t StatType, held int64, requested uint64) {
 func (a *Allocator) Holds(ptr uintptr) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if _, ok := a.largeByAddr[ptr]; ok {
+	if _, ok := a.largeByAddr.Get(ptr); ok {
 		return true
 	}
 	seg := a.findSegment(ptr)

@@ -36,7 +36,7 @@ func (a *Allocator) CheckInvariants() error {
 		if b.state == blockUnused {
 			continue
 		}
-		if id, ok := a.largeByAddr[b.addr]; !ok || id != blockID(i) {
+		if id, ok := a.largeByAddr.Get(b.addr); !ok || id != blockID(i) {
 			return fmt.Errorf("block %d at %#x is not indexed by its address", i, b.addr)
 		}
 		if b.size <= smallMax || b.size%classAlign != 0 {
@@ -62,8 +62,8 @@ func (a *Allocator) CheckInvariants() error {
 		}
 		poolBytes[b.list.pool] += b.size
 	}
-	if len(a.largeByAddr) != int(segs[StatLarge]) {
-		return fmt.Errorf("%d addresses indexed, %d large blocks held", len(a.largeByAddr), segs[StatLarge])
+	if a.largeByAddr.Len() != int(segs[StatLarge]) {
+		return fmt.Errorf("%d addresses indexed, %d large blocks held", a.largeByAddr.Len(), segs[StatLarge])
 	}
 	pools := append([]*cachePool{a.general}, a.privatePools()...)
 	for _, p := range pools {
@@ -304,7 +304,7 @@ func (a *Allocator) checkStreamRecords() error {
 }
 
 func (a *Allocator) isLive(ptr uintptr) bool {
-	if id, ok := a.largeByAddr[ptr]; ok {
+	if id, ok := a.largeByAddr.Get(ptr); ok {
 		return a.blocks[id].state == blockLive
 	}
 	if seg := a.findSegment(ptr); seg != nil {

@@ -188,7 +188,7 @@ func (a *Allocator) drainFront() {
 // would have moved them (releaseSlot, liveSlot; freeBlock, takeBlock).
 func (a *Allocator) countRecycled(ptr uintptr) {
 	st := &a.stats
-	if id, ok := a.largeByAddr[ptr]; ok && a.blocks[id].state == blockLive {
+	if id, ok := a.largeByAddr.Get(ptr); ok && a.blocks[id].state == blockLive {
 		b := &a.blocks[id]
 		a.countFree(StatLarge, int64(b.size), b.requested)
 		st.Active.sub(StatLarge, 1)

@@ -53,7 +53,7 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	b := &a.blocks[id]
 	*b = Block{addr: p, size: n, requested: size, stream: l.stream, list: l, state: blockLive,
 		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
-	a.largeByAddr[p] = id
+	a.largeByAddr.Put(p, id)
 	l.refs++
 	a.stats.Segment.add(StatLarge, 1)
 	a.stats.ReservedBytes.add(StatLarge, int64(n))

@@ -46,7 +46,7 @@ func (a *Allocator) FreeOwned(ptr uintptr) (held bool, err error) {
 }
 
 func (a *Allocator) freeOwned(ptr uintptr) (held bool, err error) {
-	if id, ok := a.largeByAddr[ptr]; ok {
+	if id, ok := a.largeByAddr.Get(ptr); ok {
 		b := &a.blocks[id]
 		return true, a.freeBlock(id, ptr, b.requested, b.stream)
 	}
@@ -158,7 +158,7 @@ func (a *Allocator) RestorePool(id PoolID, checkpoint []LiveBlock) (freed []uint
 
 // claim allocates the free block of pool p at b.Addr again, for b.Requested bytes.
 func (a *Allocator) claim(p *cachePool, b LiveBlock) error {
-	if id, ok := a.largeByAddr[b.Addr]; ok {
+	if id, ok := a.largeByAddr.Get(b.Addr); ok {
 		blk := &a.blocks[id]
 		if blk.state != blockCached || blk.list.pool != p || blk.size != b.Size {
 			return fmt.Errorf("goalloc: restoring pool (%d, %d) on device %d: the block at %#x is not free in the pool", p.id[0], p.id[1], a.dev.Ordinal(), b.Addr)

@@ -16,7 +16,7 @@ func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	owner, live := arena.Stream(0), false
-	if id, ok := a.largeByAddr[ptr]; ok {
+	if id, ok := a.largeByAddr.Get(ptr); ok {
 		owner, live = a.blocks[id].stream, a.blocks[id].state == blockLive
 	} else if seg := a.findSegment(ptr); seg != nil {
 		if i := seg.slotOf(ptr); i >= 0 {
@@ -70,7 +70,7 @@ func (a *Allocator) pollDeferred() int {
 // completeFree finishes a deferred free: its block becomes reusable by its
 // owner stream.
 func (a *Allocator) completeFree(ptr uintptr) {
-	if id, ok := a.largeByAddr[ptr]; ok && a.blocks[id].state == blockPending {
+	if id, ok := a.largeByAddr.Get(ptr); ok && a.blocks[id].state == blockPending {
 		b := &a.blocks[id]
 		a.stats.Active.sub(StatLarge, 1)
 		a.stats.ActiveBytes.sub(StatLarge, int64(b.size))

@@ -24,7 +24,7 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	if a.history != nil {
 		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
 	}
-	delete(a.largeByAddr, b.addr)
+	a.largeByAddr.Delete(b.addr)
 	l := b.list
 	p := l.pool
 	p.reserved -= b.size

@@ -216,7 +216,7 @@ func TestRetentionRandomOps(t *testing.T) {
 				lives = append(lives, live{p, size, s, id})
 				a.mu.Lock()
 				var pool *cachePool
-				if bid, ok := a.largeByAddr[p]; ok {
+				if bid, ok := a.largeByAddr.Get(p); ok {
 					pool = a.blocks[bid].list.pool
 				} else {
 					pool = a.findSegment(p).list.pool
