@@ -1367,3 +1367,22 @@ def test_clock_ab_alternates_two_libraries_on_the_same_shapes(tmp_path: Path):
     p = subprocess.run(["bash", str(BENCH / "clock_ab.sh"), str(out), str(liba), str(libb), "0"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "ROUNDS must be a positive number" in p.stderr
+
+
+def test_cold_ab_reads_the_benchmark_and_reports_medians(tmp_path: Path):
+    spec = importlib.util.spec_from_file_location("cold_ab", REPO / "tests" / "gpu" / "cold_ab.py")
+    assert spec and spec.loader
+    ca = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ca)
+    out = ("goos: linux\n"
+           "BenchmarkReplayVMMCold/walk=256KiB/calls=true         \t       1\t1781411573 ns/op\t     63049 calls/replay"
+           "\t         0.3481 miss-share\t       213.5 ns/free\t       122.8 ns/hit\t      1648 ns/miss\t        38.35 ns/walk\n"
+           "PASS\n")
+    assert ca.parse(out) == {"256": {"ns/hit": 122.8, "ns/miss": 1648.0, "ns/free": 213.5, "ns/walk": 38.35}}
+    got = {"base": {"256": {"ns/miss": [1000.0, 1200.0, 1100.0]}}, "head": {"256": {"ns/miss": [800.0, 900.0, 700.0]}}}
+    lines = ca.report(got)
+    assert lines[1].split() == ["256", "ns/miss", "1100.0", "800.0", "0.727", "3/3"]
+    p = run_py(str(REPO / "tests" / "gpu" / "cold_ab.py"), "--run", "--rounds", "0")
+    assert p.returncode == 2 and "at least 1" in p.stderr
+    p = run_py(str(REPO / "tests" / "gpu" / "cold_ab.py"), "--run", "--walks", "256,lots")
+    assert p.returncode == 2 and "KiB counts" in p.stderr

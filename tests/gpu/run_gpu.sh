@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] [steady] [cgogap] (these five need naming; multigpu and mgbench need two GPUs)
+#               [ddp] [multigpu] [mgbench] [steady] [cgogap] [coldab] (these six need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -182,6 +182,15 @@ if want cgogap; then
     echo "yield_every:$c"
     GOALLOC_CONF=yield_every:$c GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G timeout 120 build/cgo_gap build/libgoalloc.so || status=1
   done 2>&1 | tee "$OUT/cgo_gap.txt"
+fi
+if want coldab; then
+  step coldab
+  # Named only: a cold call into goalloc (the ResNet-50 replay with 256 KiB and
+  # 1 MiB walked between events) timed on this machine's CPU for two commits,
+  # build/cold-base.test and build/cold-head.test (tests/gpu/cold_ab.py --build
+  # BASE, where Go is), alternating; under a minute.
+  timeout 300 python3 tests/gpu/cold_ab.py --run --rounds 9 --json "$OUT/cold_ab.json" 2>&1 | tee "$OUT/cold_ab.txt"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 step done
 # The device tool brings back at most 8 files: pack the small JSON results
