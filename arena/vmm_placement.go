@@ -643,14 +643,7 @@ func (e *vmmEngine) createHandle(size uint64) (int32, error) {
 		return 0, err
 	}
 	e.nCreate++
-	var hi int32
-	if k := len(e.freeIdx); k > 0 {
-		hi = e.freeIdx[k-1]
-		e.freeIdx = e.freeIdx[:k-1]
-	} else {
-		e.handles = append(e.handles, vmmHandle{})
-		hi = int32(len(e.handles) - 1)
-	}
+	hi := reuseOrAppend(&e.handles, &e.freeIdx)
 	// Free until a range takes it: if mapping fails, it stays free.
 	e.handles[hi] = vmmHandle{h: h, size: size, owner: -1}
 	e.freeHandle = append(e.freeHandle, hi)

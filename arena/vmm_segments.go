@@ -425,14 +425,7 @@ func (g *vmmSegment) prev(id spanID) spanID { return g.nodes[id].prev }
 // names it. It may move the nodes, so pointers from span do not survive
 // it; names do.
 func (g *vmmSegment) insert(next spanID, sp segSpan) spanID {
-	var id spanID
-	if k := len(g.unused); k > 0 {
-		id = g.unused[k-1]
-		g.unused = g.unused[:k-1]
-	} else {
-		g.nodes = append(g.nodes, spanNode{})
-		id = spanID(len(g.nodes) - 1)
-	}
+	id := reuseOrAppend(&g.nodes, &g.unused)
 	prev := g.last
 	if next != noSpan {
 		prev = g.nodes[next].prev
@@ -449,6 +442,21 @@ func (g *vmmSegment) insert(next spanID, sp segSpan) spanID {
 		g.nodes[next].prev = id
 	}
 	return id
+}
+
+// reuseOrAppend is the index of a slot of *items for a new element: the
+// last of *unused, which it takes, or else a zero one appended. (Spans'
+// nodes and the ranges placement's handles are kept so, their indexes
+// stable while in use.)
+func reuseOrAppend[T any, I ~int32](items *[]T, unused *[]I) I {
+	if k := len(*unused); k > 0 {
+		i := (*unused)[k-1]
+		*unused = (*unused)[:k-1]
+		return i
+	}
+	var zero T
+	*items = append(*items, zero)
+	return I(len(*items) - 1)
 }
 
 // unlink takes span id out of the list; its node goes to unused.
