@@ -582,11 +582,16 @@ type vmmSegments struct {
 	segVA uint64 // VA reserved per segment: the device's memory, rounded
 	mem   uint64 // the device's memory: more can never be held
 
-	segs     []*vmmSegment // in creation order
-	streams  map[Stream]*segStream
-	byBase   addrmap.Map[segRef] // live spans by base
-	pending  []segRef            // pending spans, oldest first
-	draining []segRef            // draining spans, oldest first
+	segs    []*vmmSegment // in creation order
+	streams map[Stream]*segStream
+	// last is the segStream of lastStream, the stream of the latest
+	// request (nil: none yet): a run of requests on one stream finds its
+	// share without a map lookup.
+	last       *segStream
+	lastStream Stream
+	byBase     addrmap.Map[segRef] // live spans by base
+	pending    []segRef            // pending spans, oldest first
+	draining   []segRef            // draining spans, oldest first
 	// drainMaps counts, per handle, its mappings in draining spans: those
 	// are besides the one in the span that owns it.
 	drainMaps map[PhysHandle]int32
@@ -595,7 +600,7 @@ type vmmSegments struct {
 	// holders counts the free or draining spans holding a fence's event,
 	// for an event more than one holds: it goes back to events when the
 	// last lets go (dropEvent). Invariant: it matches the spans.
-	holders map[Event]int32
+	holders addrmap.Map[int32] // by Event
 	seq     uint64
 
 	held, heldHigh, live, mapped uint64
@@ -623,7 +628,7 @@ func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
 	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, streams: map[Stream]*segStream{},
-		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
+		drainMaps: map[PhysHandle]int32{}}
 	e.segVA = e.roundGranule(mem)
 	return e, nil
 }
@@ -704,12 +709,24 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 		return 0, err
 	}
 	// Step 1: the first free span of at least n bytes in step 1's order.
-	if st := e.streams[s]; st != nil {
+	if st := e.stream(s); st != nil {
 		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
 			return e.take(st, st.free[j], n), nil
 		}
 	}
 	return e.grow(n, s)
+}
+
+// stream is s's share of the placement, or nil before its first segment.
+func (e *vmmSegments) stream(s Stream) *segStream {
+	if e.last != nil && e.lastStream == s {
+		return e.last
+	}
+	st := e.streams[s]
+	if st != nil {
+		e.last, e.lastStream = st, s
+	}
+	return st
 }
 
 // take places n bytes at the head of the free span k of the stream st
@@ -755,7 +772,7 @@ func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
 			best, ok = f, true
 		}
 	}
-	st := e.streams[s]
+	st := e.stream(s)
 	if st == nil {
 		return best, false
 	}
@@ -1365,11 +1382,11 @@ func (e *vmmSegments) dropEvent(ev Event) {
 	if ev == 0 || ev == unrecorded {
 		return
 	}
-	if n := e.holders[ev]; n > 1 {
-		e.holders[ev] = n - 1
+	if n, _ := e.holders.Get(uintptr(ev)); n > 1 {
+		e.holders.Put(uintptr(ev), n-1)
 		return
 	}
-	delete(e.holders, ev)
+	e.holders.Delete(uintptr(ev))
 	e.events = append(e.events, ev)
 }
 
@@ -1422,7 +1439,7 @@ func (e *vmmSegments) fence(g *vmmSegment, freeing bool) {
 		n++
 	}
 	if n > 1 {
-		e.holders[ev] = n
+		e.holders.Put(uintptr(ev), n)
 	}
 }
 
@@ -1563,7 +1580,7 @@ func (e *vmmSegments) Close() error {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
 	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, streams: map[Stream]*segStream{},
-		drainMaps: map[PhysHandle]int32{}, holders: map[Event]int32{}}
+		drainMaps: map[PhysHandle]int32{}}
 	return errors.Join(errs...)
 }
 
@@ -1717,14 +1734,20 @@ func (e *vmmSegments) CheckInvariants() error {
 	}
 	// An event is held by one span, or by the spans holders counts.
 	for ev, n := range held {
-		if n > 1 && e.holders[ev] != n {
-			return fmt.Errorf("event %d is held by %d spans, %d counted", ev, n, e.holders[ev])
+		if c, _ := e.holders.Get(uintptr(ev)); n > 1 && c != n {
+			return fmt.Errorf("event %d is held by %d spans, %d counted", ev, n, c)
 		}
 	}
-	for ev, n := range e.holders {
-		if held[ev] != n {
-			return fmt.Errorf("event %d counts %d holders, %d spans hold it", ev, n, held[ev])
+	var herr error
+	e.holders.Range(func(k uintptr, n int32) bool {
+		if ev := Event(k); held[ev] != n {
+			herr = fmt.Errorf("event %d counts %d holders, %d spans hold it", ev, n, held[ev])
+			return false
 		}
+		return true
+	})
+	if herr != nil {
+		return herr
 	}
 	for _, ev := range e.events {
 		if held[ev] > 0 {
