@@ -16,6 +16,12 @@ bucket's lower edge), and the milliseconds per step the calls took; then
 the run's median timed step. Medians per configuration follow each file's
 runs and, given several files (bench/clock_ab.sh's suites), all of theirs.
 
+    python3 bench/call_clock.py --ab OUTDIR
+
+pairs bench/clock_ab.sh's rounds instead: per round and configuration, side
+B's median step and time in Go over side A's (the same shapes; with
+--together, at the same time), then the medians of those ratios.
+
 Set beside the step time native and goalloc trained the same shapes in
 (bench/step_stats.py --simultaneous), this says how much of the difference
 is the time spent inside the calls. Standard library only.
@@ -130,13 +136,84 @@ def report(doc: dict[str, Any], workload: str, slow_ns: int = SLOW_NS,
     return out + medians_lines(per_config)
 
 
+def go_ms(r: dict[str, Any]) -> Optional[float]:
+    """A run's milliseconds per step in its calls into Go, all kinds; None without the clock."""
+    clock = (r.get("result") or {}).get("call_clock") or {}
+    steps = int(clock.get("steps") or 0)
+    if steps <= 0:
+        return None
+    return sum(int(k.get("ns", 0)) for k in (clock.get("kinds") or {}).values()) / steps / 1e6
+
+
+def ab_lines(outdir: Path) -> list[str]:
+    """bench/clock_ab.sh's rounds paired: per round and configuration, B's median
+    step and time in Go over A's, then the medians of those ratios. native is
+    the same on both sides, so its B/A is the host's drift over the round;
+    each configuration's ratios are also given over native's of its round."""
+    rounds = sorted(int(d.name[2:]) for d in outdir.glob("a-*") if d.name[2:].isdigit()
+                    and (outdir / f"b-{d.name[2:]}" / "bench.json").is_file()
+                    and (d / "bench.json").is_file())
+    out = ["round  workload  configuration  step ms A / B (B/A)       Go ms a step A / B (B/A)"]
+    ratios: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for i in rounds:
+        runs = {}
+        for side in "ab":
+            doc = json.loads((outdir / f"{side}-{i}" / "bench.json").read_text())
+            for r in doc.get("runs", []):
+                res = r.get("result") or {}
+                if r.get("status") == "ok" and res.get("median_step_s"):
+                    runs[(side, r.get("workload"), r.get("config"))] = r
+        def step_ratio(w: str, c: str) -> Optional[float]:
+            ra, rb = runs.get(("a", w, c)), runs.get(("b", w, c))
+            if ra is None or rb is None:
+                return None
+            return rb["result"]["median_step_s"] / ra["result"]["median_step_s"]
+
+        for (side, w, c), ra in sorted(runs.items()):
+            rb = runs.get(("b", w, c))
+            if side != "a" or rb is None:
+                continue
+            sa, sb = ra["result"]["median_step_s"] * 1e3, rb["result"]["median_step_s"] * 1e3
+            agg = ratios.setdefault((w, c), {})
+            agg.setdefault("step", []).append(sb / sa)
+            drift = step_ratio(w, "native") if c != "native" else None
+            if drift:
+                agg.setdefault("step/native", []).append(sb / sa / drift)
+            line = f"{i:>5}  {w:<8}  {c:<13}  {sa:7.2f} / {sb:7.2f} ({sb / sa:5.3f})"
+            ga, gb = go_ms(ra), go_ms(rb)
+            if ga and gb:
+                agg.setdefault("go", []).append(gb / ga)
+                if drift:
+                    agg.setdefault("go/native", []).append(gb / ga / drift)
+                line += f"   {ga:6.3f} / {gb:6.3f} ({gb / ga:5.3f})"
+            out.append(line)
+    if not ratios:
+        return []
+    out.append("medians of B/A over the rounds (rounds where B was lower):")
+    for (w, c), agg in ratios.items():
+        parts = [f"{k} {statistics.median(v):.3f} ({sum(x < 1 for x in v)} of {len(v)})" for k, v in agg.items()]
+        out.append(f"  {w:<8}  {c:<13}  " + ", ".join(parts))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench", nargs="+", help="bench.json files of suites run with --call-clock")
+    p.add_argument("bench", nargs="*", help="bench.json files of suites run with --call-clock")
+    p.add_argument("--ab", metavar="OUTDIR",
+                   help="instead, pair bench/clock_ab.sh's rounds in OUTDIR (a-I and b-I): B over A")
     p.add_argument("--workload", choices=("gpt2", "llama", "resnet50"), help="one workload (default: all)")
     p.add_argument("--slow-ns", type=int, default=SLOW_NS,
                    help=f"count the calls of this many ns or more, a power of two (default {SLOW_NS})")
     args = p.parse_args(argv)
+    if args.ab:
+        lines = ab_lines(Path(args.ab))
+        if not lines:
+            print(f"{args.ab}: no round with both sides' runs (a-I/bench.json and b-I/bench.json)", file=sys.stderr)
+            return 1
+        print("\n".join(lines))
+        return 0
+    if not args.bench:
+        p.error("give bench.json files, or --ab OUTDIR")
     if args.slow_ns < 2 or args.slow_ns & (args.slow_ns - 1):
         p.error("--slow-ns must be a power of two (the histogram's buckets are)")
     printed = False

@@ -1361,6 +1361,31 @@ def test_clock_ab_alternates_two_libraries_on_the_same_shapes(tmp_path: Path):
     a, b = p.stdout.split("== side b")
     assert "goalloc-vmm  all 0.020  (malloc 0.020; 2 runs)" in a.split("medians over the runs of all 2 files")[1]
     assert "goalloc-vmm  all 0.010  (malloc 0.010; 2 runs)" in b.split("medians over the runs of all 2 files")[1]
+    # The rounds paired: the same step time on both sides, half the time in Go on b's.
+    assert "    1  resnet50  goalloc-vmm      20.00 /   20.00 (1.000)    0.020 /  0.010 (0.500)" in p.stdout
+    assert ("resnet50  goalloc-vmm    step 1.000 (0 of 2), step/native 1.000 (0 of 2), go 0.500 (2 of 2), "
+            "go/native 0.500 (2 of 2)") in p.stdout
+    assert p.returncode == 0, p.stdout + p.stderr
+
+    # --together: a round's two suites at once, each on its own half of the CPUs, swapped every round.
+    if (os.cpu_count() or 1) < 2:
+        return
+    out2 = tmp_path / "ab2"
+    p = subprocess.run(["bash", str(BENCH / "clock_ab.sh"), "--together", str(out2), str(liba), str(libb), "2",
+                        "--workloads", "resnet50", "--train-configs", "native,goalloc-vmm",
+                        "--workloads-script", str(stub), "--build-dir", str(tmp_path / "build")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    assert p.returncode == 0, p.stdout + p.stderr
+    ncpu = os.cpu_count() or 1
+    lo, hi = f"0-{ncpu // 2 - 1}", f"{ncpu // 2}-{ncpu - 1}"
+    for i, (ca, cb) in enumerate([(lo, hi), (hi, lo)]):
+        assert f"== round {i}, side a ({liba}; CPUs {ca}, GPU" in p.stdout
+        assert f"== round {i}, side b ({libb}; CPUs {cb}, GPU" in p.stdout
+        assert (out2 / f"a-{i}" / "bench.json").is_file() and (out2 / f"b-{i}" / "bench.json").is_file()
+    assert "go/native 0.500 (2 of 2)" in p.stdout
+    p = run_py(str(BENCH / "call_clock.py"), "--ab", str(tmp_path / "nothing"))
+    assert p.returncode == 1 and "no round with both sides" in p.stderr
     p = subprocess.run(["bash", str(BENCH / "clock_ab.sh"), str(out), str(liba), str(tmp_path / "none.so"), "2"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "no library at" in p.stderr
