@@ -13,19 +13,13 @@
 set -eu
 base=${1:-main}
 rounds=${2:-10}
-repo=$(git rev-parse --show-toplevel)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-mkdir -p "$tmp/base"
-git -C "$repo" archive "$base" | tar -x -C "$tmp/base"
-for side in base head; do
-	src=$repo
-	[ "$side" = base ] && src=$tmp/base
-	(cd "$src" && go test -c -tags goalloc_bench -o "$tmp/$side-caching.test" ./caching &&
-		go test -c -tags goalloc_bench -o "$tmp/$side-export.test" ./export)
-done
-echo "base: $base ($(git -C "$repo" rev-parse --short "$base")); head: $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet HEAD || echo ' plus uncommitted changes')"
+. "$(dirname "$0")/compare_lib.sh" "$base"
+build() {
+	go test -c -tags goalloc_bench -o "$tmp/$side-caching.test" ./caching &&
+		go test -c -tags goalloc_bench -o "$tmp/$side-export.test" ./export
+}
+each_side build
+compare_header "$base"
 
 instr() { # binary benchmark pairs -> instructions
 	valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null "$1" -test.run '^$' \

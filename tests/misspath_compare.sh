@@ -22,19 +22,11 @@ set -eu
 base=${1:-main}
 walk=${2:-256}
 runs=${3:-2}
-repo=$(git rev-parse --show-toplevel)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-mkdir -p "$tmp/base"
-git -C "$repo" archive "$base" | tar -x -C "$tmp/base"
+. "$(dirname "$0")/compare_lib.sh" "$base"
 cp "$repo/replay/bench_test.go" "$tmp/base/replay/bench_test.go"
-for side in base head; do
-	src=$repo
-	[ "$side" = base ] && src=$tmp/base
-	(cd "$src" && go test -c -o "$tmp/$side.test" ./replay)
-done
-echo "base: $base ($(git -C "$repo" rev-parse --short "$base")); head: $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet HEAD || echo ' plus uncommitted changes')"
+build() { go test -c -o "$tmp/$side.test" ./replay; }
+each_side build
+compare_header "$base"
 echo "per call, the ResNet-50 trace with $walk KiB walked between events (callgrind)"
 echo "side   run  calls     instructions  D1 misses (read+write)  LL misses"
 for i in $(seq "$runs"); do

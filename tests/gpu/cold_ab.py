@@ -23,11 +23,9 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,18 +35,19 @@ METRICS = ("ns/hit", "ns/miss", "ns/free", "ns/walk")
 
 
 def build(base: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "base"
-        src.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", base], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-        shutil.copy(REPO / "replay" / "bench_test.go", src / "replay" / "bench_test.go")
-        BUILD.mkdir(exist_ok=True)
-        for side, tree in (("base", src), ("head", REPO)):
-            out = BUILD / f"cold-{side}.test"
-            # Stripped: the binaries travel to the GPU machine with the call.
-            subprocess.run(["go", "test", "-c", "-ldflags=-s -w", "-o", str(out), "./replay"], cwd=tree, check=True)
-            print(f"{out} ({side}: {base if side == 'base' else 'the working tree'})")
+    # tests/compare_lib.sh puts BASE's tree beside the working tree and builds
+    # both, as tests/misspath_compare.sh does; the binaries are stripped, as
+    # they travel to the GPU machine with the call.
+    BUILD.mkdir(exist_ok=True)
+    script = """. tests/compare_lib.sh "$1"
+cp replay/bench_test.go "$tmp/base/replay/bench_test.go"
+build() { go test -c -ldflags="-s -w" -o "$2/cold-$side.test" ./replay; }
+each_side build
+compare_header "$1"
+"""
+    subprocess.run(["sh", "-c", script, "cold_ab", base, str(BUILD)], cwd=REPO, check=True)
+    for side in SIDES:
+        print(BUILD / f"cold-{side}.test")
 
 
 def parse(text: str) -> dict[str, dict[str, float]]:
