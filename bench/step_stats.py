@@ -14,6 +14,12 @@ render.py merges them), prints:
   against native per repeat, how much longer a configuration's timed steps took
                 than native's on the same shapes (ms), the steps that took
                 over 2 ms longer and how long native took for them;
+  host          per configuration, medians over its timed steps of what a step
+                cost the host (bench/hostcount.py: wall ms, CPU ms of the
+                training thread and of the process, context switches, and
+                cycles, instructions and cache misses where the kernel let
+                the run count them); then per repeat, the median of each over
+                native's on the same step
   driver        per goalloc run, goalloc's driver calls over the whole run
                 (goalloc.driver.* in its memory_stats): the handles the VMM
                 backend moved (cuMemUnmap calls) and created, all calls' ms,
@@ -81,6 +87,61 @@ def driver(r: dict[str, Any]) -> Optional[dict[str, float]]:
             "move_us": move_ns / unmaps / 1e3 if unmaps else 0.0}
 
 
+# The host counters step_stats prints, in order, and how: (key, column, scale).
+HOST_COLUMNS = (("wall_ms", "wall ms", 1.0), ("main_cpu_ms", "main cpu ms", 1.0), ("cpu_ms", "cpu ms", 1.0),
+                ("vol_switches", "vol sw", 1.0), ("invol_switches", "invol sw", 1.0),
+                ("cycles", "Mcycles", 1e-6), ("instructions", "Minstr", 1e-6), ("ipc", "IPC", 1.0),
+                ("llc_misses", "k LLC miss", 1e-3), ("l1i_misses", "k L1I miss", 1e-3))
+
+
+def host_steps(r: dict[str, Any]) -> list[dict[str, float]]:
+    """A run's timed steps' host counters, with the step's wall ms and IPC."""
+    out = []
+    for e in timed(r):
+        h = e.get("host")
+        if h is None:
+            continue
+        h = dict(h, wall_ms=e["seconds"] * 1e3)
+        if h.get("cycles") and "instructions" in h:
+            h["ipc"] = h["instructions"] / h["cycles"]
+        out.append(h)
+    return out
+
+
+def host_report(runs: list[dict[str, Any]], configs: list[str]) -> list[str]:
+    """Per configuration the median step's host counters, then per repeat the
+    median difference from native's on the same steps."""
+    keys = [k for k, _, _ in HOST_COLUMNS if any(k in h for r in runs for h in host_steps(r))]
+    if "main_cpu_ms" not in keys:
+        return []
+    cols = [(k, c, s) for k, c, s in HOST_COLUMNS if k in keys]
+    head = "  " + f"{'':<14}" + "".join(f"{c:>12}" for _, c, _ in cols)
+    out = ["host, per timed step (medians over the steps of every run):", head]
+    for c in configs:
+        steps = [h for r in runs if r["config"] == c for h in host_steps(r)]
+        if steps:
+            out.append(f"  {c:<14}" + "".join(
+                f"{statistics.median(h[k] for h in steps if k in h) * s:>12.3f}" if any(k in h for h in steps)
+                else f"{'-':>12}" for k, _, s in cols))
+    diff_cols = [(k, c, s) for k, c, s in cols if k != "ipc"]
+    out += ["host, minus native's on the same step (medians over the steps of a repeat):",
+            "  " + f"{'':<18}" + "".join(f"{c:>12}" for _, c, _ in diff_cols)]
+    for rep in sorted({r["repeat"] for r in runs}):
+        base = next((r for r in runs if r["config"] == "native" and r["repeat"] == rep), None)
+        if base is None:
+            continue
+        for r in sorted((r for r in runs if r["repeat"] == rep and r is not base), key=lambda r: r["config"]):
+            pairs = list(zip(host_steps(base), host_steps(r)))
+            if not pairs:
+                continue
+            cells = []
+            for k, _, s in diff_cols:
+                d = [(b[k] - a[k]) * s for a, b in pairs if k in a and k in b]
+                cells.append(f"{statistics.median(d):>+12.3f}" if d else f"{'-':>12}")
+            out.append(f"  r{rep:<3}{r['config']:<14}" + "".join(cells))
+    return out
+
+
 def report(doc: dict[str, Any], workload: str) -> list[str]:
     runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"]
     if not runs:
@@ -108,6 +169,7 @@ def report(doc: dict[str, Any], workload: str) -> list[str]:
             slow = [f"+{(b['seconds'] - a['seconds']) * 1e3:.0f}/{a['seconds'] * 1e3:.0f}" for a, b in pairs
                     if b["seconds"] - a["seconds"] > 0.002]
             out.append(f"  r{rep} {r['config']:<12} {diff:+8.1f}  {' '.join(slow)}")
+    out += host_report(runs, configs)
     lines = []
     for r in sorted(runs, key=lambda r: (r["config"], r["repeat"])):
         d = driver(r)

@@ -54,6 +54,9 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hostcount import HostCounters  # noqa: E402  (bench/hostcount.py)
+
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
 WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
 # The configurations whose figures are goalloc's own (goalloc.memory_stats).
@@ -659,9 +662,10 @@ def train_limits(args: argparse.Namespace, workload: str) -> dict[str, int]:
 
 
 def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory],
-              args: argparse.Namespace) -> dict[str, Any]:
+              args: argparse.Namespace, host: Optional[HostCounters] = None) -> dict[str, Any]:
     """Training steps with a shape drawn per step; wall time per step between
-    device synchronisations; the allocator's and the driver's peak memory."""
+    device synchronisations; the allocator's and the driver's peak memory;
+    with host, what each step cost the host (bench/hostcount.py)."""
     workload = args.workload
     cuda = not args.smoke_cpu
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -690,6 +694,7 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             sync()
             if clock != "off" and i == warmup:
                 alloc.call_clock(clock)
+            before = host.read() if host is not None else None
             t0 = time.perf_counter()
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss, units = forward(shape)
@@ -700,6 +705,8 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             dt = time.perf_counter() - t0
             entry = {"shape": list(shape), "seconds": dt, "units": units, "timed": i >= warmup,
                      "loss": float(loss.detach().float().item())}
+            if host is not None and before is not None:
+                entry["host"] = host.delta(before, host.read())
             del loss
             if mem is not None:
                 entry["device_used"] = mem.sample()
@@ -772,6 +779,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Do the run, filling result; sections are checkpointed to args.out."""
+    # Before torch: the perf counters count the threads started after them.
+    host = HostCounters()
+    result["host_counters"] = {"unavailable": host.unavailable}
     def checkpoint(section: dict[str, Any]) -> None:
         result["result"] = section
         write_json_atomic(args.out, result)
@@ -784,7 +794,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["result"] = run_env(torch, args)
         return
     if args.smoke_cpu:
-        result["result"] = run_train(torch, None, None, args)
+        result["result"] = run_train(torch, None, None, args, host)
         return
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible to torch")
@@ -798,7 +808,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if args.workload == "micro":
         checkpoint(run_micro(torch, alloc, mem, args, checkpoint))
     else:
-        checkpoint(run_train(torch, alloc, mem, args))
+        checkpoint(run_train(torch, alloc, mem, args, host))
     result["verify"] = alloc.verify()
 
 

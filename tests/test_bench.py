@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -302,6 +303,9 @@ def test_training_code_runs_on_the_cpu(tmp_path: Path, workload: str, shape: lis
     assert res["ok"], res.get("traceback") or p.stderr
     r = res["result"]
     assert r["losses_finite"] and r["units_per_s"] > 0 and len(r["step_log"]) == 2
+    # Every step says what it cost the host (bench/hostcount.py).
+    assert all(e["host"]["main_cpu_ms"] > 0 and "cpu_ms" in e["host"] for e in r["step_log"]), r["step_log"]
+    assert isinstance(res["host_counters"]["unavailable"], dict)
 
 
 # --- the whole suite, over stand-in programs --------------------------------------------
@@ -1111,6 +1115,66 @@ def test_step_stats_reports_first_sights_paired_steps_and_moves(capsys):
     # Moves: 2 unmaps (80 us) + 2 handles at (8 + 192) / 4 us each = 180 us.
     assert "moved 2, created 2, driver 0.3 ms, moves 0.2 ms (90 us each)" in text, text
     assert step_stats.report(doc, "gpt2") == []
+
+
+def test_step_stats_reports_host_counters_against_native():
+    step_stats = load("step_stats")
+
+    def run(config: str, repeat: int, secs: list[float], hosts: list[dict[str, float]]) -> dict[str, Any]:
+        log = [{"shape": [32, 160], "seconds": t, "timed": True, "host": h} for t, h in zip(secs, hosts)]
+        return {"workload": "resnet50", "config": config, "repeat": repeat, "status": "ok",
+                "result": {"step_log": log}}
+
+    def host(main: float, cycles: Optional[float] = None, instr: Optional[float] = None) -> dict[str, float]:
+        h = {"cpu_ms": main + 5, "main_cpu_ms": main, "vol_switches": 3.0, "invol_switches": 1.0}
+        if cycles is not None:
+            h.update(cycles=cycles, instructions=instr)
+        return h
+
+    native = run("native", 0, [0.020, 0.022, 0.024], [host(15, 4e7, 6e7), host(16, 4e7, 6e7), host(17, 4e7, 6e7)])
+    vmm = run("goalloc-vmm", 0, [0.023, 0.025, 0.027], [host(17, 5e7, 6.5e7), host(18, 5e7, 6.5e7), host(19, 5e7, 6.5e7)])
+    lines = step_stats.host_report([native, vmm], ["native", "goalloc-vmm"])
+    text = "\n".join(lines)
+    # Medians: native 22 ms wall, 16 ms main; IPC 1.5 against 1.3.
+    row = next(x for x in lines if x.startswith("  native"))
+    assert row.split()[1:5] == ["22.000", "16.000", "21.000", "3.000"] and row.split()[-1] == "1.500", text
+    assert next(x for x in lines if x.startswith("  goalloc-vmm")).split()[-1] == "1.300", text
+    # Against native on the same steps: +3 ms wall, +2 ms main, +10 Mcycles, +5 Minstr.
+    diff = next(x for x in lines if x.startswith("  r0  goalloc-vmm")).split()
+    assert diff[2:5] == ["+3.000", "+2.000", "+2.000"] and diff[-2:] == ["+10.000", "+5.000"], text
+    # Without hardware counters their columns are left out; without any host counters, nothing.
+    plain = [run(c, 0, [0.02], [host(15)]) for c in ("native", "goalloc-vmm")]
+    assert "Mcycles" not in "\n".join(step_stats.host_report(plain, ["native", "goalloc-vmm"]))
+    bare = [run(c, 0, [0.02], [{}]) for c in ("native", "goalloc-vmm")]
+    for r in bare:
+        del r["result"]["step_log"][0]["host"]
+    assert step_stats.host_report(bare, ["native", "goalloc-vmm"]) == []
+
+
+def test_host_counters_read_cpu_time_and_say_what_they_could_not_open():
+    hostcount = load("hostcount")
+    h = hostcount.HostCounters()
+    try:
+        before = h.read()
+        deadline = time.thread_time() + 0.05
+        while time.thread_time() < deadline:
+            pass
+        step = h.delta(before, h.read())
+        assert step["main_cpu_ms"] >= 45 and step["cpu_ms"] >= step["main_cpu_ms"] - 5, step
+        # Every perf counter is either read or said why not.
+        for name, _, _ in hostcount.PERF_EVENTS:
+            assert (name in step) != (name in h.unavailable), (name, step, h.unavailable)
+            if name in step:
+                assert step[name] > 0, step
+    finally:
+        h.close()
+    # perf_event_attr as the kernel reads it: its size field, inherit and user mode only.
+    raw = hostcount.attr_bytes(0, 1)
+    kind, size, config = struct.unpack_from("=IIQ", raw)
+    flags = struct.unpack_from("=Q", raw, 40)[0]
+    assert (kind, size, config, len(raw)) == (0, 64, 1, 64)
+    assert flags == (1 << 1) | (1 << 5) | (1 << 6)
+    assert hostcount.ipc({"cycles": 2.0, "instructions": 3.0}) == 1.5 and hostcount.ipc({"cycles": 0}) is None
 
 
 def test_step_stats_pairs_simultaneous_suites(tmp_path: Path):
