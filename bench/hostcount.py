@@ -25,6 +25,13 @@ only:
   l1i_misses              first-level instruction cache misses: code that
                           evicts other code
 
+thread_times() reads every thread's CPU time from /proc (its run time from
+schedstat, in nanoseconds, where the kernel keeps it; else utime + stime, in
+clock ticks), with its name: read before and after the timed steps, it says
+which threads spent the CPU time, the training thread, torch's autograd
+thread, or threads the allocator brought (a Go runtime's own threads carry
+the process's name).
+
 The perf counters are opened with inherit, so they count the threads started
 after they were opened: open them before importing torch. What could not be
 opened is kept in `unavailable`, with the reason, and left out of the
@@ -117,6 +124,36 @@ class HostCounters:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def thread_times(task_dir: str = "/proc/self/task") -> dict[int, tuple[str, float]]:
+    """Every thread of this process: tid -> (name, CPU ms so far)."""
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"{task_dir}/{tid}/schedstat") as f:
+                run_ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        # "tid (name) state ...": the name may hold spaces and parentheses.
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+        out[int(tid)] = (name, run_ns / 1e6 if run_ns > 0 else ticks * tick_ms)
+    return out
+
+
+def thread_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                 main: int) -> list[dict[str, object]]:
+    """The CPU ms each thread spent between two thread_times() readings (a
+    thread started between them counts from zero), the busiest first; main
+    is the training thread's id."""
+    rows = [{"tid": tid, "name": name, "main": tid == main, "cpu_ms": ms - before.get(tid, (name, 0.0))[1]}
+            for tid, (name, ms) in after.items()]
+    return sorted(rows, key=lambda r: -float(r["cpu_ms"]))  # type: ignore[arg-type]
 
 
 def ipc(step: dict[str, float]) -> Optional[float]:

@@ -20,6 +20,10 @@ render.py merges them), prints:
                 cycles, instructions and cache misses where the kernel let
                 the run count them); then per repeat, the median of each over
                 native's on the same step
+  threads       per configuration, the CPU ms a timed step that each thread
+                spent (bench/hostcount.py, read before and after the timed
+                steps), threads of one name together, the training thread
+                apart: medians over the runs
   driver        per goalloc run, goalloc's driver calls over the whole run
                 (goalloc.driver.* in its memory_stats): the handles the VMM
                 backend moved (cuMemUnmap calls) and created, all calls' ms,
@@ -142,6 +146,39 @@ def host_report(runs: list[dict[str, Any]], configs: list[str]) -> list[str]:
     return out
 
 
+def thread_groups(r: dict[str, Any]) -> dict[str, float]:
+    """A run's CPU ms per timed step by thread: the training thread as
+    "(training)", the others summed by name."""
+    res = r.get("result") or {}
+    steps = len(timed(r))
+    if not res.get("threads") or not steps:
+        return {}
+    out: dict[str, float] = {}
+    for t in res["threads"]:
+        k = "(training)" if t.get("main") else str(t.get("name"))
+        out[k] = out.get(k, 0.0) + float(t["cpu_ms"]) / steps
+    return out
+
+
+def threads_report(runs: list[dict[str, Any]], configs: list[str], least_ms: float = 0.05) -> list[str]:
+    """Per configuration, the median over its runs of each thread group's CPU
+    ms a timed step; groups under least_ms in every configuration left out."""
+    per = {c: [g for r in runs if r["config"] == c and (g := thread_groups(r))] for c in configs}
+    per = {c: gs for c, gs in per.items() if gs}
+    if not per:
+        return []
+    med = {c: {k: statistics.median(g.get(k, 0.0) for g in gs) for k in {k for g in gs for k in g}}
+           for c, gs in per.items()}
+    names = sorted({k for m in med.values() for k, v in m.items() if v >= least_ms},
+                   key=lambda k: (k != "(training)", -max(m.get(k, 0.0) for m in med.values()), k))
+    out = ["threads, CPU ms a timed step (medians over the runs):",
+           "  " + f"{'':<22}" + "".join(f"{c:>14}" for c in med)]
+    for k in names:
+        out.append(f"  {k[:22]:<22}" + "".join(f"{m.get(k, 0.0):>14.3f}" for m in med.values()))
+    out.append(f"  {'all':<22}" + "".join(f"{sum(m.values()):>14.3f}" for m in med.values()))
+    return out
+
+
 def report(doc: dict[str, Any], workload: str) -> list[str]:
     runs = [r for r in doc.get("runs", []) if r.get("workload") == workload and r.get("status") == "ok"]
     if not runs:
@@ -170,6 +207,7 @@ def report(doc: dict[str, Any], workload: str) -> list[str]:
                     if b["seconds"] - a["seconds"] > 0.002]
             out.append(f"  r{rep} {r['config']:<12} {diff:+8.1f}  {' '.join(slow)}")
     out += host_report(runs, configs)
+    out += threads_report(runs, configs)
     lines = []
     for r in sorted(runs, key=lambda r: (r["config"], r["repeat"])):
         d = driver(r)

@@ -55,7 +55,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hostcount import HostCounters  # noqa: E402  (bench/hostcount.py)
+from hostcount import HostCounters, thread_delta, thread_times  # noqa: E402  (bench/hostcount.py)
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
 WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
@@ -690,10 +690,13 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
         if mem is not None:
             mem.start()
         clock = getattr(args, "call_clock", "off")
+        threads_before: Optional[dict[int, tuple[str, float]]] = None
         for i, shape in enumerate(shapes):
             sync()
             if clock != "off" and i == warmup:
                 alloc.call_clock(clock)
+            if host is not None and i == warmup:
+                threads_before = thread_times()
             before = host.read() if host is not None else None
             t0 = time.perf_counter()
             with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -715,6 +718,9 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
                 if alloc.config in GOALLOC_INSTALLED:
                     entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
             log.append(entry)
+        if threads_before is not None:
+            # Per thread, over the timed steps: who spent the host's time.
+            out["threads"] = thread_delta(threads_before, thread_times(), threading.get_native_id())
         if mem is not None:
             mem.stop()
         if clock != "off":

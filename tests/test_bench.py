@@ -1151,6 +1151,69 @@ def test_step_stats_reports_host_counters_against_native():
     assert step_stats.host_report(bare, ["native", "goalloc-vmm"]) == []
 
 
+def test_thread_times_say_which_thread_spent_the_cpu(tmp_path: Path):
+    hostcount = load("hostcount")
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        deadline = time.thread_time() + 0.08
+        while time.thread_time() < deadline:
+            pass
+        stop.wait()
+
+    before = hostcount.thread_times()
+    t = threading.Thread(target=spin)
+    t.start()
+    deadline = time.thread_time() + 0.03
+    while time.thread_time() < deadline:
+        pass
+    time.sleep(0.2)  # the other thread's 80 ms
+    rows = hostcount.thread_delta(before, hostcount.thread_times(), threading.get_native_id())
+    stop.set()
+    t.join()
+    mine = next(r for r in rows if r["main"])
+    other = next(r for r in rows if r["tid"] == t.native_id)
+    assert mine["cpu_ms"] >= 25 and other["cpu_ms"] >= 70, rows
+    assert rows[0]["cpu_ms"] >= rows[-1]["cpu_ms"] and not other["main"], rows
+    # A name with spaces and parentheses, and the clock ticks where schedstat says 0.
+    task = tmp_path / "task" / "42"
+    task.mkdir(parents=True)
+    stat = "42 (a (b) c) S " + " ".join(["0"] * 10) + " 7 3 " + " ".join(["0"] * 30)
+    (task / "stat").write_text(stat)
+    (task / "schedstat").write_text("0 0 0\n")
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    assert hostcount.thread_times(str(tmp_path / "task")) == {42: ("a (b) c", 10 * tick_ms)}
+    (task / "schedstat").write_text("5000000 1 2\n")
+    assert hostcount.thread_times(str(tmp_path / "task")) == {42: ("a (b) c", 5.0)}
+
+
+def test_step_stats_groups_threads_cpu_by_name():
+    step_stats = load("step_stats")
+
+    def run(config: str, threads: list[dict[str, Any]]) -> dict[str, Any]:
+        log = [{"shape": [32, 160], "seconds": 0.02, "timed": True}] * 10
+        return {"workload": "resnet50", "config": config, "repeat": 0, "status": "ok",
+                "result": {"step_log": log, "threads": threads}}
+
+    native = run("native", [{"tid": 1, "name": "python3", "main": True, "cpu_ms": 100.0},
+                            {"tid": 2, "name": "pt_autograd_0", "main": False, "cpu_ms": 80.0}])
+    vmm = run("goalloc-vmm", [{"tid": 1, "name": "python3", "main": True, "cpu_ms": 110.0},
+                              {"tid": 2, "name": "pt_autograd_0", "main": False, "cpu_ms": 90.0},
+                              {"tid": 3, "name": "python3", "main": False, "cpu_ms": 6.0},
+                              {"tid": 4, "name": "python3", "main": False, "cpu_ms": 4.0},
+                              {"tid": 5, "name": "idle", "main": False, "cpu_ms": 0.1}])
+    lines = step_stats.threads_report([native, vmm], ["native", "goalloc-vmm"])
+    rows = {x.split()[0]: x.split()[1:] for x in lines[2:]}
+    assert rows["(training)"] == ["10.000", "11.000"], lines
+    assert rows["pt_autograd_0"] == ["8.000", "9.000"], lines
+    # The Go runtime's threads carry the process's name: 1 ms a step, against none.
+    assert rows["python3"] == ["0.000", "1.000"], lines
+    assert "idle" not in rows and rows["all"] == ["18.000", "21.010"], lines
+    assert step_stats.threads_report([run("native", [])], ["native"]) == []
+
+
 def test_host_counters_read_cpu_time_and_say_what_they_could_not_open():
     hostcount = load("hostcount")
     h = hostcount.HostCounters()
