@@ -64,8 +64,10 @@ type Allocator struct {
 	largeByAddr addrmap.Map[blockID]
 
 	// segments holds every small segment, sorted by address, so a pointer
-	// finds its segment by binary search.
-	segments []*Segment
+	// finds its segment by binary search, in segmentAddrs. Invariant:
+	// segmentAddrs[i] == segments[i].addr.
+	segments     []*Segment
+	segmentAddrs []uintptr
 	// retained is what the general cache keeps of freed memory (its cached
 	// large blocks, least recently freed first, and its empty segments),
 	// the Allocator's own so that reclaiming memory (out of memory,
@@ -255,19 +257,33 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 func (a *Allocator) Free(ptr uintptr, size uint64, s arena.Stream) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	// The size says where to look first (a small request's slot, or a large
+	// block), but the pointer decides: a wrong size still finds its block.
+	if size <= smallMax {
+		if seg := a.findSegment(ptr); seg != nil {
+			return a.freeInSegment(seg, ptr, size, s)
+		}
+	}
 	if id, ok := a.largeByAddr.Get(ptr); ok {
 		return a.freeBlock(id, ptr, size, s)
 	}
-	if seg := a.findSegment(ptr); seg != nil {
-		if i := seg.slotOf(ptr); i >= 0 {
-			return a.freeSlot(seg, i, ptr, size, s)
+	if size > smallMax {
+		if seg := a.findSegment(ptr); seg != nil {
+			return a.freeInSegment(seg, ptr, size, s)
 		}
-		return a.badInput("unknown_pointer", fmt.Sprintf("free of %#x on device %d: inside a goalloc segment but not the start of a block", ptr, a.dev.Ordinal()))
 	}
 	if ptr == 0 {
 		return a.badInput("null_pointer", fmt.Sprintf("free of a NULL pointer on device %d", a.dev.Ordinal()))
 	}
 	return a.badInput("unknown_pointer", fmt.Sprintf("free of %#x on device %d: goalloc did not allocate it on this device", ptr, a.dev.Ordinal()))
+}
+
+// freeInSegment frees the slot of seg that starts at ptr.
+func (a *Allocator) freeInSegment(seg *Segment, ptr uintptr, size uint64, s arena.Stream) error {
+	if i := seg.slotOf(ptr); i >= 0 {
+		return a.freeSlot(seg, i, ptr, size, s)
+	}
+	return a.badInput("unknown_pointer", fmt.Sprintf("free of %#x on device %d: inside a goalloc segment but not the start of a block", ptr, a.dev.Ordinal()))
 }
 
 func (a *Allocator) countAlloc(t StatType, held int64, requested uint64) {

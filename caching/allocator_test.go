@@ -481,6 +481,30 @@ func TestReserveAboveFractionIsRefused(t *testing.T) {
 	require.NoError(t, a.Free(p, 1<<20, 0))
 }
 
+// Free looks where the size says first (a slot for a small size, a block
+// for a large one), but the pointer decides: a size on the wrong side of
+// smallMax still frees the block it names.
+func TestFreeFindsItsBlockWhateverSideTheSizeIsOn(t *testing.T) {
+	a, _ := newTestAllocator(t, DefaultConfig())
+	small, err := a.Malloc(1000, 0x10)
+	require.NoError(t, err)
+	large, err := a.Malloc(4<<20, 0x10)
+	require.NoError(t, err)
+	for _, c := range []struct {
+		p    uintptr
+		size uint64
+	}{{small, 4 << 20}, {large, 1000}} {
+		err := a.Free(c.p, c.size, 0x10)
+		var ie *InputError
+		require.ErrorAs(t, err, &ie, "%#x freed with %d bytes", c.p, c.size)
+		assert.Equal(t, "size_mismatch", ie.Kind)
+		require.NoError(t, a.CheckInvariants())
+	}
+	st := a.Stats()
+	assert.Zero(t, st.Allocation[StatAll].Current, "both freed by pointer")
+	assert.Zero(t, st.BadInput["unknown_pointer"])
+}
+
 // A free with a wrong size and a wrong stream is two mistakes: each kind is
 // counted, and the block is freed by pointer all the same (a warning, not
 // a refusal).

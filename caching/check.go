@@ -120,9 +120,15 @@ func (a *Allocator) CheckInvariants() error {
 	}
 
 	var inactive, inactiveN int64
+	if len(a.segmentAddrs) != len(a.segments) {
+		return fmt.Errorf("%d segment addresses for %d segments", len(a.segmentAddrs), len(a.segments))
+	}
 	for i, seg := range a.segments {
 		if i > 0 && a.segments[i-1].addr >= seg.addr {
 			return fmt.Errorf("segments out of order")
+		}
+		if a.segmentAddrs[i] != seg.addr {
+			return fmt.Errorf("segment %d at %#x listed at %#x", i, seg.addr, a.segmentAddrs[i])
 		}
 		spans = append(spans, span{uint64(seg.addr), seg.size, "segment"})
 		poolBytes[seg.list.pool] += seg.size

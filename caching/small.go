@@ -2,7 +2,7 @@ package caching
 
 import (
 	"fmt"
-	"sort"
+	"slices"
 
 	"github.com/goalloc/goalloc/arena"
 )
@@ -124,33 +124,41 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 }
 
 func (a *Allocator) insertSegment(seg *Segment) {
-	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr > seg.addr })
-	a.segments = append(a.segments, nil)
-	copy(a.segments[i+1:], a.segments[i:])
-	a.segments[i] = seg
+	i := a.segmentAfter(seg.addr)
+	a.segments = slices.Insert(a.segments, i, seg)
+	a.segmentAddrs = slices.Insert(a.segmentAddrs, i, seg.addr)
 }
 
 func (a *Allocator) removeSegment(seg *Segment) {
-	i := sort.Search(len(a.segments), func(i int) bool { return a.segments[i].addr >= seg.addr })
-	a.segments = append(a.segments[:i], a.segments[i+1:]...)
+	i := a.segmentAfter(seg.addr) - 1
+	a.segments = slices.Delete(a.segments, i, i+1)
+	a.segmentAddrs = slices.Delete(a.segmentAddrs, i, i+1)
 }
 
-// findSegment returns the small segment holding ptr, or nil.
-func (a *Allocator) findSegment(ptr uintptr) *Segment {
-	s := a.segments
+// segmentAfter is the index of the first segment that starts above ptr.
+// It searches segmentAddrs, not the segments: eight addresses share a
+// cache line, where each probe of a segment would read its own.
+func (a *Allocator) segmentAfter(ptr uintptr) int {
+	s := a.segmentAddrs
 	lo, hi := 0, len(s)
-	for lo < hi { // first segment with addr > ptr
+	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
-		if s[m].addr <= ptr {
+		if s[m] <= ptr {
 			lo = m + 1
 		} else {
 			hi = m
 		}
 	}
-	if lo == 0 {
+	return lo
+}
+
+// findSegment returns the small segment holding ptr, or nil.
+func (a *Allocator) findSegment(ptr uintptr) *Segment {
+	i := a.segmentAfter(ptr)
+	if i == 0 {
 		return nil
 	}
-	if seg := s[lo-1]; ptr < seg.addr+uintptr(seg.size) {
+	if seg := a.segments[i-1]; ptr < seg.addr+uintptr(seg.size) {
 		return seg
 	}
 	return nil
