@@ -80,7 +80,10 @@ type Allocator struct {
 	// Tensor.record_stream said use it.
 	recorded map[uintptr][]arena.Stream
 
+	// stats is Stats as it stands but for its nine statistics by pool
+	// type, which cells keeps (Stats() copies them in).
 	stats   Stats
+	cells   *statCells
 	history *history
 }
 
@@ -98,10 +101,11 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		private:  map[PoolID]*cachePool{},
 		recorded: map[uintptr][]arena.Stream{},
 		stats:    Stats{BadInput: map[string]int64{}},
+		cells:    new(statCells),
 	}
 	a.retained.lru = emptyList()
 	a.general = newGeneralPool(&a.retained, cfg)
-	a.mu.watch(&a.stats)
+	a.mu.watch(&a.stats, a.cells)
 	a.mu.drain = a.drainFront
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
@@ -205,7 +209,7 @@ func (a *Allocator) Device() arena.Device { return a.dev }
 // Total is the device's memory in bytes.
 func (a *Allocator) Total() uint64 { return a.total }
 
-func (a *Allocator) reserved() uint64 { return uint64(a.stats.ReservedBytes[StatAll].Current) }
+func (a *Allocator) reserved() uint64 { return uint64(a.cells.current(StatAll, statReservedBytes)) }
 
 // Malloc returns size bytes usable by work on stream s. Size 0 gets a unique
 // 512-byte block, so that every successful call returns a distinct pointer.
@@ -287,19 +291,17 @@ func (a *Allocator) freeInSegment(seg *Segment, ptr uintptr, size uint64, s aren
 }
 
 func (a *Allocator) countAlloc(t StatType, held int64, requested uint64) {
-	st := &a.stats
-	st.Allocation.add(t, 1)
-	st.AllocatedBytes.add(t, held)
-	st.RequestedBytes.add(t, int64(requested))
-	st.Active.add(t, 1)
-	st.ActiveBytes.add(t, held)
+	a.cells.add(t, statAllocation, 1)
+	a.cells.add(t, statAllocatedBytes, held)
+	a.cells.add(t, statRequestedBytes, int64(requested))
+	a.cells.add(t, statActive, 1)
+	a.cells.add(t, statActiveBytes, held)
 }
 
 func (a *Allocator) countFree(t StatType, held int64, requested uint64) {
-	st := &a.stats
-	st.Allocation.sub(t, 1)
-	st.AllocatedBytes.sub(t, held)
-	st.RequestedBytes.sub(t, int64(requested))
+	a.cells.sub(t, statAllocation, 1)
+	a.cells.sub(t, statAllocatedBytes, held)
+	a.cells.sub(t, statRequestedBytes, int64(requested))
 }
 
 // Holds says whether ptr is the start of a block or slot goalloc holds on

@@ -186,7 +186,8 @@ func (a *Allocator) CheckInvariants() error {
 		}
 	}
 
-	st := &a.stats
+	var st Stats
+	a.cells.fill(&st)
 	for t := StatAll; t < numStatTypes; t++ {
 		for _, chk := range []struct {
 			name string

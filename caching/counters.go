@@ -54,9 +54,15 @@ func ScalarKeys() []string { return append([]string(nil), scalarKeys[:]...) }
 
 // statsMutex is the allocator's mutex. Unlock publishes the Scalars from
 // the Stats it watches before it lets the next holder in.
+//
+// Every call reads its first 64 bytes (the mutex, what Unlock publishes
+// from, the published figures, front), in that order so that they share
+// one cache line where the allocator starts one; drain, called only when
+// the front log holds frees, comes last.
 type statsMutex struct {
 	sync.Mutex
-	stats     *Stats // nil until watch
+	stats     *Stats     // nil until watch
+	cells     *statCells // nil until watch
 	published [NumScalars]atomic.Int64
 	// front is the device's front log (front.go), nil until goalloc's C++
 	// class asks for it: Lock drains it first. Set once, under the mutex;
@@ -74,9 +80,10 @@ func (m *statsMutex) Lock() {
 	}
 }
 
-// watch makes Unlock publish from s. Called once, before the mutex is shared.
-func (m *statsMutex) watch(s *Stats) {
-	m.stats = s
+// watch makes Unlock publish from s and c. Called once, before the mutex
+// is shared.
+func (m *statsMutex) watch(s *Stats, c *statCells) {
+	m.stats, m.cells = s, c
 	m.Lock()
 	m.Unlock()
 }
@@ -86,8 +93,9 @@ func (m *statsMutex) watch(s *Stats) {
 // come from different calls.
 func (m *statsMutex) Unlock() {
 	if s := m.stats; s != nil {
-		m.set(ScalarAllocatedBytes, s.AllocatedBytes[StatAll].Current)
-		m.set(ScalarAllocatedBytesPeak, s.AllocatedBytes[StatAll].Peak)
+		allocated := &m.cells[StatAll].cells[statAllocatedBytes]
+		m.set(ScalarAllocatedBytes, allocated.current)
+		m.set(ScalarAllocatedBytesPeak, allocated.peak)
 		r, rp := s.reservedAll()
 		m.set(ScalarReservedBytes, r)
 		m.set(ScalarReservedBytesPeak, rp)

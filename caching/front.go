@@ -191,8 +191,8 @@ func (a *Allocator) countRecycled(ptr uintptr) {
 	if id, ok := a.largeByAddr.Get(ptr); ok && a.blocks[id].state == blockLive {
 		b := &a.blocks[id]
 		a.countFree(StatLarge, int64(b.size), b.requested)
-		st.Active.sub(StatLarge, 1)
-		st.ActiveBytes.sub(StatLarge, int64(b.size))
+		a.cells.sub(StatLarge, statActive, 1)
+		a.cells.sub(StatLarge, statActiveBytes, int64(b.size))
 		a.countAlloc(StatLarge, int64(b.size), b.requested)
 		st.CacheHits++
 		return
@@ -201,19 +201,19 @@ func (a *Allocator) countRecycled(ptr uintptr) {
 		if i := seg.slotOf(ptr); i >= 0 && seg.state[i] == slotLive {
 			slot, req := int64(seg.slotSize), uint64(seg.requested[i])
 			a.countFree(StatSmall, slot, req)
-			st.Active.sub(StatSmall, 1)
-			st.ActiveBytes.sub(StatSmall, slot)
+			a.cells.sub(StatSmall, statActive, 1)
+			a.cells.sub(StatSmall, statActiveBytes, slot)
 			if seg.used > 1 { // the free splits a slot off, the hit takes it back
-				st.InactiveSplit.add(StatSmall, 1)
-				st.InactiveSplitBytes.add(StatSmall, slot)
-				st.InactiveSplit.sub(StatSmall, 1)
-				st.InactiveSplitBytes.sub(StatSmall, slot)
+				a.cells.add(StatSmall, statInactiveSplit, 1)
+				a.cells.add(StatSmall, statInactiveSplitBytes, slot)
+				a.cells.sub(StatSmall, statInactiveSplit, 1)
+				a.cells.sub(StatSmall, statInactiveSplitBytes, slot)
 			} else { // the free empties the segment, the hit splits it again
 				others := int64(seg.nslots - 1)
-				st.InactiveSplit.sub(StatSmall, others)
-				st.InactiveSplitBytes.sub(StatSmall, int64(seg.size)-slot)
-				st.InactiveSplit.add(StatSmall, others)
-				st.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
+				a.cells.sub(StatSmall, statInactiveSplit, others)
+				a.cells.sub(StatSmall, statInactiveSplitBytes, int64(seg.size)-slot)
+				a.cells.add(StatSmall, statInactiveSplit, others)
+				a.cells.add(StatSmall, statInactiveSplitBytes, int64(seg.size)-slot)
 			}
 			a.countAlloc(StatSmall, slot, req)
 			st.CacheHits++

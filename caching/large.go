@@ -55,8 +55,8 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
 	a.largeByAddr.Put(p, id)
 	l.refs++
-	a.stats.Segment.add(StatLarge, 1)
-	a.stats.ReservedBytes.add(StatLarge, int64(n))
+	a.cells.add(StatLarge, statSegment, 1)
+	a.cells.add(StatLarge, statReservedBytes, int64(n))
 	l.pool.reserved += n
 	if a.history != nil {
 		a.history.add(actionSegmentAlloc, p, n, l.stream)
@@ -92,8 +92,8 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 		b.state = blockPending
 		return warn
 	}
-	a.stats.Active.sub(StatLarge, 1)
-	a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
+	a.cells.sub(StatLarge, statActive, 1)
+	a.cells.sub(StatLarge, statActiveBytes, int64(b.size))
 	if a.history != nil {
 		a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
 	}

@@ -87,7 +87,7 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 	held, _ := a.stats.reservedAll()
 	return &OOMError{
 		Device: a.dev.Ordinal(), Requested: size, Limit: a.limited.Limit(), Total: a.total,
-		Reserved: uint64(held), Allocated: uint64(a.stats.AllocatedBytes[StatAll].Current),
+		Reserved: uint64(held), Allocated: uint64(a.cells.current(StatAll, statAllocatedBytes)),
 		Cached: f.FreeBytes, LargestFree: f.LargestFreeBlock, Cause: cause,
 	}
 }

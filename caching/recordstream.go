@@ -72,8 +72,8 @@ func (a *Allocator) pollDeferred() int {
 func (a *Allocator) completeFree(ptr uintptr) {
 	if id, ok := a.largeByAddr.Get(ptr); ok && a.blocks[id].state == blockPending {
 		b := &a.blocks[id]
-		a.stats.Active.sub(StatLarge, 1)
-		a.stats.ActiveBytes.sub(StatLarge, int64(b.size))
+		a.cells.sub(StatLarge, statActive, 1)
+		a.cells.sub(StatLarge, statActiveBytes, int64(b.size))
 		if a.history != nil {
 			a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
 		}

@@ -19,8 +19,8 @@ func (a *Allocator) releaseBlock(id blockID) error {
 		return err
 	}
 	a.uncache(id, nil)
-	a.stats.Segment.sub(StatLarge, 1)
-	a.stats.ReservedBytes.sub(StatLarge, int64(b.size))
+	a.cells.sub(StatLarge, statSegment, 1)
+	a.cells.sub(StatLarge, statReservedBytes, int64(b.size))
 	if a.history != nil {
 		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
 	}
@@ -51,8 +51,8 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 		l.pool.emptySegs.remove(seg)
 	}
 	a.removeSegment(seg)
-	a.stats.Segment.sub(StatSmall, 1)
-	a.stats.ReservedBytes.sub(StatSmall, int64(seg.size))
+	a.cells.sub(StatSmall, statSegment, 1)
+	a.cells.sub(StatSmall, statReservedBytes, int64(seg.size))
 	if a.history != nil {
 		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
 	}

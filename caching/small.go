@@ -30,11 +30,11 @@ func (a *Allocator) liveSlot(l *StreamFreeList, seg *Segment, i int32, size uint
 		if seg.inEmpty {
 			l.pool.emptySegs.remove(seg)
 		}
-		a.stats.InactiveSplit.add(StatSmall, int64(seg.nslots-1))
-		a.stats.InactiveSplitBytes.add(StatSmall, int64(seg.size)-slot)
+		a.cells.add(StatSmall, statInactiveSplit, int64(seg.nslots-1))
+		a.cells.add(StatSmall, statInactiveSplitBytes, int64(seg.size)-slot)
 	} else {
-		a.stats.InactiveSplit.sub(StatSmall, 1)
-		a.stats.InactiveSplitBytes.sub(StatSmall, slot)
+		a.cells.sub(StatSmall, statInactiveSplit, 1)
+		a.cells.sub(StatSmall, statInactiveSplitBytes, slot)
 	}
 	seg.used++
 	if len(seg.freeSlots) == 0 {
@@ -63,8 +63,8 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 	a.insertSegment(seg)
 	l.small[c].pushBack(seg)
 	l.small[c].empty++
-	a.stats.Segment.add(StatSmall, 1)
-	a.stats.ReservedBytes.add(StatSmall, int64(seg.size))
+	a.cells.add(StatSmall, statSegment, 1)
+	a.cells.add(StatSmall, statReservedBytes, int64(seg.size))
 	l.pool.reserved += seg.size
 	if a.history != nil {
 		a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
@@ -93,8 +93,8 @@ func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s 
 // releaseSlot makes slot i of seg free (its events, if any, completed).
 func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	slot := int64(seg.slotSize)
-	a.stats.Active.sub(StatSmall, 1)
-	a.stats.ActiveBytes.sub(StatSmall, slot)
+	a.cells.sub(StatSmall, statActive, 1)
+	a.cells.sub(StatSmall, statActiveBytes, slot)
 	if a.history != nil {
 		a.history.add(actionFreeCompleted, seg.slotAddr(i), seg.slotSize, seg.stream)
 	}
@@ -106,12 +106,12 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 		l.small[seg.class].pushBack(seg)
 	}
 	if seg.used > 0 {
-		a.stats.InactiveSplit.add(StatSmall, 1)
-		a.stats.InactiveSplitBytes.add(StatSmall, slot)
+		a.cells.add(StatSmall, statInactiveSplit, 1)
+		a.cells.add(StatSmall, statInactiveSplitBytes, slot)
 		return
 	}
-	a.stats.InactiveSplit.sub(StatSmall, int64(seg.nslots-1))
-	a.stats.InactiveSplitBytes.sub(StatSmall, int64(seg.size)-slot)
+	a.cells.sub(StatSmall, statInactiveSplit, int64(seg.nslots-1))
+	a.cells.sub(StatSmall, statInactiveSplitBytes, int64(seg.size)-slot)
 	cl := &l.small[seg.class]
 	cl.empty++
 	// The pool keeps the empty segment; past its limits, its rule decides
