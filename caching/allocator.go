@@ -81,7 +81,8 @@ type Allocator struct {
 	recorded map[uintptr][]arena.Stream
 
 	// stats is Stats as it stands but for its nine statistics by pool
-	// type, which cells keeps (Stats() copies them in).
+	// type and its cache hits and misses, which cells keeps (Stats()
+	// copies them in).
 	stats   Stats
 	cells   *statCells
 	history *history
@@ -241,14 +242,14 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 	if size <= smallMax {
 		c := sizeToClass[(size+classAlign-1)/classAlign]
 		if seg := l.small[c].head; seg != nil {
-			a.stats.CacheHits++
+			a.cells.hit()
 			return a.takeSlot(l, seg, size), nil
 		}
 		return a.mallocSmallSlow(l, c, size)
 	}
 	n := units.RoundUp(size, classAlign)
 	if id, bucket := a.findCached(l, n); id != noBlock {
-		a.stats.CacheHits++
+		a.cells.hit()
 		return a.takeBlock(id, bucket, size), nil
 	}
 	return a.mallocLargeSlow(l, n, size)

@@ -187,14 +187,13 @@ func (a *Allocator) drainFront() {
 // figure ends where it was, the cumulative ones move as the two calls
 // would have moved them (releaseSlot, liveSlot; freeBlock, takeBlock).
 func (a *Allocator) countRecycled(ptr uintptr) {
-	st := &a.stats
 	if id, ok := a.largeByAddr.Get(ptr); ok && a.blocks[id].state == blockLive {
 		b := &a.blocks[id]
 		a.countFree(StatLarge, int64(b.size), b.requested)
 		a.cells.sub(StatLarge, statActive, 1)
 		a.cells.sub(StatLarge, statActiveBytes, int64(b.size))
 		a.countAlloc(StatLarge, int64(b.size), b.requested)
-		st.CacheHits++
+		a.cells.hit()
 		return
 	}
 	if seg := a.findSegment(ptr); seg != nil {
@@ -216,7 +215,7 @@ func (a *Allocator) countRecycled(ptr uintptr) {
 				a.cells.add(StatSmall, statInactiveSplitBytes, int64(seg.size)-slot)
 			}
 			a.countAlloc(StatSmall, slot, req)
-			st.CacheHits++
+			a.cells.hit()
 			return
 		}
 	}

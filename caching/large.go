@@ -37,7 +37,7 @@ func (a *Allocator) takeBlock(id blockID, bucket *sizeBucket, size uint64) uintp
 }
 
 func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr, error) {
-	a.stats.CacheMisses++
+	a.cells.miss()
 	if a.pollDeferred() > 0 {
 		if id, bucket := a.findCached(l, n); id != noBlock {
 			return a.takeBlock(id, bucket, size), nil

@@ -49,7 +49,7 @@ func (a *Allocator) liveSlot(l *StreamFreeList, seg *Segment, i int32, size uint
 }
 
 func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (uintptr, error) {
-	a.stats.CacheMisses++
+	a.cells.miss()
 	a.pollDeferred()
 	if seg := l.small[c].head; seg != nil { // a deferred free completed into it
 		return a.takeSlot(l, seg, size), nil

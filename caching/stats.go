@@ -61,16 +61,21 @@ func (c *statCell) add(n int64) {
 
 func (c *statCell) sub(n int64) { c.current -= n }
 
-// statRow is one pool type's statistics, padded to 256 bytes.
+// statRow is one pool type's statistics, padded to 256 bytes. The "all"
+// row also counts the cache's hits and misses (Stats.CacheHits,
+// CacheMisses), in the lines every request updates anyway: a hit's count
+// costs no line of its own.
 type statRow struct {
-	cells [numStatFields]statCell
-	_     [256 - int(numStatFields)*24]byte
+	hits   int64
+	cells  [numStatFields]statCell
+	misses int64
+	_      [256 - 16 - int(numStatFields)*24]byte
 }
 
 // statCells is where the allocator keeps the nine statistics: by pool
 // type, then by field. A request or a free updates five fields (seven for
-// a small slot) of "all" and of its own pool type, 120 (168) bytes of each
-// row: four (six) 64-byte lines in all. Stats' layout, by field then pool
+// a small slot) of "all" and of its own pool type, bytes 8 to 128 (176) of
+// each row: four (six) 64-byte lines in all. Stats' layout, by field then pool
 // type, spread the same updates over ten lines. Each line is a memory access
 // when the allocator's lines went cold between two calls, as they do in
 // training; the statistics were a fifth of the simulated cache misses of
@@ -91,6 +96,10 @@ func (c *statCells) sub(t StatType, f statField, n int64) {
 	c[t].cells[f].sub(n)
 }
 
+// hit and miss count a request the cache served, or did not.
+func (c *statCells) hit()  { c[StatAll].hits++ }
+func (c *statCells) miss() { c[StatAll].misses++ }
+
 // current is field f's current value for pool type t.
 func (c *statCells) current(t StatType, f statField) int64 { return c[t].cells[f].current }
 
@@ -104,11 +113,12 @@ func (c *statCells) array(f statField) statArray {
 	return a
 }
 
-// fill copies the nine statistics into s.
+// fill copies the nine statistics, and the hits and misses, into s.
 func (c *statCells) fill(s *Stats) {
 	for f, dst := range s.arrays() {
 		*dst = c.array(statField(f))
 	}
+	s.CacheHits, s.CacheMisses = c[StatAll].hits, c[StatAll].misses
 }
 
 func (c *statCells) resetPeaks() {
@@ -119,8 +129,10 @@ func (c *statCells) resetPeaks() {
 	}
 }
 
-// resetAccumulated zeroes what was freed: allocated becomes current.
+// resetAccumulated zeroes what was freed (allocated becomes current), and
+// the hits and misses.
 func (c *statCells) resetAccumulated() {
+	c[StatAll].hits, c[StatAll].misses = 0, 0
 	for t := range c {
 		for f := range c[t].cells {
 			c[t].cells[f].allocated = c[t].cells[f].current
@@ -359,7 +371,7 @@ func (a *Allocator) ResetAccumulatedStats() {
 	st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams = 0, 0, 0
 	a.counting.ResetCounts()
 	a.deferred.Errors = 0
-	st.CacheHits, st.CacheMisses, st.DeferredFrees = 0, 0, 0
+	st.DeferredFrees = 0
 	st.FrontFrees, st.FrontRecycled = 0, 0
 }
 

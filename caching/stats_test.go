@@ -15,7 +15,10 @@ func TestStatCellsLayout(t *testing.T) {
 	assert.EqualValues(t, 24, unsafe.Sizeof(statCell{}))
 	assert.EqualValues(t, 256, unsafe.Sizeof(statRow{}))
 	assert.EqualValues(t, 768, unsafe.Sizeof(statCells{}))
-	assert.LessOrEqual(t, int(statActiveBytes+1)*24, 128, "the five fields of every call in two lines")
+	var r statRow
+	assert.LessOrEqual(t, unsafe.Offsetof(r.cells)+uintptr(statActiveBytes+1)*24, uintptr(128),
+		"the five fields of every call in two lines")
+	assert.Less(t, unsafe.Offsetof(r.hits), uintptr(128), "a hit's count among them")
 	for range 20 {
 		a, _ := newTestAllocator(t, DefaultConfig())
 		assert.Zero(t, uintptr(unsafe.Pointer(a.cells))%64, "statCells starts a cache line")
@@ -35,10 +38,16 @@ func TestStatCellsReportPyTorchsFourFigures(t *testing.T) {
 	assert.Equal(t, Stat{Current: 1, Peak: 1, Allocated: 1}, s.Active[StatLarge])
 	assert.Equal(t, Stat{Current: 4, Peak: 5, Allocated: 6, Freed: 2}, s.Active[StatAll])
 	assert.Equal(t, statArray{}, s.Segment, "other fields untouched")
+	c.hit()
+	c.hit()
+	c.miss()
+	c.fill(&s)
+	assert.Equal(t, [2]int64{2, 1}, [2]int64{s.CacheHits, s.CacheMisses})
 	c.resetAccumulated()
 	c.resetPeaks()
 	c.fill(&s)
 	assert.Equal(t, Stat{Current: 4, Peak: 4, Allocated: 4}, s.Active[StatAll])
+	assert.Equal(t, [2]int64{0, 0}, [2]int64{s.CacheHits, s.CacheMisses})
 	// Every field lands in its own Stats field.
 	for f := range numStatFields {
 		var d statCells
