@@ -23,12 +23,42 @@ const MaxRequest = 1 << 48
 // Allocator is the caching allocator of one device. All its methods are safe
 // for concurrent use; each takes the one mutex once.
 type Allocator struct {
-	mu  statsMutex // Unlock publishes the lock-free figures (counters.go)
-	dev arena.Device
+	mu statsMutex // Unlock publishes the lock-free figures (counters.go)
+
+	// The fields a request or a free reads come first, after the mutex, so
+	// that they share a few cache lines: between two calls in training
+	// torch's own work evicts them, and each line is a memory access.
+
+	// cells keeps the statistics every call updates (stats.go).
+	cells   *statCells
+	history *history
+	// general is the cache of ordinary allocations; private holds the
+	// pools of CUDA graph captures (graphs.go), and windows the captures in
+	// progress, innermost last.
+	general *cachePool
+	windows []PoolID
+	// recorded maps a live pointer to the streams other than its owner that
+	// Tensor.record_stream said use it. It is nil while it would be empty,
+	// so that a free finds it empty without reading a map.
+	recorded map[uintptr][]arena.Stream
+	// blocks holds every large Block, indexed by blockID; unusedIDs are
+	// slots of blocks that went back to the pool, ready for reuse.
+	blocks []Block
+	// largeByAddr finds every large block goalloc holds (live, pending or cached).
+	largeByAddr addrmap.Map[blockID]
+	// segments holds every small segment, sorted by address, so a pointer
+	// finds its segment by binary search, in segmentAddrs. Invariant:
+	// segmentAddrs[i] == segments[i].addr.
+	segmentAddrs []uintptr
+	segments     []*Segment
 	// mem is where the cache's memory comes from: dev's memory source under
 	// three adaptors (see New), so that the cache itself only caches. A
 	// cache hit never reaches it.
-	mem arena.MemorySource
+	mem       arena.MemorySource
+	deferred  *streams.DeferredFrees
+	unusedIDs []blockID
+
+	dev arena.Device
 	// limited is the cap on reserved bytes in mem's stack (0: no cap).
 	// Invariant: its count of held bytes is reserved(), so no pool
 	// allocation is made that would take reserved above the cap.
@@ -48,44 +78,18 @@ type Allocator struct {
 	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
 	// pool down to it, not below.
 	reserveBytes uint64
-
-	// general is the cache of ordinary allocations; private holds the
-	// pools of CUDA graph captures (graphs.go), and windows the captures in
-	// progress, innermost last.
-	general *cachePool
-	private map[PoolID]*cachePool
-	windows []PoolID
-
-	// blocks holds every large Block, indexed by blockID; unusedIDs are
-	// slots of blocks that went back to the pool, ready for reuse.
-	blocks    []Block
-	unusedIDs []blockID
-	// largeByAddr finds every large block goalloc holds (live, pending or cached).
-	largeByAddr addrmap.Map[blockID]
-
-	// segments holds every small segment, sorted by address, so a pointer
-	// finds its segment by binary search, in segmentAddrs. Invariant:
-	// segmentAddrs[i] == segments[i].addr.
-	segments     []*Segment
-	segmentAddrs []uintptr
+	private      map[PoolID]*cachePool
 	// retained is what the general cache keeps of freed memory (its cached
 	// large blocks, least recently freed first, and its empty segments),
 	// the Allocator's own so that reclaiming memory (out of memory,
 	// empty_cache) walks it as a.lru, a.cachedLarge and a.emptySegs.
 	retained
 
-	events   *streams.EventPool
-	deferred *streams.DeferredFrees
-	// recorded maps a live pointer to the streams other than its owner that
-	// Tensor.record_stream said use it.
-	recorded map[uintptr][]arena.Stream
-
+	events *streams.EventPool
 	// stats is Stats as it stands but for its nine statistics by pool
 	// type and its cache hits and misses, which cells keeps (Stats()
 	// copies them in).
-	stats   Stats
-	cells   *statCells
-	history *history
+	stats Stats
 }
 
 // New makes the caching allocator of dev. It pre-warms cfg.Reserve of the
@@ -96,13 +100,12 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		return nil, fmt.Errorf("goalloc: reading device %d memory: %w", dev.Ordinal(), err)
 	}
 	a := &Allocator{
-		dev:      dev,
-		cfg:      cfg,
-		total:    total,
-		private:  map[PoolID]*cachePool{},
-		recorded: map[uintptr][]arena.Stream{},
-		stats:    Stats{BadInput: map[string]int64{}},
-		cells:    new(statCells),
+		dev:     dev,
+		cfg:     cfg,
+		total:   total,
+		private: map[PoolID]*cachePool{},
+		stats:   Stats{BadInput: map[string]int64{}},
+		cells:   new(statCells),
 	}
 	a.retained.lru = emptyList()
 	a.general = newGeneralPool(&a.retained, cfg)

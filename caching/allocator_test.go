@@ -160,6 +160,7 @@ func TestRecordStreamDefersFree(t *testing.T) {
 		require.NoError(t, a.RecordStream(p, A), "recording the owner is a no-op")
 		sim.Launch(B) // B reads the tensor
 		require.NoError(t, a.Free(p, size, A))
+		assert.Nil(t, a.recorded, "nothing recorded is left: the next free reads no map")
 		st := a.Stats()
 		assert.EqualValues(t, 1, st.Active[StatAll].Current, "a pending block stays active")
 		assert.Zero(t, st.Allocation[StatAll].Current)

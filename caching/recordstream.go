@@ -36,6 +36,9 @@ func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
 			return nil
 		}
 	}
+	if a.recorded == nil {
+		a.recorded = map[uintptr][]arena.Stream{}
+	}
 	a.recorded[ptr] = append(a.recorded[ptr], s)
 	return nil
 }
@@ -51,6 +54,9 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 		return false
 	}
 	delete(a.recorded, ptr)
+	if len(a.recorded) == 0 {
+		a.recorded = nil
+	}
 	if !l.pool.rule.defersFrees() {
 		return false
 	}
