@@ -109,7 +109,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	}
 	a.retained.lru = emptyList()
 	a.general = newGeneralPool(&a.retained, cfg)
-	a.mu.watch(&a.stats, a.cells)
+	a.mu.watch(a.cells)
 	a.mu.drain = a.drainFront
 	a.events = streams.NewEventPool(dev)
 	a.deferred = streams.NewDeferredFrees(a.events)
@@ -134,7 +134,7 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 	}
 	a.limited = arena.NewLimited(src, limit)
 	a.counting = arena.NewCounting(a.limited)
-	a.held = newHeldObserver(a.counting, &a.stats)
+	a.held = newHeldObserver(a.counting, &a.mu.held)
 	a.mem = arena.NewRetrying(a.held, a.retryAfterOOM)
 	if err := dev.SetReleaseThreshold(cfg.ReleaseThreshold); err != nil {
 		return nil, fmt.Errorf("goalloc: setting the pool release threshold on device %d: %w", dev.Ordinal(), err)
@@ -341,7 +341,7 @@ func (a *Allocator) SetLimit(limit uint64) error {
 	a.limited.SetLimit(limit)
 	defer a.refreshHeld() // a device that caps itself releases free memory at once
 	a.refreshHeld()
-	if held, _ := a.stats.reservedAll(); limit > 0 && max(a.reserved(), uint64(held)) > limit {
+	if held, _ := a.mu.held.get(); limit > 0 && max(a.reserved(), uint64(held)) > limit {
 		if a.capturing() { // synchronising would break the capture
 			a.reclaim(false)
 			return nil

@@ -56,18 +56,19 @@ func ScalarKeys() []string { return append([]string(nil), scalarKeys[:]...) }
 // the Stats it watches before it lets the next holder in.
 //
 // Every call reads its first 64 bytes (the mutex, what Unlock publishes
-// from, the published figures, front), in that order so that they share
-// one cache line where the allocator starts one; drain, called only when
-// the front log holds frees, comes last.
+// from, the published figures, front, and held's two flags), in that
+// order so that they share one cache line where the allocator starts one;
+// the rest is read when held changed, or the front log holds frees.
 type statsMutex struct {
 	sync.Mutex
-	stats     *Stats     // nil until watch
 	cells     *statCells // nil until watch
 	published [NumScalars]atomic.Int64
 	// front is the device's front log (front.go), nil until goalloc's C++
 	// class asks for it: Lock drains it first. Set once, under the mutex;
 	// read without it by Pending.
 	front atomic.Pointer[FrontLog]
+	// held is reserved_bytes.all's figure (held.go).
+	held  heldFigure
 	drain func()
 }
 
@@ -80,10 +81,10 @@ func (m *statsMutex) Lock() {
 	}
 }
 
-// watch makes Unlock publish from s and c. Called once, before the mutex
-// is shared.
-func (m *statsMutex) watch(s *Stats, c *statCells) {
-	m.stats, m.cells = s, c
+// watch makes Unlock publish from c (and held). Called once, before the
+// mutex is shared.
+func (m *statsMutex) watch(c *statCells) {
+	m.cells = c
 	m.Lock()
 	m.Unlock()
 }
@@ -92,11 +93,16 @@ func (m *statsMutex) watch(s *Stats, c *statCells) {
 // stored and read on its own: figures read together while calls run may
 // come from different calls.
 func (m *statsMutex) Unlock() {
-	if s := m.stats; s != nil {
-		allocated := &m.cells[StatAll].cells[statAllocatedBytes]
+	if c := m.cells; c != nil {
+		allocated := &c[StatAll].cells[statAllocatedBytes]
 		m.set(ScalarAllocatedBytes, allocated.current)
 		m.set(ScalarAllocatedBytesPeak, allocated.peak)
-		r, rp := s.reservedAll()
+	}
+	// The held figure changes only when it is read again, which a call
+	// that reached the memory source (stale) makes happen here.
+	if h := &m.held; h.stale || h.unpublished {
+		r, rp := h.get()
+		h.unpublished = false
 		m.set(ScalarReservedBytes, r)
 		m.set(ScalarReservedBytesPeak, rp)
 	}

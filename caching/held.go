@@ -22,7 +22,7 @@ import "github.com/goalloc/goalloc/arena"
 //
 // The figure is read when it is next wanted after a call that reached the
 // memory source (a miss, a free to the source, a trim: the observer marks
-// it stale, and reservedAll reads it again first), and at once after the
+// it stale, and heldFigure.get reads it again first), and at once after the
 // calls that change it outside the stack (empty_cache, a new cap, a reset
 // of the peaks); never on the cache-hit path: reading it is a driver call
 // on the pool, and a lock of the VMM backend's. So a miss, which gives a
@@ -40,63 +40,78 @@ import "github.com/goalloc/goalloc/arena"
 // whenever it is read (Stats, and the published scalars, see
 // reservedFigure): one driver call more per memory_reserved().
 
-// heldObserver is a MemorySource adaptor that, after every call that can
-// change what its device holds, marks the device's figure in Stats stale;
-// reservedAll reads it again (refresh) before it answers. Every call
-// reaches it under the allocator's mutex, like Stats itself.
-type heldObserver struct {
-	arena.MemorySource
-	st *Stats
+// heldFigure is what the device holds and its high-water mark as of the
+// last read: reserved_bytes.all's current and peak (get). It lives in the
+// allocator's mutex (statsMutex), whose Unlock publishes it, and is read and
+// written under that mutex.
+type heldFigure struct {
+	// stale: a call reached the memory source since now and high were
+	// read. unpublished: they were read since Unlock last published them.
+	// Every Unlock reads both, so they come first, in the mutex's first
+	// cache line; now and high are read only when one of them is set.
+	stale, unpublished bool
+	now, high          int64
+	// read reads them (the observer's refresh; nil before there is one).
+	read func()
 }
 
-func newHeldObserver(src arena.MemorySource, st *Stats) *heldObserver {
-	o := &heldObserver{MemorySource: src, st: st}
-	st.readHeld = o.refresh
+// get is reserved_bytes.all's current and peak as reported: the device's
+// figure, read again first if a call reached the device since the last
+// read.
+func (h *heldFigure) get() (now, high int64) {
+	if h.stale && h.read != nil {
+		h.read()
+	}
+	return h.now, h.high
+}
+
+// heldObserver is a MemorySource adaptor that, after every call that can
+// change what its device holds, marks the device's figure stale;
+// heldFigure.get reads it again (refresh) before it answers. Every call
+// reaches it under the allocator's mutex, which holds the figure.
+type heldObserver struct {
+	arena.MemorySource
+	h *heldFigure
+}
+
+func newHeldObserver(src arena.MemorySource, h *heldFigure) *heldObserver {
+	o := &heldObserver{MemorySource: src, h: h}
+	h.read = o.refresh
 	return o
 }
 
 // refresh reads the device's figure; a failed read keeps the last one (and
 // is not tried again until the source is called again).
 func (o *heldObserver) refresh() {
-	o.st.heldStale = false
+	o.h.stale = false
 	if u, err := o.MemorySource.PoolUsage(); err == nil {
-		o.st.heldNow, o.st.heldHigh = int64(u.ReservedCurrent), int64(u.ReservedHigh)
+		o.h.now, o.h.high = int64(u.ReservedCurrent), int64(u.ReservedHigh)
+		o.h.unpublished = true
 	}
 }
 
 func (o *heldObserver) Alloc(size uint64, s arena.Stream) (uintptr, error) {
 	p, err := o.MemorySource.Alloc(size, s)
-	o.st.heldStale = true
+	o.h.stale = true
 	return p, err
 }
 
 func (o *heldObserver) AllocUncaptured(size uint64) (uintptr, error) {
 	p, err := o.MemorySource.AllocUncaptured(size)
-	o.st.heldStale = true
+	o.h.stale = true
 	return p, err
 }
 
 func (o *heldObserver) Free(ptr uintptr, size uint64, s arena.Stream) error {
 	err := o.MemorySource.Free(ptr, size, s)
-	o.st.heldStale = true
+	o.h.stale = true
 	return err
 }
 
 func (o *heldObserver) Trim(keep uint64) error {
 	err := o.MemorySource.Trim(keep)
-	o.st.heldStale = true
+	o.h.stale = true
 	return err
-}
-
-// reservedAll is reserved_bytes.all's current and peak as reported: the
-// device's figure, read again first if a call reached the device since the
-// last read. Called with the allocator's mutex held, on the allocator's own
-// Stats (a copy from clone is a snapshot, read before it was taken).
-func (s *Stats) reservedAll() (current, peak int64) {
-	if s.heldStale && s.readHeld != nil {
-		s.readHeld()
-	}
-	return s.heldNow, s.heldHigh
 }
 
 // reservedFigure reads again what a pool that releases memory on its own

@@ -84,7 +84,7 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 	if a.history != nil {
 		a.history.add(actionOOM, 0, size, 0)
 	}
-	held, _ := a.stats.reservedAll()
+	held, _ := a.mu.held.get()
 	return &OOMError{
 		Device: a.dev.Ordinal(), Requested: size, Limit: a.limited.Limit(), Total: a.total,
 		Reserved: uint64(held), Allocated: uint64(a.cells.current(StatAll, statAllocatedBytes)),

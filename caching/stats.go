@@ -189,15 +189,6 @@ type Stats struct {
 	// OwnReserved is reserved_bytes.all as goalloc counts it, its segments
 	// and blocks; reserved_bytes.all is what the device holds (held.go).
 	OwnReserved Stat
-
-	// heldNow and heldHigh are what the device holds and its high-water
-	// mark, as of the last read (held.go); reserved_bytes.all reports them
-	// (reservedAll). Invariant: unless heldStale, no call has reached the
-	// memory source since they were read; readHeld reads them (the
-	// observer's refresh; nil in a copy).
-	heldNow, heldHigh int64
-	heldStale         bool
-	readHeld          func()
 }
 
 // Map flattens s into PyTorch's memory_stats() keys, e.g.
@@ -291,9 +282,7 @@ func (s *Stats) arrays() [numStatFields]*statArray {
 }
 
 func (s *Stats) clone() Stats {
-	s.reservedAll() // the copy holds the device's figure as of now
 	c := *s
-	c.readHeld = nil
 	c.BadInput = make(map[string]int64, len(s.BadInput))
 	for k, v := range s.BadInput {
 		c.BadInput[k] = v
@@ -348,7 +337,7 @@ func (a *Allocator) Stats() Stats {
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
 	st.OwnReserved = st.ReservedBytes[StatAll]
 	r := &st.ReservedBytes[StatAll]
-	r.Current, r.Peak = st.reservedAll()
+	r.Current, r.Peak = a.mu.held.get()
 	return st
 }
 

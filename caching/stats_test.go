@@ -68,4 +68,5 @@ func TestStatCellsReportPyTorchsFourFigures(t *testing.T) {
 func TestStatsMutexHotFieldsInOneLine(t *testing.T) {
 	var m statsMutex
 	assert.LessOrEqual(t, unsafe.Offsetof(m.front)+unsafe.Sizeof(m.front), uintptr(64))
+	assert.Less(t, unsafe.Offsetof(m.held)+unsafe.Offsetof(m.held.unpublished), uintptr(64))
 }
