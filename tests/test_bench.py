@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import re
 import os
 import shutil
 import signal
@@ -1212,6 +1213,23 @@ def test_step_stats_groups_threads_cpu_by_name():
     assert rows["python3"] == ["0.000", "1.000"], lines
     assert "idle" not in rows and rows["all"] == ["18.000", "21.010"], lines
     assert step_stats.threads_report([run("native", [])], ["native"]) == []
+
+
+def test_go_switches_counts_a_step_for_goalloc_and_for_libc(tmp_path: Path):
+    goalloc = pytest.importorskip("goalloc")
+    lib = goalloc.library_path()
+    for against in ("goalloc", "libc"):
+        p = run_py(str(BENCH / "go_switches.py"), lib, "--steps", "3", "--calls", "20", "--gap-ms", "1",
+                   "--against", against)
+        assert p.returncode == 0, p.stderr
+        m = re.match(rf"{against}: ([0-9.]+) voluntary switches and ([0-9.]+) CPU ms a step \(3 steps, 2 x 20 calls",
+                     p.stdout)
+        assert m and float(m.group(1)) >= 1, p.stdout  # each step hands over between the threads at least once
+    for bad in (["--calls", "0"], ["--gap-ms", "-1"], ["--work", "-2"]):
+        p = run_py(str(BENCH / "go_switches.py"), lib, *bad)
+        assert p.returncode == 2 and "at least" in p.stderr, (bad, p.stderr)
+    p = run_py(str(BENCH / "go_switches.py"), str(tmp_path / "missing.so"))
+    assert p.returncode == 2 and "missing.so" in p.stderr
 
 
 def test_host_counters_read_cpu_time_and_say_what_they_could_not_open():
