@@ -32,9 +32,8 @@ type Allocator struct {
 	// cells keeps the statistics every call updates (stats.go).
 	cells   *statCells
 	history *history
-	// general is the cache of ordinary allocations; private holds the
-	// pools of CUDA graph captures (graphs.go), and windows the captures in
-	// progress, innermost last.
+	// general is the cache of ordinary allocations, and windows the CUDA
+	// graph captures in progress, innermost last (graphs.go).
 	general *cachePool
 	windows []PoolID
 	// recorded maps a live pointer to the streams other than its owner that
@@ -78,7 +77,8 @@ type Allocator struct {
 	// reserveBytes is what Config.Reserve pre-warmed; empty_cache trims the
 	// pool down to it, not below.
 	reserveBytes uint64
-	private      map[PoolID]*cachePool
+	// private holds the pools of CUDA graph captures (graphs.go).
+	private map[PoolID]*cachePool
 	// retained is what the general cache keeps of freed memory (its cached
 	// large blocks, least recently freed first, and its empty segments),
 	// the Allocator's own so that reclaiming memory (out of memory,

@@ -53,7 +53,8 @@ var scalarKeys = [NumScalars]string{
 func ScalarKeys() []string { return append([]string(nil), scalarKeys[:]...) }
 
 // statsMutex is the allocator's mutex. Unlock publishes the Scalars from
-// the Stats it watches before it lets the next holder in.
+// the statistics it watches (the allocator's statCells, and held) before
+// it lets the next holder in.
 //
 // Every call reads its first 64 bytes (the mutex, what Unlock publishes
 // from, the published figures, front, and held's two flags), in that
