@@ -134,10 +134,13 @@ def thread_times(task_dir: str = "/proc/self/task") -> dict[int, tuple[str, floa
         try:
             with open(f"{task_dir}/{tid}/stat") as f:
                 stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        try:
             with open(f"{task_dir}/{tid}/schedstat") as f:
                 run_ns = int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
+            run_ns = 0  # a kernel without schedstat: the clock ticks below
         # "tid (name) state ...": the name may hold spaces and parentheses.
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()

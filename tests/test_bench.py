@@ -1188,6 +1188,8 @@ def test_thread_times_say_which_thread_spent_the_cpu(tmp_path: Path):
     assert hostcount.thread_times(str(tmp_path / "task")) == {42: ("a (b) c", 10 * tick_ms)}
     (task / "schedstat").write_text("5000000 1 2\n")
     assert hostcount.thread_times(str(tmp_path / "task")) == {42: ("a (b) c", 5.0)}
+    (task / "schedstat").unlink()  # a kernel without schedstat
+    assert hostcount.thread_times(str(tmp_path / "task")) == {42: ("a (b) c", 10 * tick_ms)}
 
 
 def test_step_stats_groups_threads_cpu_by_name():
