@@ -691,7 +691,10 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             mem.start()
         clock = getattr(args, "call_clock", "off")
         threads_before: Optional[dict[int, tuple[str, float]]] = None
+        turns = Turns(args.turns) if args.turns else None
         for i, shape in enumerate(shapes):
+            if turns is not None:
+                turns.wait()
             sync()
             if clock != "off" and i == warmup:
                 alloc.call_clock(clock)
@@ -718,6 +721,10 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
                 if alloc.config in GOALLOC_INSTALLED:
                     entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
             log.append(entry)
+            if turns is not None:
+                entry["turn"] = turns.done()
+        if turns is not None:
+            turns.finish()
         if threads_before is not None:
             # Per thread, over the timed steps: who spent the host's time.
             out["threads"] = thread_delta(threads_before, thread_times(), threading.get_native_id())
@@ -741,6 +748,49 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             out["device"] = mem.figures()
         del model, opt, forward
     return out
+
+
+class Turns:
+    """Training in lockstep with another process (bench/lockstep.py): before
+    each step, wait for the coordinator's go; after it, and after the step's
+    own bookkeeping, say done. The two processes of a pair so take turns
+    step by step on one GPU and one host, each step alone, and a slow
+    stretch of the host falls on both configurations' steps alike.
+
+    Bytes on two pipes inherited from the coordinator: it writes b"g" on
+    ours; we answer b"d" after each step and b"e" after the last, then
+    close, so that end of file without b"e" means this process died."""
+
+    def __init__(self, fds: tuple[int, int]):
+        self.go, self.reply = fds
+        self.started = 0.0
+
+    def wait(self) -> None:
+        if os.read(self.go, 1) != b"g":
+            raise RuntimeError("lockstep: the coordinator went away before the run's last step")
+        self.started = time.monotonic()
+
+    def done(self) -> list[float]:
+        """Say done; the step's turn, [start, end] on the system's monotonic
+        clock, which both processes of a pair read alike."""
+        turn = [self.started, time.monotonic()]
+        os.write(self.reply, b"d")
+        return turn
+
+    def finish(self) -> None:
+        os.write(self.reply, b"e")
+        os.close(self.reply)
+        os.close(self.go)
+
+
+def turn_fds(s: str) -> tuple[int, int]:
+    try:
+        go, reply = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: want GO,REPLY, two file descriptors") from None
+    if go < 0 or reply < 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: file descriptors are not negative")
+    return go, reply
 
 
 # --- the process -----------------------------------------------------------------
@@ -773,11 +823,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--call-clock", choices=("off", "on", "probe"), default="off",
                    help="goalloc's C++ class times its calls into Go over the timed steps (goalloc_clock.h); "
                         "probe: an empty call into Go before each, timed apart")
+    p.add_argument("--turns", type=turn_fds, metavar="GO,REPLY",
+                   help="training steps in lockstep with another process: the pipes bench/lockstep.py hands down")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="run the training loop on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
     if args.smoke_cpu and (args.workload in ("micro",) or args.config != "native"):
         p.error("--smoke-cpu runs env, gpt2, llama or resnet50 with --config native only")
+    if args.turns and args.workload in ("env", "micro"):
+        p.error("--turns: only the training workloads take turns")
     if args.call_clock != "off" and args.config not in GOALLOC_INSTALLED:
         p.error(f"--call-clock needs a configuration with goalloc's class ({', '.join(GOALLOC_INSTALLED)})")
     return args

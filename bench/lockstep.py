@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""Two configurations training in lockstep on one GPU, step by step in turns.
+
+    python3 bench/lockstep.py OUTDIR --pair native,goalloc-vmm --workload resnet50 \\
+        [--repeats 8] [--first-repeat 0] [--budget 480] [bench/suite.py options ...]
+
+Why. The training steps of these workloads are bound by the host, and the
+lent host drifts: in one suite, native's own median ResNet-50 step went
+from 14.9 to 29.6 ms between repeats a minute apart, far more than the 2%
+a throughput goal asks about. Runs made one after the other therefore
+compare hosts as much as allocators, and two runs at once on two GPUs slow
+each other. Here both configurations of a repeat run at the same time, each
+in a fresh process of its own, on one GPU, but never at once: the
+coordinator lets one process take one training step (timed between device
+synchronisations, as in every run), then the other the same step (the same
+shape: the same repeat draws the same shapes), and so on, the one that goes
+first alternating from step to step. Two steps compared are a few
+milliseconds apart, so a slow stretch of the host falls on both.
+
+Per repeat it reports B against A (--pair A,B):
+  throughput   B's units per second over the timed steps, over A's;
+  step median  the median over the timed steps of A's time for the step
+               over B's (above 1: B was faster);
+  by first     the same median over the steps where A went first, and
+               where B did: their difference is what going first is worth,
+               which the alternation cancels.
+and, over the repeats, the median and range of each.
+
+What it does not measure: memory (the two processes share the device, so
+mem_get_info cannot say which holds what: its sampling is off); and work a
+process does between its steps (a background thread) runs while the other
+one steps, on another CPU. A pair of one configuration (--pair
+native,native) shows how far from 1 the method itself lands.
+
+Writes OUTDIR/lockstep.json (options, every process's result, the
+comparison), OUTDIR/results/NAME.json per process and OUTDIR/NAME.log, its
+output. Standard library only; torch is imported by the processes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import suite  # noqa: E402  (bench/suite.py: the processes' commands and environments)
+
+# A turn's reply may take this long: the first one holds the process's
+# start (import torch, the CUDA context, the model) and, with planning, a
+# new shape's first step.
+TURN_TIMEOUT_S = 300.0
+# After its last step a process reports its figures and exits within this.
+EXIT_TIMEOUT_S = 120.0
+# Before a pair has run, its estimate is this many times one run's: the
+# steps run in series, the two starts at once.
+PAIR_ESTIMATE_FACTOR = 1.6
+
+
+class Side:
+    """One process of a pair: its configuration, its pipes, its files."""
+
+    def __init__(self, label: str, config: str, repeat: int, workload: str, results: Path, logs: Path):
+        self.label, self.config = label, config
+        self.name = f"r{repeat}-{workload}-{label}-{config}"
+        self.out = results / f"{self.name}.json"
+        self.log = logs / f"{self.name}.log"
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.go = self.reply = -1
+        self.finished = False  # said its last step was done
+        self.status = "ok"
+        self.reason = ""
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> None:
+        go_r, self.go = os.pipe()
+        self.reply, reply_w = os.pipe()
+        cmd = cmd + ["--turns", f"{go_r},{reply_w}"]
+        self.command = shlex.join(cmd)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=suite.REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         pass_fds=(go_r, reply_w), start_new_session=True)
+        os.close(go_r)
+        os.close(reply_w)
+
+    def turn(self, deadline: float) -> bytes:
+        """One step: b"d" done, b"e" it had no more steps, b"" it died or
+        did not answer in time (status says which)."""
+        try:
+            os.write(self.go, b"g")
+        except BrokenPipeError:
+            pass  # it closed its end: after its last step (b"e" waits to be read) or dying
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([self.reply], [], [], max(0.0, left))
+        if not ready:
+            self.fail("timeout", f"no answer to a turn within {TURN_TIMEOUT_S:.0f} s")
+            return b""
+        b = os.read(self.reply, 1)
+        if b == b"e":
+            self.finished = True
+        elif b != b"d":
+            self.fail("died", "its turns ended before its last step")
+            return b""
+        return b
+
+    def fail(self, status: str, reason: str) -> None:
+        if self.status == "ok":
+            self.status, self.reason = status, reason
+
+    def close(self) -> None:
+        for fd in (self.go, self.reply):
+            if fd >= 0:
+                os.close(fd)
+        self.go = self.reply = -1
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def record(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"label": self.label, "config": self.config, "name": self.name,
+                               "command": getattr(self, "command", None), "status": self.status}
+        if self.proc is not None:
+            rec["returncode"] = self.proc.returncode
+        try:
+            child = json.loads(self.out.read_text())
+        except (OSError, ValueError):
+            child = None
+        rec["result"] = child.pop("result", None) if child else None
+        rec["meta"] = child
+        if self.status == "ok" and (child is None or not child.get("ok")):
+            self.status = rec["status"] = "failed"
+            self.reason = (child or {}).get("error") or f"exit status {rec.get('returncode')}; no result"
+        if self.reason:
+            rec["reason"] = self.reason
+        try:
+            rec["output_tail"] = self.log.read_text(errors="replace")[-suite.TAIL_CHARS:]
+        except OSError:
+            pass
+        return rec
+
+
+def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]], repeat: int,
+             timeout: float) -> list[Optional[str]]:
+    """Start both processes and give them turns until both are done; which
+    side went first at each step (None where only one stepped)."""
+    firsts: list[Optional[str]] = []
+    try:
+        for side, cmd, env in zip(sides, cmds, envs):
+            side.start(cmd, env)
+        end = time.monotonic() + timeout
+        alive = [0, 1]
+        step = 0
+        while alive:
+            first = (step + repeat) % 2
+            order = sorted(alive, key=lambda k: (k - first) % 2)
+            stepped = []
+            for k in order:
+                deadline = min(end, time.monotonic() + TURN_TIMEOUT_S)
+                b = sides[k].turn(deadline)
+                if b == b"d":
+                    stepped.append(k)
+                    continue
+                alive.remove(k)
+                if b == b"":  # it died or hangs: the pair is spoilt
+                    for other in sides:
+                        if other is not sides[k]:
+                            other.fail("failed", f"its partner ({sides[k].label}) {sides[k].status}")
+                    return firsts
+            if stepped:
+                firsts.append(sides[stepped[0]].label if len(stepped) == 2 else None)
+            step += 1
+        for side in sides:
+            assert side.proc is not None
+            try:
+                side.proc.wait(timeout=max(1.0, min(EXIT_TIMEOUT_S, end - time.monotonic() + EXIT_TIMEOUT_S)))
+            except subprocess.TimeoutExpired:
+                side.fail("timeout", f"still running {EXIT_TIMEOUT_S:.0f} s after its last step")
+        return firsts
+    finally:
+        for side in sides:
+            side.kill()
+            if side.proc is not None:
+                side.proc.wait()
+            side.close()
+
+
+def median(xs: list[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], firsts: list[Optional[str]], labels: tuple[str, str]) -> dict[str, Any]:
+    """B against A over the timed steps both took, from the two processes'
+    step logs (each entry: shape, seconds, units, timed, turn)."""
+    la, lb = a.get("step_log") or [], b.get("step_log") or []
+    if len(la) != len(lb) or any(x["shape"] != y["shape"] for x, y in zip(la, lb)):
+        return {"error": "the two processes did not take the same steps"}
+    speed, by_first = [], {labels[0]: [], labels[1]: []}
+    sec_a = sec_b = units_a = units_b = 0.0
+    overlaps = 0
+    for i, (x, y) in enumerate(zip(la, lb)):
+        tx, ty = x.get("turn"), y.get("turn")
+        if tx and ty and tx[0] < ty[1] and ty[0] < tx[1]:
+            overlaps += 1  # the two steps ran at the same time: the coordinator failed
+        if not (x["timed"] and y["timed"]) or x["seconds"] <= 0 or y["seconds"] <= 0:
+            continue
+        r = x["seconds"] / y["seconds"]
+        speed.append(r)
+        if i < len(firsts) and firsts[i] in by_first:
+            by_first[firsts[i]].append(r)
+        sec_a += x["seconds"]
+        sec_b += y["seconds"]
+        units_a += x["units"]
+        units_b += y["units"]
+    if not speed:
+        return {"error": "no timed steps"}
+    return {
+        "steps": len(speed),
+        "throughput": (units_b / sec_b) / (units_a / sec_a),
+        "step_median": median(speed),
+        "by_first": {k: median(v) for k, v in by_first.items()},
+        "median_step_s": {labels[0]: median([e["seconds"] for e in la if e["timed"]]),
+                          labels[1]: median([e["seconds"] for e in lb if e["timed"]])},
+        "overlapping_steps": overlaps,
+    }
+
+
+def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians and ranges over the repeats that compared."""
+    ok = [p["compare"] for p in pairs if p.get("compare") and "error" not in p["compare"]]
+    out: dict[str, Any] = {"repeats": len(ok)}
+    for key in ("throughput", "step_median"):
+        xs = [c[key] for c in ok]
+        if xs:
+            out[key] = {"median": median(xs), "min": min(xs), "max": max(xs), "values": xs}
+    if ok:
+        out["b_faster"] = sum(1 for c in ok if c["throughput"] > 1)
+        out["overlapping_steps"] = sum(c["overlapping_steps"] for c in ok)
+    return out
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Any other option goes to bench/suite.py (steps, shapes, --resnet-plan-shapes, "
+                                       "--goalloc-conf, --call-clock, --goalloc-library, ...).")
+    p.add_argument("outdir")
+    p.add_argument("--pair", required=True, metavar="A,B", help="the two configurations (the same twice: an A/A check)")
+    p.add_argument("--workload", required=True, choices=suite.TRAIN_WORKLOADS)
+    p.add_argument("--repeats", type=suite.positive_int, default=3)
+    p.add_argument("--first-repeat", type=suite.nonneg_int, default=0)
+    p.add_argument("--budget", type=float, default=suite.DEFAULT_BUDGET_S,
+                   help="seconds for all pairs: a pair that no longer fits is skipped")
+    p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)  # the processes train on the CPU
+    args, rest = p.parse_known_args(argv)
+    pair = [c.strip() for c in args.pair.split(",")]
+    if len(pair) != 2 or any(c not in suite.CONFIGS for c in pair):
+        p.error(f"--pair {args.pair!r}: want two of {', '.join(suite.CONFIGS)}, comma-separated")
+    if args.budget <= 0:
+        p.error("--budget must be positive")
+    args.pair = pair
+    sargs = suite.parse_args([args.outdir, "--workloads", args.workload, "--train-configs", ",".join(sorted(set(pair))),
+                              "--repeats", str(args.repeats), "--first-repeat", str(args.first_repeat), *rest])
+    sargs.sample_ms = 0.0  # two processes on one device: mem_get_info cannot tell them apart
+    return args, sargs
+
+
+def report_line(rep: int, pair: dict[str, Any], labels: tuple[str, str]) -> str:
+    c = pair.get("compare") or {}
+    if pair["status"] != "ok" or "error" in c:
+        return f"  r{rep:<3} {pair['status']}: {pair.get('reason') or c.get('error')}"
+    ms = c["median_step_s"]
+    bf = c["by_first"]
+    fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+    return (f"  r{rep:<3} steps {c['steps']:>3}  {labels[0]} {ms[labels[0]] * 1e3:6.2f} ms  {labels[1]} "
+            f"{ms[labels[1]] * 1e3:6.2f} ms  throughput {c['throughput']:.3f}  step median {c['step_median']:.3f}"
+            f"  ({labels[0]} first {fmt(bf[labels[0]])}, {labels[1]} first {fmt(bf[labels[1]])})")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args, sargs = parse_args(argv)
+    out = Path(args.outdir).resolve()
+    results, logs = out / "results", out
+    results.mkdir(parents=True, exist_ok=True)
+    a, b = args.pair
+    labels = (f"a:{a}", f"b:{b}")
+    cfloor_doc, cfloor_lib = (suite.build_cfloor(sargs) if "c-floor" in args.pair else ({}, None))
+    doc: dict[str, Any] = {
+        "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *(sys.argv[1:] if argv is None else argv)]),
+        "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": labels,
+        "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
+        "host": {"hostname": platform.node(), "cpus": os.cpu_count(),
+                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+        "git_commit": suite.git_commit(), "cfloor": cfloor_doc, "pairs": [],
+    }
+    if not args.smoke_cpu:
+        doc["nvidia_smi"] = suite.nvidia_smi()
+    start = time.monotonic()
+    walls: list[float] = []
+    est = PAIR_ESTIMATE_FACTOR * suite.estimate(args.workload, sargs)
+
+    def save() -> None:
+        doc["elapsed_s"] = round(time.monotonic() - start, 1)
+        doc["summary"] = summarize(doc["pairs"])
+        suite.write_json_atomic(out / "lockstep.json", doc)
+
+    print(f"lockstep: {args.workload}, B={b} against A={a}, repeats {args.first_repeat}.."
+          f"{args.first_repeat + args.repeats - 1}, budget {args.budget:.0f} s, results in {out}", flush=True)
+    status = 0
+    for rep in range(args.first_repeat, args.first_repeat + args.repeats):
+        need = max(walls[-3:]) if walls else est
+        left = args.budget - (time.monotonic() - start)
+        pair: dict[str, Any] = {"repeat": rep}
+        if need > left:
+            pair.update(status="skipped", reason=f"budget: {need:.0f} s needed, {max(left, 0):.0f} s left")
+        else:
+            sides = [Side(lab.split(":")[0], cfg, rep, args.workload, results, logs) for lab, cfg in zip(labels, args.pair)]
+            cmds, envs = [], []
+            for side in sides:
+                cmd = suite.workload_command(suite.Run(0, args.workload, side.config, rep), sargs, side.out)
+                cmds.append(cmd + (["--smoke-cpu"] if args.smoke_cpu else []))
+                envs.append(suite.child_env(side.config, sargs, cfloor_lib))
+            t0 = time.monotonic()
+            firsts = run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
+            wall = time.monotonic() - t0
+            recs = [s.record() for s in sides]
+            bad = [r for r in recs if r["status"] != "ok"]
+            pair.update(status="ok" if not bad else bad[0]["status"], wall_s=round(wall, 3), firsts=firsts, sides=recs)
+            if bad:
+                pair["reason"] = "; ".join(f"{r['label']}: {r.get('reason')}" for r in bad)
+                status = 1
+            else:
+                walls.append(wall)
+                pair["compare"] = compare(recs[0]["result"], recs[1]["result"], firsts,
+                                          (sides[0].label, sides[1].label))
+        doc["pairs"].append(pair)
+        save()
+        print(report_line(rep, pair, ("a", "b")), flush=True)
+    doc["finished"] = suite.now_iso()
+    save()
+    s = doc["summary"]
+    if s.get("throughput"):
+        t, m = s["throughput"], s["step_median"]
+        print(f"b={b} against a={a} over {s['repeats']} repeats: throughput {t['median']:.3f} "
+              f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}); "
+              f"b faster in {s['b_faster']} of {s['repeats']}; steps that overlapped: {s['overlapping_steps']}", flush=True)
+    else:
+        print("lockstep: no repeat compared", flush=True)
+        status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""bench/lockstep.py: two configurations training in turns, tested without a
+GPU over a stand-in workload program that speaks the real turn protocol
+(bench/workloads.py's Turns)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+
+
+def load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+lockstep = load("lockstep")
+
+# A training process in miniature: STUB_SLOW_MS per step under configuration
+# native, STUB_FAST_MS under any other; STUB_MODE=die makes the goalloc-vmm
+# process exit in its third step, hang makes it stop answering there.
+STUB = r'''
+import argparse, json, os, sys, time
+sys.path.insert(0, os.environ["STUB_BENCH"])
+from workloads import Turns, turn_fds
+p = argparse.ArgumentParser()
+p.add_argument("--config"); p.add_argument("--repeat", type=int); p.add_argument("--out")
+p.add_argument("--turns", type=turn_fds)
+args, _ = p.parse_known_args()
+mode = os.environ.get("STUB_MODE", "")
+ms = float(os.environ["STUB_SLOW_MS"] if args.config == "native" else os.environ["STUB_FAST_MS"])
+turns = Turns(args.turns)
+log = []
+for i in range(8):
+    turns.wait()
+    if i == 2 and args.config == "goalloc-vmm" and mode == "die":
+        os._exit(3)
+    if i == 2 and args.config == "goalloc-vmm" and mode == "hang":
+        time.sleep(60)
+    t0 = time.perf_counter()
+    time.sleep(ms / 1e3)
+    log.append({"shape": [32, 160 + 8 * (i % 3)], "seconds": time.perf_counter() - t0, "units": 32, "timed": i >= 2})
+    log[-1]["turn"] = turns.done()
+turns.finish()
+res = {"ok": True, "config": args.config, "repeat": args.repeat,
+       "result": {"unit": "images", "step_log": log}}
+json.dump(res, open(args.out, "w"))
+'''
+
+
+def run_lockstep(tmp_path: Path, *argv: str, mode: str = "", slow_ms: float = 30, fast_ms: float = 10,
+                 timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    stub = tmp_path / "stub.py"
+    stub.write_text(STUB)
+    env = dict(os.environ, STUB_MODE=mode, STUB_BENCH=str(BENCH), STUB_SLOW_MS=str(slow_ms), STUB_FAST_MS=str(fast_ms))
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(BENCH / "lockstep.py"), str(out), "--workload", "resnet50",
+                        "--smoke-cpu", "--workloads-script", str(stub), "--build-dir", str(tmp_path / "build"), *argv],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    doc = json.loads((out / "lockstep.json").read_text()) if (out / "lockstep.json").exists() else {}
+    return p, doc
+
+
+def test_pairs_take_turns_step_by_step(tmp_path: Path):
+    p, doc = run_lockstep(tmp_path, "--pair", "native,goalloc-vmm", "--repeats", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [q["status"] for q in doc["pairs"]] == ["ok", "ok"]
+    for q in doc["pairs"]:
+        a, b = (s["result"]["step_log"] for s in q["sides"])
+        assert len(a) == len(b) == 8
+        # Never at once: every turn of either process lies outside every turn of the other.
+        turns = sorted([tuple(e["turn"]) + ("a",) for e in a] + [tuple(e["turn"]) + ("b",) for e in b])
+        assert all(x[1] <= y[0] for x, y in zip(turns, turns[1:])), turns
+        # Step by step, the one that goes first alternating from step to step and repeat to repeat.
+        firsts = q["firsts"]
+        assert len(firsts) == 8 and firsts == [("a", "b")[(i + q["repeat"]) % 2] for i in range(8)]
+        for i, f in enumerate(firsts):
+            ea, eb = a[i]["turn"], b[i]["turn"]
+            assert (ea[1] <= eb[0]) == (f == "a") and (eb[1] <= ea[0]) == (f == "b")
+        c = q["compare"]
+        assert c["steps"] == 6 and c["overlapping_steps"] == 0
+        # b (10 ms a step) against a (30 ms): three times as fast, whichever went first.
+        assert 2.0 < c["step_median"] < 3.6 and 2.0 < c["throughput"] < 3.6, c
+        assert all(2.0 < v < 3.6 for v in c["by_first"].values()), c
+    s = doc["summary"]
+    assert s["repeats"] == 2 and s["b_faster"] == 2 and s["overlapping_steps"] == 0
+    assert "b=goalloc-vmm against a=native over 2 repeats: throughput" in p.stdout
+
+
+def test_a_pair_of_one_configuration_lands_near_one(tmp_path: Path):
+    p, doc = run_lockstep(tmp_path, "--pair", "native,native", "--repeats", "1", slow_ms=20)
+    assert p.returncode == 0, p.stdout + p.stderr
+    c = doc["pairs"][0]["compare"]
+    assert 0.7 < c["step_median"] < 1.4, c
+    assert [s["name"] for s in doc["pairs"][0]["sides"]] == ["r0-resnet50-a-native", "r0-resnet50-b-native"]
+
+
+@pytest.mark.parametrize("mode, status", [("die", "died"), ("hang", "timeout")])
+def test_a_process_that_dies_or_hangs_spoils_only_its_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          mode: str, status: str):
+    if mode == "hang":  # a short turn timeout, through the module run in-process
+        monkeypatch.setattr(lockstep, "TURN_TIMEOUT_S", 2.0)
+        stub = tmp_path / "stub.py"
+        stub.write_text(STUB)
+        monkeypatch.setenv("STUB_MODE", mode)
+        monkeypatch.setenv("STUB_BENCH", str(BENCH))
+        monkeypatch.setenv("STUB_SLOW_MS", "5")
+        monkeypatch.setenv("STUB_FAST_MS", "5")
+        rc = lockstep.main([str(tmp_path / "out"), "--workload", "resnet50", "--smoke-cpu", "--pair",
+                            "native,goalloc-vmm", "--repeats", "1", "--workloads-script", str(stub),
+                            "--build-dir", str(tmp_path / "build")])
+        doc = json.loads((tmp_path / "out" / "lockstep.json").read_text())
+    else:
+        p, doc = run_lockstep(tmp_path, "--pair", "native,goalloc-vmm", "--repeats", "2", mode=mode)
+        rc = p.returncode
+    assert rc == 1
+    q = doc["pairs"][0]
+    a, b = q["sides"]
+    assert b["status"] == status, b
+    assert ("before its last step" if mode == "die" else "no answer to a turn") in b["reason"], b
+    assert a["status"] == "failed" and a["reason"] == f"its partner (b) {status}", a
+    assert "compare" not in q and q["status"] in (status, "failed")
+    assert doc["summary"]["repeats"] == 0
+    # Nothing is left running: both process groups were killed and reaped.
+    assert a["returncode"] is not None and b["returncode"] is not None
+
+
+def test_compare_needs_the_same_steps():
+    a = {"step_log": [{"shape": [1, 2], "seconds": 1.0, "units": 1, "timed": True}]}
+    b = {"step_log": [{"shape": [1, 3], "seconds": 1.0, "units": 1, "timed": True}]}
+    assert lockstep.compare(a, b, ["a"], ("a", "b")) == {"error": "the two processes did not take the same steps"}
+    c = lockstep.compare(a, {"step_log": [{"shape": [1, 2], "seconds": 0.5, "units": 1, "timed": True}]}, ["b"], ("a", "b"))
+    assert c["step_median"] == 2.0 and c["throughput"] == 2.0 and c["by_first"] == {"a": None, "b": 2.0}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pair", "native"], "want two of"),
+    (["--pair", "native,tcmalloc"], "want two of"),
+    (["--pair", "native,goalloc", "--budget", "0"], "--budget must be positive"),
+    (["--pair", "native,goalloc", "--resnet-batch", "64", "32"], "MIN 64 is above MAX 32"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path: Path, argv: list[str], message: str):
+    p = subprocess.run([sys.executable, str(BENCH / "lockstep.py"), str(tmp_path / "o"), "--workload", "resnet50", *argv],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_workloads_takes_turns_only_when_training():
+    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "micro", "--out", "x.json",
+                        "--turns", "3,4"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "only the training workloads take turns" in p.stderr
+    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "resnet50", "--out", "x.json",
+                        "--turns", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "want GO,REPLY" in p.stderr
