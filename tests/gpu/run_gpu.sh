@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] [steady] [cgogap] [coldab] (these six need naming; multigpu and mgbench need two GPUs)
+#               [ddp] [multigpu] [mgbench] [steady] [cgogap] [coldab] [lockstep] (these seven need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -182,6 +182,19 @@ if want cgogap; then
     echo "yield_every:$c"
     GOALLOC_CONF=yield_every:$c GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G timeout 120 build/cgo_gap build/libgoalloc.so || status=1
   done 2>&1 | tee "$OUT/cgo_gap.txt"
+fi
+if want lockstep; then
+  step lockstep
+  # Named only: native and goalloc-vmm training ResNet-50 in turns on this GPU,
+  # step by step (bench/lockstep.py); LOCKSTEP_PAIR, LOCKSTEP_REPEATS,
+  # LOCKSTEP_FIRST (the first repeat) and LOCKSTEP_BUDGET (seconds) change
+  # it. The class is built first, so that no pair's first step waits for it.
+  timeout 300 python3 -m goalloc._cxx > "$OUT/cxx-build.txt" 2>&1 || tail -20 "$OUT/cxx-build.txt"
+  budget=${LOCKSTEP_BUDGET:-300}
+  timeout $(( budget + 120 )) python3 bench/lockstep.py "$OUT/lockstep" --workload resnet50 --resnet-plan-shapes \
+    --resnet-steps 100 --pair "${LOCKSTEP_PAIR:-native,goalloc-vmm}" --repeats "${LOCKSTEP_REPEATS:-3}" \
+    --first-repeat "${LOCKSTEP_FIRST:-0}" --budget "$budget" || status=1
+  tar czf "$OUT/lockstep.tgz" -C "$OUT" lockstep && rm -rf "$OUT/lockstep"
 fi
 if want coldab; then
   step coldab
