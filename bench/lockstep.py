@@ -300,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *(sys.argv[1:] if argv is None else argv)]),
         "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": labels,
         "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
-        "host": {"hostname": platform.node(), "cpus": os.cpu_count(),
+        "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
         "git_commit": suite.git_commit(), "cfloor": cfloor_doc, "pairs": [],
     }
