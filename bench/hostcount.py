@@ -163,3 +163,30 @@ def ipc(step: dict[str, float]) -> Optional[float]:
     """Instructions per cycle of a step's delta, where both were counted."""
     c, i = step.get("cycles"), step.get("instructions")
     return i / c if c and i is not None else None
+
+
+def pin_threads(main_cpu: int, autograd_cpu: int, other_cpus: set[int], main_tid: int,
+                task_dir: str = "/proc/self/task") -> dict[str, list[int]]:
+    """Pin this process's threads by role: the training thread (main_tid) to
+    main_cpu, torch's autograd threads (named pt_autograd_*) to autograd_cpu,
+    every other thread to other_cpus. Two processes pinned alike give each
+    CPU the same role in both, so that a CPU the hypervisor slows for a
+    while slows both alike, which leaving the placement to the scheduler
+    does not (it keeps a thread where it last ran). Threads started later
+    inherit their starter's CPUs. Returns the thread ids pinned, by role."""
+    pinned: dict[str, list[int]] = {"main": [], "autograd": [], "others": []}
+    for tid_s in os.listdir(task_dir):
+        tid = int(tid_s)
+        try:
+            with open(f"{task_dir}/{tid}/comm") as f:
+                name = f.read().rstrip("\n")
+        except OSError:
+            continue  # the thread ended meanwhile
+        role = "main" if tid == main_tid else "autograd" if name.startswith("pt_autograd_") else "others"
+        cpus = {main_cpu} if role == "main" else {autograd_cpu} if role == "autograd" else other_cpus
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            continue
+        pinned[role].append(tid)
+    return pinned

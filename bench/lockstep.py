@@ -13,17 +13,20 @@ each other. Here both configurations of a repeat run at the same time, each
 in a fresh process of its own, on one GPU, but never at once: the
 coordinator lets one process take one training step (timed between device
 synchronisations, as in every run), then the other the same step (the same
-shape: the same repeat draws the same shapes), and so on, the one that goes
-first alternating from step to step. Two steps compared are a few
-milliseconds apart, so a slow stretch of the host falls on both.
+shape: the same repeat draws the same shapes), and so on: A, B, A, B, so
+that every step follows one of the other process (which one starts
+alternates between repeats). Two steps compared are a few milliseconds
+apart, so a slow stretch of the host falls on both. With --pin-threads both
+processes pin their threads alike (the training thread, torch's autograd
+thread, the rest: bench/hostcount.py's pin_threads), so that a CPU slowed
+for a while slows both too.
 
 Per repeat it reports B against A (--pair A,B):
   throughput   B's units per second over the timed steps, over A's;
   step median  the median over the timed steps of A's time for the step
                over B's (above 1: B was faster);
-  by first     the same median over the steps where A went first, and
-               where B did: their difference is what going first is worth,
-               which the alternation cancels.
+  by first     the same median over the repeats where A went first, and
+               where B did.
 and, over the repeats, the median and range of each.
 
 What it does not measure: memory (the two processes share the device, so
@@ -162,9 +165,8 @@ def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]
             side.start(cmd, env)
         end = time.monotonic() + timeout
         alive = [0, 1]
-        step = 0
+        first = repeat % 2
         while alive:
-            first = (step + repeat) % 2
             order = sorted(alive, key=lambda k: (k - first) % 2)
             stepped = []
             for k in order:
@@ -181,7 +183,6 @@ def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]
                     return firsts
             if stepped:
                 firsts.append(sides[stepped[0]].label if len(stepped) == 2 else None)
-            step += 1
         for side in sides:
             assert side.proc is not None
             try:
@@ -262,6 +263,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, ar
     p.add_argument("--first-repeat", type=suite.nonneg_int, default=0)
     p.add_argument("--budget", type=float, default=suite.DEFAULT_BUDGET_S,
                    help="seconds for all pairs: a pair that no longer fits is skipped")
+    p.add_argument("--pin-threads", metavar="MAIN,AUTOGRAD,OTHER[,OTHER...]",
+                   help="both processes pin their training thread, autograd thread and other threads to these CPUs")
     p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)  # the processes train on the CPU
     args, rest = p.parse_known_args(argv)
     pair = [c.strip() for c in args.pair.split(",")]
@@ -329,7 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             cmds, envs = [], []
             for side in sides:
                 cmd = suite.workload_command(suite.Run(0, args.workload, side.config, rep), sargs, side.out)
-                cmds.append(cmd + (["--smoke-cpu"] if args.smoke_cpu else []))
+                cmd += ["--smoke-cpu"] if args.smoke_cpu else []
+                cmds.append(cmd + (["--pin-threads", args.pin_threads] if args.pin_threads else []))
                 envs.append(suite.child_env(side.config, sargs, cfloor_lib))
             t0 = time.monotonic()
             firsts = run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))

@@ -55,7 +55,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hostcount import HostCounters, thread_delta, thread_times  # noqa: E402  (bench/hostcount.py)
+from hostcount import HostCounters, pin_threads, thread_delta, thread_times  # noqa: E402  (bench/hostcount.py)
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
 WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
@@ -698,6 +698,12 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             sync()
             if clock != "off" and i == warmup:
                 alloc.call_clock(clock)
+            if args.pin_threads and i in (1, warmup):
+                # After the first step (torch's autograd thread starts at the
+                # first backward), and again before the timed steps, for
+                # threads started meanwhile.
+                cpus = args.pin_threads
+                out["pinned_threads"] = pin_threads(cpus[0], cpus[1], set(cpus[2:]), threading.get_native_id())
             if host is not None and i == warmup:
                 threads_before = thread_times()
             before = host.read() if host is not None else None
@@ -793,6 +799,17 @@ def turn_fds(s: str) -> tuple[int, int]:
     return go, reply
 
 
+def cpu_roles(s: str) -> list[int]:
+    try:
+        cpus = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: want MAIN,AUTOGRAD,OTHER[,OTHER...], CPU numbers") from None
+    allowed = os.sched_getaffinity(0)
+    if len(cpus) < 3 or not set(cpus) <= allowed:
+        raise argparse.ArgumentTypeError(f"{s!r}: want at least three CPUs of this process's {sorted(allowed)}")
+    return cpus
+
+
 # --- the process -----------------------------------------------------------------
 
 
@@ -825,13 +842,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "probe: an empty call into Go before each, timed apart")
     p.add_argument("--turns", type=turn_fds, metavar="GO,REPLY",
                    help="training steps in lockstep with another process: the pipes bench/lockstep.py hands down")
+    p.add_argument("--pin-threads", type=cpu_roles, metavar="MAIN,AUTOGRAD,OTHER[,OTHER...]",
+                   help="training: pin the training thread, torch's autograd thread and the other threads to "
+                        "these CPUs (bench/hostcount.py's pin_threads)")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="run the training loop on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
     if args.smoke_cpu and (args.workload in ("micro",) or args.config != "native"):
         p.error("--smoke-cpu runs env, gpt2, llama or resnet50 with --config native only")
-    if args.turns and args.workload in ("env", "micro"):
-        p.error("--turns: only the training workloads take turns")
+    if (args.turns or args.pin_threads) and args.workload in ("env", "micro"):
+        p.error("--turns, --pin-threads: only the training workloads take turns or pin threads")
     if args.call_clock != "off" and args.config not in GOALLOC_INSTALLED:
         p.error(f"--call-clock needs a configuration with goalloc's class ({', '.join(GOALLOC_INSTALLED)})")
     return args

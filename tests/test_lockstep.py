@@ -84,9 +84,10 @@ def test_pairs_take_turns_step_by_step(tmp_path: Path):
         # Never at once: every turn of either process lies outside every turn of the other.
         turns = sorted([tuple(e["turn"]) + ("a",) for e in a] + [tuple(e["turn"]) + ("b",) for e in b])
         assert all(x[1] <= y[0] for x, y in zip(turns, turns[1:])), turns
-        # Step by step, the one that goes first alternating from step to step and repeat to repeat.
+        # A, B, A, B: every step follows one of the other process; which starts alternates by repeat.
         firsts = q["firsts"]
-        assert len(firsts) == 8 and firsts == [("a", "b")[(i + q["repeat"]) % 2] for i in range(8)]
+        assert len(firsts) == 8 and firsts == [("a", "b")[q["repeat"] % 2]] * 8
+        assert "".join(t[2] for t in turns) == ("ab" if q["repeat"] % 2 == 0 else "ba") * 8
         for i, f in enumerate(firsts):
             ea, eb = a[i]["turn"], b[i]["turn"]
             assert (ea[1] <= eb[0]) == (f == "a") and (eb[1] <= ea[0]) == (f == "b")
@@ -94,18 +95,52 @@ def test_pairs_take_turns_step_by_step(tmp_path: Path):
         assert c["steps"] == 6 and c["overlapping_steps"] == 0
         # b (10 ms a step) against a (30 ms): three times as fast, whichever went first.
         assert 2.0 < c["step_median"] < 3.6 and 2.0 < c["throughput"] < 3.6, c
-        assert all(2.0 < v < 3.6 for v in c["by_first"].values()), c
+        first = ("a", "b")[q["repeat"] % 2]
+        assert 2.0 < c["by_first"][first] < 3.6 and c["by_first"]["ab".replace(first, "")] is None, c
     s = doc["summary"]
     assert s["repeats"] == 2 and s["b_faster"] == 2 and s["overlapping_steps"] == 0
     assert "b=goalloc-vmm against a=native over 2 repeats: throughput" in p.stdout
 
 
 def test_a_pair_of_one_configuration_lands_near_one(tmp_path: Path):
-    p, doc = run_lockstep(tmp_path, "--pair", "native,native", "--repeats", "1", slow_ms=20)
+    p, doc = run_lockstep(tmp_path, "--pair", "native,native", "--repeats", "1", "--pin-threads", "0,0,0", slow_ms=20)
     assert p.returncode == 0, p.stdout + p.stderr
     c = doc["pairs"][0]["compare"]
     assert 0.7 < c["step_median"] < 1.4, c
-    assert [s["name"] for s in doc["pairs"][0]["sides"]] == ["r0-resnet50-a-native", "r0-resnet50-b-native"]
+    sides = doc["pairs"][0]["sides"]
+    assert [s["name"] for s in sides] == ["r0-resnet50-a-native", "r0-resnet50-b-native"]
+    assert all(s["command"].endswith("--pin-threads 0,0,0 --turns " + s["command"].split()[-1]) for s in sides)
+
+
+PIN = r'''
+import ctypes, json, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+from hostcount import pin_threads
+libc = ctypes.CDLL(None)
+ready, stop, tids = threading.Barrier(3), threading.Event(), {}
+def worker(name):
+    libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: the thread's name in /proc, as torch's is
+    tids[name] = threading.get_native_id()
+    ready.wait(); stop.wait()
+for name in ("pt_autograd_0", "helper"):
+    threading.Thread(target=worker, args=(name,)).start()
+ready.wait()
+got = pin_threads(0, 1, {0, 1}, threading.get_native_id())
+aff = {n: sorted(os.sched_getaffinity(t)) for n, t in tids.items()}
+aff["main"] = sorted(os.sched_getaffinity(0))
+stop.set()
+print(json.dumps({"pinned": got, "affinity": aff, "tids": tids}))
+'''
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
+def test_pin_threads_pins_each_role():
+    p = subprocess.run([sys.executable, "-c", PIN, str(BENCH)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["affinity"] == {"pt_autograd_0": [1], "helper": [0, 1], "main": [0]}
+    assert r["pinned"]["autograd"] == [r["tids"]["pt_autograd_0"]] and len(r["pinned"]["main"]) == 1
+    assert r["tids"]["helper"] in r["pinned"]["others"]
 
 
 @pytest.mark.parametrize("mode, status", [("die", "died"), ("hang", "timeout")])
@@ -161,7 +196,10 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, argv: list[str], message
 def test_workloads_takes_turns_only_when_training():
     p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "micro", "--out", "x.json",
                         "--turns", "3,4"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "only the training workloads take turns" in p.stderr
+    assert p.returncode == 2 and "only the training workloads take turns or pin threads" in p.stderr
     p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "resnet50", "--out", "x.json",
                         "--turns", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "want GO,REPLY" in p.stderr
+    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "resnet50", "--out", "x.json",
+                        "--pin-threads", "0,0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "want at least three CPUs of this process's" in p.stderr

@@ -188,21 +188,24 @@ if want lockstep; then
   # Named only: native and goalloc-vmm training ResNet-50 in turns on this GPU,
   # step by step (bench/lockstep.py); LOCKSTEP_PAIR, LOCKSTEP_REPEATS,
   # LOCKSTEP_FIRST (the first repeat) and LOCKSTEP_BUDGET (seconds) change
-  # it; LOCKSTEP_CPUS=N pins both processes to the first CPU of N physical
-  # cores (not core 0), the same for both. The class is built first, so that
+  # it; LOCKSTEP_CPUS=N (3 or more) confines both processes to the first CPU
+  # of N physical cores (not core 0) and pins their threads alike there: the
+  # training thread to the first, torch's autograd thread to the second,
+  # the others to the rest (--pin-threads). The class is built first, so that
   # no pair's first step waits for it.
   timeout 300 python3 -m goalloc._cxx > "$OUT/cxx-build.txt" 2>&1 || tail -20 "$OUT/cxx-build.txt"
   budget=${LOCKSTEP_BUDGET:-300}
-  pin=()
+  pin=() roles=()
   if [[ -n ${LOCKSTEP_CPUS:-} ]]; then
     lscpu -e > "$OUT/lscpu.txt" 2>&1
     cpus=$(lscpu -p=CPU,CORE | grep -v '^#' | awk -F, '$2 > 0 && !seen[$2]++ {print $1}' | head -"$LOCKSTEP_CPUS" | paste -sd,)
     echo "lockstep: pinned to CPUs $cpus"
     pin=(taskset -c "$cpus")
+    roles=(--pin-threads "$cpus")
   fi
   timeout $(( budget + 120 )) "${pin[@]}" python3 bench/lockstep.py "$OUT/lockstep" --workload resnet50 --resnet-plan-shapes \
     --resnet-steps 100 --pair "${LOCKSTEP_PAIR:-native,goalloc-vmm}" --repeats "${LOCKSTEP_REPEATS:-3}" \
-    --first-repeat "${LOCKSTEP_FIRST:-0}" --budget "$budget" || status=1
+    --first-repeat "${LOCKSTEP_FIRST:-0}" --budget "$budget" "${roles[@]}" || status=1
   tar czf "$OUT/lockstep.tgz" -C "$OUT" lockstep && rm -rf "$OUT/lockstep"
 fi
 if want coldab; then
