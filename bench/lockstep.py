@@ -35,9 +35,9 @@ process does between its steps (a background thread) runs while the other
 one steps, on another CPU. A pair of one configuration (--pair
 native,native) shows how far from 1 the method itself lands.
 
-Writes OUTDIR/lockstep.json (options, every process's result, the
-comparison), OUTDIR/results/NAME.json per process and OUTDIR/NAME.log, its
-output. Standard library only; torch is imported by the processes only.
+Writes OUTDIR/lockstep.json (options, every process's figures, the
+comparison; bench/render.py --lockstep reads it), OUTDIR/results/NAME.json
+per process (with its step log) and OUTDIR/NAME.log, its output. Standard library only; torch is imported by the processes only.
 """
 
 from __future__ import annotations
@@ -252,6 +252,24 @@ def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def slim(doc: dict[str, Any]) -> dict[str, Any]:
+    """doc without the processes' step logs and output (results/NAME.json
+    and NAME.log beside it keep them): what bench/render.py reads, a few
+    kilobytes a repeat where the logs are a hundred."""
+    out = dict(doc, pairs=[])
+    for p in doc.get("pairs", []):
+        q = dict(p)
+        if "sides" in p:
+            q["sides"] = []
+            for side in p["sides"]:
+                s = {k: v for k, v in side.items() if k != "output_tail"}
+                if isinstance(side.get("result"), dict):
+                    s["result"] = {k: v for k, v in side["result"].items() if k != "step_log"}
+                q["sides"].append(s)
+        out["pairs"].append(q)
+    return out
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other option goes to bench/suite.py (steps, shapes, --resnet-plan-shapes, "
@@ -292,6 +310,13 @@ def report_line(rep: int, pair: dict[str, Any], labels: tuple[str, str]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["slim"]:  # an older lockstep.json, that held the step logs, as it is written now
+        if len(argv) != 3:
+            print("usage: python3 bench/lockstep.py slim IN.json OUT.json", file=sys.stderr)
+            return 2
+        suite.write_json_atomic(Path(argv[2]), slim(json.loads(Path(argv[1]).read_text())))
+        return 0
     args, sargs = parse_args(argv)
     out = Path(args.outdir).resolve()
     results, logs = out / "results", out
@@ -300,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     labels = (f"a:{a}", f"b:{b}")
     cfloor_doc, cfloor_lib = (suite.build_cfloor(sargs) if "c-floor" in args.pair else ({}, None))
     doc: dict[str, Any] = {
-        "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *(sys.argv[1:] if argv is None else argv)]),
+        "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *argv]),
         "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": labels,
         "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
@@ -316,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def save() -> None:
         doc["elapsed_s"] = round(time.monotonic() - start, 1)
         doc["summary"] = summarize(doc["pairs"])
-        suite.write_json_atomic(out / "lockstep.json", doc)
+        suite.write_json_atomic(out / "lockstep.json", slim(doc))
 
     print(f"lockstep: {args.workload}, B={b} against A={a}, repeats {args.first_repeat}.."
           f"{args.first_repeat + args.repeats - 1}, budget {args.budget:.0f} s, results in {out}", flush=True)

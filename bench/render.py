@@ -18,6 +18,11 @@ several calls with --first-repeat) render as one: their runs are merged, a
 run is known by its workload, configuration, repeat and trace, and where two
 files have the same run the later file's is kept (and stderr says so).
 
+--lockstep FILE (bench/lockstep.py's lockstep.json, repeatable) adds the
+runs made in lockstep: a table of them, and, where they paired native with
+goalloc's configuration on a workload, the throughput goal of that workload
+is judged by their median (the suite's own figure is given beside it).
+
 --notes FILE appends a hand-written closing note (the why of a missed goal,
 from a profile) under the computed goals; it should carry no numbers of its
 own: the computed sections above it have them.
@@ -715,25 +720,110 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
     n = train_aggs(doc, workload, "native")
     name = f"{label} throughput ≥ {GOAL_THROUGHPUT_VS_NATIVE:.2f} × native"
     rs = ratio(g["speed"].median, n["speed"].median) if g else None
-    if g is None or rs is None:
+    # Runs in lockstep, where they were made, decide: two runs compared step
+    # by step share the host's state, where runs one after the other do not.
+    lock = lockstep_goal(doc, workload, best or DEFAULT_GOALLOC)
+    if (g is None or rs is None) and lock is None:
         add(name, None, "No figures for goalloc or native.")
         return
-    ok = rs >= GOAL_THROUGHPUT_VS_NATIVE
-    how = f"{best} {fmt(g['speed'].median, 0)} vs native {fmt(n['speed'].median, 0)} {unit} = {rs:.3f}×"
-    if not ok:
-        how += f", {(GOAL_THROUGHPUT_VS_NATIVE - rs) * 100:.1f} points under the goal"
-        gs, ns = g["step"].median, n["step"].median
-        if gs is not None and ns is not None:
-            how += f"; median step {gs * 1e3:.1f} ms vs {ns * 1e3:.1f} ms"
-    paired = paired_speed_ratios(doc, workload, best)
-    if paired:
-        how += (f"; per repeat, on the same shapes, {', '.join(f'{x:.3f}' for x in paired)}× "
-                f"(median {Agg(paired).median:.3f}×)")
-    for c, a in cands.items():
-        rc = ratio(a["speed"].median, n["speed"].median)
-        if c != best and rc is not None:
-            how += f"; {c} {rc:.3f}×"
-    add(name, ok, how + ".")
+    decided = lock[0] if lock else rs
+    assert decided is not None
+    ok = decided >= GOAL_THROUGHPUT_VS_NATIVE
+    parts = []
+    if lock:
+        parts.append(lock[1] + ("" if ok else f", {(GOAL_THROUGHPUT_VS_NATIVE - decided) * 100:.1f} points under "
+                                              "the goal"))
+    if g is not None and rs is not None:
+        how = (("in the suite's runs, one after another, " if lock else "")
+               + f"{best} {fmt(g['speed'].median, 0)} vs native {fmt(n['speed'].median, 0)} {unit} = {rs:.3f}×")
+        if rs < GOAL_THROUGHPUT_VS_NATIVE and not lock:
+            how += f", {(GOAL_THROUGHPUT_VS_NATIVE - rs) * 100:.1f} points under the goal"
+            gs, ns = g["step"].median, n["step"].median
+            if gs is not None and ns is not None:
+                how += f"; median step {gs * 1e3:.1f} ms vs {ns * 1e3:.1f} ms"
+        paired = paired_speed_ratios(doc, workload, best)
+        if paired:
+            how += (f"; per repeat, on the same shapes, {', '.join(f'{x:.3f}' for x in paired)}× "
+                    f"(median {Agg(paired).median:.3f}×)")
+        for c, a in cands.items():
+            rc = ratio(a["speed"].median, n["speed"].median)
+            if c != best and rc is not None:
+                how += f"; {c} {rc:.3f}×"
+        parts.append(how)
+    add(name, ok, "; ".join(parts) + ".")
+
+
+# --- training in lockstep (bench/lockstep.py) -----------------------------------------
+
+
+def lockstep_groups(doc: dict[str, Any]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """The lockstep inputs' compared repeats by (workload, A, B), in order of
+    appearance: each one's comparison of B against A."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for ls in doc.get("lockstep", []):
+        pair = list(ls.get("pair") or [])
+        if len(pair) != 2:
+            continue
+        key = (str(ls.get("workload")), pair[0], pair[1])
+        for p in ls.get("pairs", []):
+            c = p.get("compare")
+            if p.get("status") == "ok" and c and "error" not in c:
+                groups.setdefault(key, []).append(c)
+    return groups
+
+
+def lockstep_summary(compares: list[dict[str, Any]]) -> str:
+    """B's throughput over A's, median (min–max, n), and B faster in k of n."""
+    t = Agg([c["throughput"] for c in compares])
+    faster = sum(1 for c in compares if c["throughput"] > 1)
+    return f"{t.median:.3f}× ({t.lo:.3f}–{t.hi:.3f}, n={t.n}; faster in {faster} of {t.n})"
+
+
+def section_lockstep(doc: dict[str, Any]) -> list[str]:
+    lines = ["### Training in lockstep", "",
+             "`bench/lockstep.py`: the two configurations of a repeat train at the same time, each in a fresh",
+             "process, on one GPU, taking turns step by step (A, B, A, B: the same shapes, each step alone,",
+             "its threads pinned alike in both processes), so that the host's drift falls on both.",
+             "Per repeat: B's throughput over A's over the timed steps, and the median over the steps of",
+             "A's step time over B's; over the repeats, medians (min–max, n). A pair of one configuration",
+             "shows how far from 1 the method itself lands. Memory is not measured this way.", ""]
+    for i, ls in enumerate(doc.get("lockstep", []), 1):
+        host = ls.get("host") or {}
+        opts = ls.get("options") or {}
+        lines += [f"Lockstep input {i}: `{ls.get('path', '?')}`", "",
+                  f"- command: `{ls.get('command', '?')}`",
+                  f"- date: {ls.get('started', '?')}; CPUs {','.join(map(str, host.get('cpus_allowed') or [])) or '?'} of "
+                  f"{host.get('cpus', '?')}; repository commit {ls.get('git_commit', '?')}",
+                  f"- options: workload {ls.get('workload')}; repeats {opts.get('first_repeat', '?')}–"
+                  f"{(opts.get('first_repeat') or 0) + (opts.get('repeats') or 0) - 1}; "
+                  f"{len([p for p in ls.get('pairs', []) if p.get('status') == 'ok'])} compared, "
+                  f"{len([p for p in ls.get('pairs', []) if p.get('status') != 'ok'])} not", ""]
+    rows = []
+    for (workload, a, b), cs in lockstep_groups(doc).items():
+        sm = Agg([c["step_median"] for c in cs])
+        ma = Agg([c["median_step_s"]["a"] for c in cs])
+        mb = Agg([c["median_step_s"]["b"] for c in cs])
+        rows.append([workload, f"{b} against {a}", lockstep_summary(cs),
+                     f"{sm.median:.3f}× ({sm.lo:.3f}–{sm.hi:.3f})",
+                     f"{ma.median * 1e3:.2f} ms", f"{mb.median * 1e3:.2f} ms"])
+    lines += table(["workload", "B against A", "throughput, B over A", "step median, A's over B's",
+                    "A's median step", "B's median step"], rows)
+    return lines
+
+
+def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[tuple[float, str]]:
+    """config against native in lockstep, where an input has it: the median
+    of its repeats' throughput ratios and the text of it, with the method's
+    own spread (native against native) where that ran too."""
+    groups = lockstep_groups(doc)
+    cs = groups.get((workload, "native", config))
+    if not cs:
+        return None
+    text = f"in lockstep with native, {config} {lockstep_summary(cs)}"
+    aa = groups.get((workload, "native", "native"))
+    if aa:
+        text += f"; native against native in lockstep, {lockstep_summary(aa)}"
+    return Agg([c["throughput"] for c in cs]).median, text
 
 
 def first_number(*vs: Any) -> Any:
@@ -783,6 +873,8 @@ def render(doc: dict[str, Any], notes: Optional[str] = None) -> str:
     for i, (workload, label, unit) in enumerate(TRAIN):
         if workload in planned:
             lines += [""] + section_train(doc, workload, label, unit, "3" + "abc"[i])
+    if doc.get("lockstep"):
+        lines += [""] + section_lockstep(doc)
     if "replay" in planned:
         lines += [""] + section_replay(doc)
     g, _ = goals(doc)
@@ -904,6 +996,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="leave out the runs of NAME, a configuration or a workload, of the input FILE (as given "
                          "among the inputs): e.g. a configuration the library changed after FILE ran, or a "
                          "workload a later input measured again; the header says what was left out")
+    ap.add_argument("--lockstep", action="append", default=[], metavar="FILE",
+                    help="a bench/lockstep.py lockstep.json: its table, and the throughput goal of its workload "
+                         "where it paired native (A) with goalloc's configuration (B)")
     ap.add_argument("--notes", help="a hand-written closing note (markdown) to append")
     ap.add_argument("--unpack", metavar="DIR", help="also write each run as DIR/NAME.json")
     args = ap.parse_args(argv)
@@ -926,6 +1021,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     for i, names in drops.items():
         drop_runs(docs[i], names)
     doc = merge(docs, args.bench_json)
+    doc["lockstep"] = []
+    for path in args.lockstep:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            print(f"render: cannot read {path}: {e}", file=sys.stderr)
+            return 1
+        if not isinstance(d, dict) or d.get("kind") != "lockstep":
+            print(f"render: {path} is not a bench/lockstep.py lockstep.json", file=sys.stderr)
+            return 1
+        doc["lockstep"].append(d | {"path": path})
     notes = Path(args.notes).read_text() if args.notes else None
     text = render(doc, notes)
     if args.unpack:

@@ -1558,3 +1558,63 @@ def test_cold_ab_reads_the_benchmark_and_reports_medians(tmp_path: Path):
     assert p.returncode == 2 and "at least 1" in p.stderr
     p = run_py(str(REPO / "tests" / "gpu" / "cold_ab.py"), "--run", "--walks", "256,lots")
     assert p.returncode == 2 and "KiB counts" in p.stderr
+
+
+def lockstep_doc(pair: list[str], throughputs: list[float], workload: str = "llama") -> dict[str, Any]:
+    """A bench/lockstep.py lockstep.json with one compared repeat per ratio, and a failed one."""
+    pairs = [{"repeat": i, "status": "ok",
+              "compare": {"steps": 100, "throughput": t, "step_median": t, "by_first": {"a": t, "b": None},
+                          "median_step_s": {"a": 0.020, "b": 0.020 / t}, "overlapping_steps": 0}}
+             for i, t in enumerate(throughputs)]
+    pairs.append({"repeat": len(throughputs), "status": "died", "reason": "b: its turns ended before its last step"})
+    return {"kind": "lockstep", "workload": workload, "pair": pair, "command": "python3 bench/lockstep.py OUT",
+            "started": "2026-12-01T04:18:08Z", "git_commit": "abc", "host": {"cpus": 16, "cpus_allowed": [1, 2, 3, 4]},
+            "options": {"first_repeat": 27, "repeats": len(pairs)}, "pairs": pairs}
+
+
+def test_lockstep_runs_decide_the_throughput_goal_and_get_a_table():
+    doc = suite_doc("0", 0, 3, ["llama"])
+    for r in doc["runs"]:  # one after another, the suite's runs say 0.90x
+        if r["config"] == "native":
+            r["result"]["units_per_s"] = 20000.0
+        elif r["config"] == "goalloc-vmm":
+            r["result"]["units_per_s"] = 18000.0
+    doc["lockstep"] = [lockstep_doc(["native", "goalloc-vmm"], [0.97, 1.01, 0.99, 1.02]),
+                       lockstep_doc(["native", "native"], [1.0, 0.99, 1.02])]
+    _, goals = render.goals(doc)
+    thr = {g["goal"]: g for g in goals}["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
+    assert thr["met"] is True, thr
+    assert thr["text"].startswith("in lockstep with native, goalloc-vmm 1.000× (0.970–1.020, n=4; faster in 2 of 4); "
+                                  "native against native in lockstep, 1.000× (0.990–1.020, n=3; faster in 1 of 3); "
+                                  "in the suite's runs, one after another, goalloc-vmm 18,000 vs native 20,000 tokens/s "
+                                  "= 0.900×"), thr["text"]
+    text = render.render(doc)
+    assert "### Training in lockstep" in text
+    assert ("| llama | goalloc-vmm against native | 1.000× (0.970–1.020, n=4; faster in 2 of 4) | 1.000× (0.970–1.020) "
+            "| 20.00 ms | 20.00 ms |") in text, text[text.index("### Training in lockstep"):]
+    assert "- options: workload llama; repeats 27–31; 4 compared, 1 not" in text
+    assert "CPUs 1,2,3,4 of 16" in text
+    # Below the goal in lockstep: missed, by how much, whatever the suite said.
+    doc["lockstep"][0] = lockstep_doc(["native", "goalloc-vmm"], [0.95, 0.96, 0.97])
+    for r in doc["runs"]:
+        if r["config"] == "goalloc-vmm":
+            r["result"]["units_per_s"] = 21000.0
+    thr = {g["goal"]: g for g in render.goals(doc)[1]}["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
+    assert thr["met"] is False and "0.960× (0.950–0.970, n=3; faster in 0 of 3), 2.0 points under the goal" in thr["text"]
+    # Another workload's lockstep runs, or another pair, decide nothing here.
+    doc["lockstep"] = [lockstep_doc(["native", "goalloc-vmm"], [0.5], workload="resnet50"),
+                       lockstep_doc(["native", "goalloc"], [0.5])]
+    thr = {g["goal"]: g for g in render.goals(doc)[1]}["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
+    assert thr["met"] is True and thr["text"].startswith("goalloc-vmm 21,000 vs native 20,000 tokens/s = 1.050×")
+
+
+def test_render_reads_lockstep_files_and_refuses_others(tmp_path: Path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(suite_doc("0", 0, 3, ["llama"])))
+    ls = tmp_path / "lockstep.json"
+    ls.write_text(json.dumps(lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01])))
+    p = run_py(str(BENCH / "render.py"), str(bench), "--lockstep", str(ls))
+    assert p.returncode == 0, p.stderr
+    assert f"Lockstep input 1: `{ls}`" in p.stdout and "in lockstep with native, goalloc-vmm 1.000×" in p.stdout
+    p = run_py(str(BENCH / "render.py"), str(bench), "--lockstep", str(bench))
+    assert p.returncode == 1 and "is not a bench/lockstep.py lockstep.json" in p.stderr

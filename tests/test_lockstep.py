@@ -79,7 +79,10 @@ def test_pairs_take_turns_step_by_step(tmp_path: Path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert [q["status"] for q in doc["pairs"]] == ["ok", "ok"]
     for q in doc["pairs"]:
-        a, b = (s["result"]["step_log"] for s in q["sides"])
+        # The step logs stay in each process's result file; lockstep.json keeps the rest.
+        assert all("step_log" not in s["result"] and "output_tail" not in s for s in q["sides"])
+        a, b = (json.loads((tmp_path / "out" / "results" / f"{s['name']}.json").read_text())["result"]["step_log"]
+                for s in q["sides"])
         assert len(a) == len(b) == 8
         # Never at once: every turn of either process lies outside every turn of the other.
         turns = sorted([tuple(e["turn"]) + ("a",) for e in a] + [tuple(e["turn"]) + ("b",) for e in b])
@@ -203,3 +206,19 @@ def test_workloads_takes_turns_only_when_training():
     p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "resnet50", "--out", "x.json",
                         "--pin-threads", "0,0"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "want at least three CPUs of this process's" in p.stderr
+
+
+def test_slim_rewrites_an_older_file_without_its_step_logs(tmp_path: Path):
+    old = {"kind": "lockstep", "pairs": [
+        {"repeat": 0, "status": "ok", "compare": {"throughput": 1.0},
+         "sides": [{"label": "a", "output_tail": "...", "result": {"step_log": [1, 2], "units_per_s": 5.0}}]},
+        {"repeat": 1, "status": "skipped"}]}
+    (tmp_path / "in.json").write_text(json.dumps(old))
+    assert lockstep.main(["slim", str(tmp_path / "in.json"), str(tmp_path / "out.json")]) == 0
+    new = json.loads((tmp_path / "out.json").read_text())
+    assert new == {"kind": "lockstep", "pairs": [
+        {"repeat": 0, "status": "ok", "compare": {"throughput": 1.0},
+         "sides": [{"label": "a", "result": {"units_per_s": 5.0}}]},
+        {"repeat": 1, "status": "skipped"}]}
+    assert old["pairs"][0]["sides"][0]["result"]["step_log"] == [1, 2]  # the input is left as it was
+    assert lockstep.main(["slim", str(tmp_path / "in.json")]) == 2
