@@ -733,6 +733,7 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
     if lock:
         parts.append(lock[1] + ("" if ok else f", {(GOAL_THROUGHPUT_VS_NATIVE - decided) * 100:.1f} points under "
                                               "the goal"))
+        parts += [lock[2]] if lock[2] else []
     if g is not None and rs is not None:
         how = (("in the suite's runs, one after another, " if lock else "")
                + f"{best} {fmt(g['speed'].median, 0)} vs native {fmt(n['speed'].median, 0)} {unit} = {rs:.3f}×")
@@ -811,19 +812,17 @@ def section_lockstep(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[tuple[float, str]]:
+def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[tuple[float, str, str]]:
     """config against native in lockstep, where an input has it: the median
-    of its repeats' throughput ratios and the text of it, with the method's
-    own spread (native against native) where that ran too."""
+    of its repeats' throughput ratios, the text of it, and the method's own
+    spread (native against native) where that ran too."""
     groups = lockstep_groups(doc)
     cs = groups.get((workload, "native", config))
     if not cs:
         return None
-    text = f"in lockstep with native, {config} {lockstep_summary(cs)}"
     aa = groups.get((workload, "native", "native"))
-    if aa:
-        text += f"; native against native in lockstep, {lockstep_summary(aa)}"
-    return Agg([c["throughput"] for c in cs]).median, text
+    return (Agg([c["throughput"] for c in cs]).median, f"in lockstep with native, {config} {lockstep_summary(cs)}",
+            f"native against native in lockstep, {lockstep_summary(aa)}" if aa else "")
 
 
 def first_number(*vs: Any) -> Any:
