@@ -270,6 +270,50 @@ def slim(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def thread_cpu(result: dict[str, Any]) -> Optional[dict[str, float]]:
+    """CPU ms a timed step of one process, by thread: the training thread,
+    torch's autograd thread, the others (bench/hostcount.py's reading over
+    the timed steps)."""
+    threads, steps = result.get("threads"), result.get("steps")
+    if not threads or not steps:
+        return None
+    out = {"training": 0.0, "autograd": 0.0, "others": 0.0}
+    for t in threads:
+        role = "training" if t.get("main") else "autograd" if str(t.get("name")).startswith("pt_autograd_") else "others"
+        out[role] += float(t.get("cpu_ms") or 0.0) / steps
+    return out
+
+
+def report(paths: list[str]) -> str:
+    """Several lockstep.json files merged by workload and pair: the
+    comparison over all their repeats, and each configuration's median step
+    and CPU a step by thread (medians over its processes)."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        pair = doc.get("pair") or ["?", "?"]
+        groups.setdefault((str(doc.get("workload")), pair[0], pair[1]), []).extend(
+            p for p in doc.get("pairs", []) if p.get("status") == "ok" and "error" not in (p.get("compare") or {"error": 1}))
+    lines = []
+    for (workload, a, b), pairs in groups.items():
+        s = summarize(pairs)
+        if not s.get("throughput"):
+            continue
+        t, m = s["throughput"], s["step_median"]
+        lines.append(f"{workload}: b={b} against a={a}, {s['repeats']} repeats: throughput {t['median']:.3f} "
+                     f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
+                     f"b faster in {s['b_faster']}")
+        for k, label in enumerate(("a", "b")):
+            cpu = [c for c in (thread_cpu(p["sides"][k]["result"] or {}) for p in pairs) if c]
+            step = [p["compare"]["median_step_s"][label] * 1e3 for p in pairs]
+            line = f"  {label}={(a, b)[k]}: median step {median(step):.2f} ms"
+            if cpu:
+                line += ", CPU ms a step: " + ", ".join(f"{r} {median([c[r] for c in cpu]):.2f}"
+                                                        for r in ("training", "autograd", "others"))
+            lines.append(line)
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other option goes to bench/suite.py (steps, shapes, --resnet-plan-shapes, "
@@ -316,6 +360,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("usage: python3 bench/lockstep.py slim IN.json OUT.json", file=sys.stderr)
             return 2
         suite.write_json_atomic(Path(argv[2]), slim(json.loads(Path(argv[1]).read_text())))
+        return 0
+    if argv[:1] == ["report"]:  # lockstep.json files merged: python3 bench/lockstep.py report FILE...
+        if len(argv) < 2:
+            print("usage: python3 bench/lockstep.py report LOCKSTEP.json ...", file=sys.stderr)
+            return 2
+        print(report(argv[1:]))
         return 0
     args, sargs = parse_args(argv)
     out = Path(args.outdir).resolve()

@@ -222,3 +222,27 @@ def test_slim_rewrites_an_older_file_without_its_step_logs(tmp_path: Path):
         {"repeat": 1, "status": "skipped"}]}
     assert old["pairs"][0]["sides"][0]["result"]["step_log"] == [1, 2]  # the input is left as it was
     assert lockstep.main(["slim", str(tmp_path / "in.json")]) == 2
+
+
+def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    def side(label: str, main_ms: float, others_ms: float) -> dict[str, Any]:
+        return {"label": label, "result": {"steps": 10, "threads": [
+            {"name": "python3", "main": True, "cpu_ms": main_ms * 10},
+            {"name": "pt_autograd_0", "main": False, "cpu_ms": 50.0},
+            {"name": "python3", "main": False, "cpu_ms": others_ms * 5}, {"name": "x", "main": False, "cpu_ms": others_ms * 5}]}}
+
+    def doc(ts: list[float]) -> dict[str, Any]:
+        return {"kind": "lockstep", "workload": "resnet50", "pair": ["native", "goalloc-vmm"], "pairs": [
+            {"status": "ok", "sides": [side("a", 10.0, 0.0), side("b", 9.0 + t, 1.0)],
+             "compare": {"throughput": t, "step_median": t, "median_step_s": {"a": 0.02, "b": 0.02 / t},
+                         "overlapping_steps": 0}} for t in ts] + [{"status": "died"}]}
+
+    for i, ts in enumerate(([0.9, 1.1], [1.0])):
+        (tmp_path / f"{i}.json").write_text(json.dumps(doc(ts)))
+    assert lockstep.main(["report", str(tmp_path / "0.json"), str(tmp_path / "1.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["resnet50: b=goalloc-vmm against a=native, 3 repeats: throughput 1.000 (0.900-1.100), "
+                   "step median 1.000 (0.900-1.100), b faster in 1",
+                   "  a=native: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 0.00",
+                   "  b=goalloc-vmm: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 1.00"]
+    assert lockstep.main(["report"]) == 2
