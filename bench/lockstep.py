@@ -80,7 +80,7 @@ class Side:
         self.log = logs / f"{self.name}.log"
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.go = self.reply = -1
-        self.finished = False  # said its last step was done
+        self.command = ""
         self.status = "ok"
         self.reason = ""
 
@@ -102,15 +102,13 @@ class Side:
             os.write(self.go, b"g")
         except BrokenPipeError:
             pass  # it closed its end: after its last step (b"e" waits to be read) or dying
-        left = deadline - time.monotonic()
-        ready, _, _ = select.select([self.reply], [], [], max(0.0, left))
+        asked = time.monotonic()
+        ready, _, _ = select.select([self.reply], [], [], max(0.0, deadline - asked))
         if not ready:
-            self.fail("timeout", f"no answer to a turn within {TURN_TIMEOUT_S:.0f} s")
+            self.fail("timeout", f"no answer to a turn within {time.monotonic() - asked:.0f} s")
             return b""
         b = os.read(self.reply, 1)
-        if b == b"e":
-            self.finished = True
-        elif b != b"d":
+        if b not in (b"d", b"e"):
             self.fail("died", "its turns ended before its last step")
             return b""
         return b
@@ -134,7 +132,7 @@ class Side:
 
     def record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"label": self.label, "config": self.config, "name": self.name,
-                               "command": getattr(self, "command", None), "status": self.status}
+                               "command": self.command, "status": self.status}
         if self.proc is not None:
             rec["returncode"] = self.proc.returncode
         try:
@@ -186,7 +184,7 @@ def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]
         for side in sides:
             assert side.proc is not None
             try:
-                side.proc.wait(timeout=max(1.0, min(EXIT_TIMEOUT_S, end - time.monotonic() + EXIT_TIMEOUT_S)))
+                side.proc.wait(timeout=EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 side.fail("timeout", f"still running {EXIT_TIMEOUT_S:.0f} s after its last step")
         return firsts
