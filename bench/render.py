@@ -980,6 +980,19 @@ def splice(document: str, rendered: str) -> str:
     return document[:a + len(BEGIN)] + "\n" + "\n".join(lines) + "\n" + document[b:]
 
 
+def read_input(path: str, valid: Callable[[Any], bool], what: str) -> Optional[dict[str, Any]]:
+    """An input file's JSON object, or None after saying on stderr why not."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        print(f"render: cannot read {path}: {e}", file=sys.stderr)
+        return None
+    if not valid(d):
+        print(f"render: {path} is not {what}", file=sys.stderr)
+        return None
+    return d
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bench_json", nargs="+",
@@ -1003,13 +1016,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     docs = []
     for path in args.bench_json:
-        try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            print(f"render: cannot read {path}: {e}", file=sys.stderr)
-            return 1
-        if not isinstance(d, dict):
-            print(f"render: {path} is not a suite's bench.json (not a JSON object)", file=sys.stderr)
+        d = read_input(path, lambda d: isinstance(d, dict), "a suite's bench.json (not a JSON object)")
+        if d is None:
             return 1
         docs.append(d)
     try:
@@ -1022,13 +1030,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     doc = merge(docs, args.bench_json)
     doc["lockstep"] = []
     for path in args.lockstep:
-        try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            print(f"render: cannot read {path}: {e}", file=sys.stderr)
-            return 1
-        if not isinstance(d, dict) or d.get("kind") != "lockstep":
-            print(f"render: {path} is not a bench/lockstep.py lockstep.json", file=sys.stderr)
+        d = read_input(path, lambda d: isinstance(d, dict) and d.get("kind") == "lockstep",
+                       "a bench/lockstep.py lockstep.json")
+        if d is None:
             return 1
         doc["lockstep"].append(d | {"path": path})
     notes = Path(args.notes).read_text() if args.notes else None

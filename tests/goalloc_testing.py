@@ -5,11 +5,13 @@ A module of its own (not conftest.py) so that tests can import it by name.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import pytest
@@ -28,6 +30,17 @@ def device_holds(nbytes: int) -> int:
 
     unit = (16 << 20) if "backend:vmm" in goalloc.config()["conf"] else (32 << 20)
     return -(-nbytes // unit) * unit
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/NAME.py as a module (bench/ is not a package), registered as
+    bench_NAME so that its dataclasses and pickles resolve."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class Raw:

@@ -28,24 +28,16 @@ from typing import Any, Optional
 
 import pytest
 
+from goalloc_testing import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 GiB = 1 << 30
 
 
-def load(name: str) -> Any:
-    """Import bench/NAME.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-suite = load("suite")
-render = load("render")
-workloads = load("workloads")
+suite = load_bench("suite")
+render = load_bench("render")
+workloads = load_bench("workloads")
 
 
 def run_py(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -1093,7 +1085,7 @@ def test_driver_totals_read_the_librarys_own_keys(raw, device):
 
 
 def test_step_stats_reports_first_sights_paired_steps_and_moves(capsys):
-    step_stats = load("step_stats")
+    step_stats = load_bench("step_stats")
 
     def run(rid: int, config: str, secs: list[float], stats: Optional[dict[str, int]] = None) -> dict[str, Any]:
         shapes = [[1, 64], [2, 64], [1, 64], [2, 64]]
@@ -1119,7 +1111,7 @@ def test_step_stats_reports_first_sights_paired_steps_and_moves(capsys):
 
 
 def test_step_stats_reports_host_counters_against_native():
-    step_stats = load("step_stats")
+    step_stats = load_bench("step_stats")
 
     def run(config: str, repeat: int, secs: list[float], hosts: list[dict[str, float]]) -> dict[str, Any]:
         log = [{"shape": [32, 160], "seconds": t, "timed": True, "host": h} for t, h in zip(secs, hosts)]
@@ -1153,7 +1145,7 @@ def test_step_stats_reports_host_counters_against_native():
 
 
 def test_thread_times_say_which_thread_spent_the_cpu(tmp_path: Path):
-    hostcount = load("hostcount")
+    hostcount = load_bench("hostcount")
     import threading
 
     stop = threading.Event()
@@ -1193,7 +1185,7 @@ def test_thread_times_say_which_thread_spent_the_cpu(tmp_path: Path):
 
 
 def test_step_stats_groups_threads_cpu_by_name():
-    step_stats = load("step_stats")
+    step_stats = load_bench("step_stats")
 
     def run(config: str, threads: list[dict[str, Any]]) -> dict[str, Any]:
         log = [{"shape": [32, 160], "seconds": 0.02, "timed": True}] * 10
@@ -1235,7 +1227,7 @@ def test_go_switches_counts_a_step_for_goalloc_and_for_libc(tmp_path: Path):
 
 
 def test_host_counters_read_cpu_time_and_say_what_they_could_not_open():
-    hostcount = load("hostcount")
+    hostcount = load_bench("hostcount")
     h = hostcount.HostCounters()
     try:
         before = h.read()
@@ -1261,7 +1253,7 @@ def test_host_counters_read_cpu_time_and_say_what_they_could_not_open():
 
 
 def test_step_stats_pairs_simultaneous_suites(tmp_path: Path):
-    step_stats = load("step_stats")
+    step_stats = load_bench("step_stats")
 
     def run(config: str, repeat: int, ups: float, step: float, status: str = "ok") -> dict[str, Any]:
         log = [{"shape": [32, 160], "seconds": step, "timed": True}] * 3
@@ -1317,7 +1309,7 @@ def test_llama_plan_shapes_passes_plan_shapes_to_llama_runs_only():
 
 
 def test_steady_summary_is_medians_against_native(tmp_path: Path):
-    steady = load("steady")
+    steady = load_bench("steady")
     for config, conf, walls in (("native", "", [20.0, 22.0, 30.0]), ("goalloc-vmm", "large_cache:4G", [25.0, 21.0, 24.0])):
         for r, w in enumerate(walls):
             d = {"config": config, "goalloc_conf": conf, "median_wall_ms": w, "median_enqueue_ms": w - 1,
@@ -1335,7 +1327,7 @@ def test_front_coverage_follows_the_fronts_rule():
     """bench/front_coverage.py: a request is served by the front only from a
     free of its stream and size made since the last request that went to Go;
     a request that goes to Go empties the log; a full log is drained."""
-    fc = load("front_coverage")
+    fc = load_bench("front_coverage")
 
     def alloc(addr: int, size: int, stream: int = 0) -> dict:
         return {"a": "alloc", "addr": addr, "size": size, "stream": stream}
@@ -1387,7 +1379,7 @@ def test_call_clock_is_passed_to_the_class_configurations_training_runs_only():
 
 
 def test_call_clock_report(tmp_path: Path):
-    cc = load("call_clock")
+    cc = load_bench("call_clock")
     hist = [0] * 40
     hist[8], hist[9], hist[13] = 50, 48, 2  # 256-511 ns, 512-1023 ns, 8-16 us
     assert cc.quantile_ns(hist, 0.5) == 512 and cc.quantile_ns(hist, 0.99) == 16384

@@ -4,7 +4,6 @@ GPU over a stand-in workload program that speaks the real turn protocol
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,20 +13,13 @@ from typing import Any
 
 import pytest
 
+from goalloc_testing import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 
 
-def load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lockstep = load("lockstep")
+lockstep = load_bench("lockstep")
 
 # A training process in miniature: STUB_SLOW_MS per step under configuration
 # native, STUB_FAST_MS under any other; STUB_MODE=die makes the goalloc-vmm
