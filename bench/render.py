@@ -821,7 +821,7 @@ def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[t
     if not cs:
         return None
     aa = groups.get((workload, "native", "native"))
-    return (Agg([c["throughput"] for c in cs]).median, f"in lockstep with native, {config} {lockstep_summary(cs)}",
+    return (Agg([c["throughput"] for c in cs]).median, f"In lockstep with native, {config} {lockstep_summary(cs)}",
             f"native against native in lockstep, {lockstep_summary(aa)}" if aa else "")
 
 

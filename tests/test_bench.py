@@ -1576,7 +1576,7 @@ def test_lockstep_runs_decide_the_throughput_goal_and_get_a_table():
     _, goals = render.goals(doc)
     thr = {g["goal"]: g for g in goals}["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
     assert thr["met"] is True, thr
-    assert thr["text"].startswith("in lockstep with native, goalloc-vmm 1.000× (0.970–1.020, n=4; faster in 2 of 4); "
+    assert thr["text"].startswith("In lockstep with native, goalloc-vmm 1.000× (0.970–1.020, n=4; faster in 2 of 4); "
                                   "native against native in lockstep, 1.000× (0.990–1.020, n=3; faster in 1 of 3); "
                                   "in the suite's runs, one after another, goalloc-vmm 18,000 vs native 20,000 tokens/s "
                                   "= 0.900×"), thr["text"]
@@ -1607,6 +1607,6 @@ def test_render_reads_lockstep_files_and_refuses_others(tmp_path: Path):
     ls.write_text(json.dumps(lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01])))
     p = run_py(str(BENCH / "render.py"), str(bench), "--lockstep", str(ls))
     assert p.returncode == 0, p.stderr
-    assert f"Lockstep input 1: `{ls}`" in p.stdout and "in lockstep with native, goalloc-vmm 1.000×" in p.stdout
+    assert f"Lockstep input 1: `{ls}`" in p.stdout and "In lockstep with native, goalloc-vmm 1.000×" in p.stdout
     p = run_py(str(BENCH / "render.py"), str(bench), "--lockstep", str(bench))
     assert p.returncode == 1 and "is not a bench/lockstep.py lockstep.json" in p.stderr
