@@ -73,6 +73,9 @@ SHAPE_SEED = {"gpt2": 1, "resnet50": 2, "llama": 3}
 # memory source), in nanoseconds; a library older than them has none.
 MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")
 KiB, MiB = 1 << 10, 1 << 20
+# --record-history keeps this many events: a ResNet-50 run of the suite makes
+# 68,000-78,000 allocations, each an alloc and a free.
+HISTORY_ENTRIES = 1_000_000
 
 # The alloc+free pair sizes (bytes) and the burst: 64 sizes log-uniform in
 # [512 B, 16 MiB], freed in a shuffled order, the same in every run.
@@ -689,6 +692,11 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
         out["build_s"] = time.perf_counter() - t_build
         if mem is not None:
             mem.start()
+        history = getattr(args, "record_history", None)
+        if history:
+            # The run's allocations in torch's snapshot form, stack traces left
+            # out, for `goalloc replay FILE` on the simulated device.
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context=None)
         clock = getattr(args, "call_clock", "off")
         threads_before: Optional[dict[int, tuple[str, float]]] = None
         turns = Turns(args.turns) if args.turns else None
@@ -731,6 +739,10 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
                 entry["turn"] = turns.done()
         if turns is not None:
             turns.finish()
+        if history:
+            torch.cuda.memory._dump_snapshot(history)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            out["history"] = history
         if threads_before is not None:
             # Per thread, over the timed steps: who spent the host's time.
             out["threads"] = thread_delta(threads_before, thread_times(), threading.get_native_id())
@@ -845,11 +857,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pin-threads", type=cpu_roles, metavar="MAIN,AUTOGRAD,OTHER[,OTHER...]",
                    help="training: pin the training thread, torch's autograd thread and the other threads to "
                         "these CPUs (bench/hostcount.py's pin_threads)")
+    p.add_argument("--record-history", metavar="FILE.pickle",
+                   help="training: record every allocation of the steps with torch's _record_memory_history and "
+                        "dump the snapshot to FILE (goalloc replay reads it)")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="run the training loop on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
     if args.smoke_cpu and (args.workload in ("micro",) or args.config != "native"):
         p.error("--smoke-cpu runs env, gpt2, llama or resnet50 with --config native only")
+    if args.record_history and (args.smoke_cpu or args.workload in ("env", "micro")):
+        p.error("--record-history: training on the GPU only (torch records the CUDA allocator's history)")
     if (args.turns or args.pin_threads) and args.workload in ("env", "micro"):
         p.error("--turns, --pin-threads: only the training workloads take turns or pin threads")
     if args.call_clock != "off" and args.config not in GOALLOC_INSTALLED:

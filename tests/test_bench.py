@@ -1610,3 +1610,10 @@ def test_render_reads_lockstep_files_and_refuses_others(tmp_path: Path):
     assert f"Lockstep input 1: `{ls}`" in p.stdout and "In lockstep with native, goalloc-vmm 1.000×" in p.stdout
     p = run_py(str(BENCH / "render.py"), str(bench), "--lockstep", str(bench))
     assert p.returncode == 1 and "is not a bench/lockstep.py lockstep.json" in p.stderr
+
+
+@pytest.mark.parametrize("extra", [["--workload", "micro"], ["--workload", "resnet50", "--smoke-cpu"]])
+def test_workloads_records_history_only_when_training_on_the_gpu(extra: list[str]):
+    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--out", "x.json", "--record-history", "h.pickle",
+                        *extra], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--record-history: training on the GPU only" in p.stderr, p.stderr

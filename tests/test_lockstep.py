@@ -238,3 +238,4 @@ def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: 
                    "  a=native: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 0.00",
                    "  b=goalloc-vmm: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 1.00"]
     assert lockstep.main(["report"]) == 2
+
