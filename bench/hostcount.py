@@ -32,6 +32,10 @@ which threads spent the CPU time, the training thread, torch's autograd
 thread, or threads the allocator brought (a Go runtime's own threads carry
 the process's name).
 
+pin_threads() pins the threads by role (the training thread, torch's
+autograd thread, the rest) to given CPUs: bench/lockstep.py pins the two
+processes it compares alike.
+
 The perf counters are opened with inherit, so they count the threads started
 after they were opened: open them before importing torch. What could not be
 opened is kept in `unavailable`, with the reason, and left out of the
