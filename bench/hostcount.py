@@ -169,6 +169,21 @@ def ipc(step: dict[str, float]) -> Optional[float]:
     return i / c if c and i is not None else None
 
 
+def cpu_roles(s: str) -> list[int]:
+    """MAIN,AUTOGRAD,OTHER[,OTHER...]: the CPUs pin_threads takes, checked
+    against the CPUs this process may use (an argparse type)."""
+    import argparse
+
+    try:
+        cpus = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: want MAIN,AUTOGRAD,OTHER[,OTHER...], CPU numbers") from None
+    allowed = os.sched_getaffinity(0)
+    if len(cpus) < 3 or not set(cpus) <= allowed:
+        raise argparse.ArgumentTypeError(f"{s!r}: want at least three CPUs of this process's {sorted(allowed)}")
+    return cpus
+
+
 def pin_threads(main_cpu: int, autograd_cpu: int, other_cpus: set[int], main_tid: int,
                 task_dir: str = "/proc/self/task") -> dict[str, list[int]]:
     """Pin this process's threads by role: the training thread (main_tid) to

@@ -58,6 +58,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite  # noqa: E402  (bench/suite.py: the processes' commands and environments)
+from hostcount import cpu_roles  # noqa: E402  (bench/hostcount.py: the CPUs --pin-threads takes)
 
 # A turn's reply may take this long: the first one holds the process's
 # start (import torch, the CUDA context, the model) and, with planning, a
@@ -282,13 +283,26 @@ def thread_cpu(result: dict[str, Any]) -> Optional[dict[str, float]]:
     return out
 
 
+def read_lockstep(path: str) -> dict[str, Any]:
+    """A lockstep.json, or ValueError saying why it is not one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "lockstep":
+        raise ValueError(f"{path} is not a bench/lockstep.py lockstep.json")
+    return doc
+
+
 def report(paths: list[str]) -> str:
-    """Several lockstep.json files merged by workload and pair: the
-    comparison over all their repeats, and each configuration's median step
-    and CPU a step by thread (medians over its processes)."""
+    """Several lockstep.json files merged by workload and pair: each
+    repeat's line, the comparison over all their repeats, where one side
+    went first in some repeats and the other in others the step medians by
+    who went first, and each configuration's median step and CPU a step by
+    thread (medians over its processes)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for path in paths:
-        doc = json.loads(Path(path).read_text())
+        doc = read_lockstep(path)
         pair = doc.get("pair") or ["?", "?"]
         groups.setdefault((str(doc.get("workload")), pair[0], pair[1]), []).extend(
             p for p in doc.get("pairs", []) if p.get("status") == "ok" and "error" not in (p.get("compare") or {"error": 1}))
@@ -301,6 +315,14 @@ def report(paths: list[str]) -> str:
         lines.append(f"{workload}: b={b} against a={a}, {s['repeats']} repeats: throughput {t['median']:.3f} "
                      f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
                      f"b faster in {s['b_faster']}")
+        lines += [report_line(p["repeat"], p, ("a", "b")) for p in pairs]
+        both = [p["compare"]["by_first"] for p in pairs
+                if all(v is not None for v in p["compare"]["by_first"].values())]
+        if both:  # who went first changed within a repeat
+            fa, fb = [x["a"] for x in both], [x["b"] for x in both]
+            lines.append(f"  by who stepped first, step median: a first {min(fa):.3f}-{max(fa):.3f}, b first "
+                         f"{min(fb):.3f}-{max(fb):.3f}, a first lower in {sum(x['a'] < x['b'] for x in both)} "
+                         f"of {len(both)} repeats")
         for k, label in enumerate(("a", "b")):
             cpu = [c for c in (thread_cpu(p["sides"][k]["result"] or {}) for p in pairs) if c]
             step = [p["compare"]["median_step_s"][label] * 1e3 for p in pairs]
@@ -323,7 +345,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, ar
     p.add_argument("--first-repeat", type=suite.nonneg_int, default=0)
     p.add_argument("--budget", type=float, default=suite.DEFAULT_BUDGET_S,
                    help="seconds for all pairs: a pair that no longer fits is skipped")
-    p.add_argument("--pin-threads", metavar="MAIN,AUTOGRAD,OTHER[,OTHER...]",
+    p.add_argument("--pin-threads", type=cpu_roles, metavar="MAIN,AUTOGRAD,OTHER[,OTHER...]",
                    help="both processes pin their training thread, autograd thread and other threads to these CPUs")
     p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)  # the processes train on the CPU
     args, rest = p.parse_known_args(argv)
@@ -357,13 +379,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         if len(argv) != 3:
             print("usage: python3 bench/lockstep.py slim IN.json OUT.json", file=sys.stderr)
             return 2
-        suite.write_json_atomic(Path(argv[2]), slim(json.loads(Path(argv[1]).read_text())))
+        try:
+            suite.write_json_atomic(Path(argv[2]), slim(read_lockstep(argv[1])))
+        except (OSError, ValueError) as e:
+            print(f"lockstep: {e}", file=sys.stderr)
+            return 1
         return 0
     if argv[:1] == ["report"]:  # lockstep.json files merged: python3 bench/lockstep.py report FILE...
         if len(argv) < 2:
             print("usage: python3 bench/lockstep.py report LOCKSTEP.json ...", file=sys.stderr)
             return 2
-        print(report(argv[1:]))
+        try:
+            print(report(argv[1:]))
+        except ValueError as e:
+            print(f"lockstep: {e}", file=sys.stderr)
+            return 1
         return 0
     args, sargs = parse_args(argv)
     out = Path(args.outdir).resolve()
@@ -406,7 +436,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for side in sides:
                 cmd = suite.workload_command(suite.Run(0, args.workload, side.config, rep), sargs, side.out)
                 cmd += ["--smoke-cpu"] if args.smoke_cpu else []
-                cmds.append(cmd + (["--pin-threads", args.pin_threads] if args.pin_threads else []))
+                pin = ["--pin-threads", ",".join(map(str, args.pin_threads))] if args.pin_threads else []
+                cmds.append(cmd + pin)
                 envs.append(suite.child_env(side.config, sargs, cfloor_lib))
             t0 = time.monotonic()
             firsts = run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))

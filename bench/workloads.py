@@ -55,7 +55,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hostcount import HostCounters, pin_threads, thread_delta, thread_times  # noqa: E402  (bench/hostcount.py)
+from hostcount import HostCounters, cpu_roles, pin_threads, thread_delta, thread_times  # noqa: E402  (bench/hostcount.py)
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
 WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
@@ -809,17 +809,6 @@ def turn_fds(s: str) -> tuple[int, int]:
     if go < 0 or reply < 0:
         raise argparse.ArgumentTypeError(f"{s!r}: file descriptors are not negative")
     return go, reply
-
-
-def cpu_roles(s: str) -> list[int]:
-    try:
-        cpus = [int(x) for x in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: want MAIN,AUTOGRAD,OTHER[,OTHER...], CPU numbers") from None
-    allowed = os.sched_getaffinity(0)
-    if len(cpus) < 3 or not set(cpus) <= allowed:
-        raise argparse.ArgumentTypeError(f"{s!r}: want at least three CPUs of this process's {sorted(allowed)}")
-    return cpus
 
 
 # --- the process -----------------------------------------------------------------

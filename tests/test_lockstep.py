@@ -181,6 +181,8 @@ def test_compare_needs_the_same_steps():
     (["--pair", "native,tcmalloc"], "want two of"),
     (["--pair", "native,goalloc", "--budget", "0"], "--budget must be positive"),
     (["--pair", "native,goalloc", "--resnet-batch", "64", "32"], "MIN 64 is above MAX 32"),
+    (["--pair", "native,goalloc", "--pin-threads", "0,0"], "want at least three CPUs of this process's"),
+    (["--pair", "native,goalloc", "--pin-threads", "0,x,1"], "want MAIN,AUTOGRAD,OTHER"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path: Path, argv: list[str], message: str):
     p = subprocess.run([sys.executable, str(BENCH / "lockstep.py"), str(tmp_path / "o"), "--workload", "resnet50", *argv],
@@ -225,17 +227,33 @@ def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: 
 
     def doc(ts: list[float]) -> dict[str, Any]:
         return {"kind": "lockstep", "workload": "resnet50", "pair": ["native", "goalloc-vmm"], "pairs": [
-            {"status": "ok", "sides": [side("a", 10.0, 0.0), side("b", 9.0 + t, 1.0)],
-             "compare": {"throughput": t, "step_median": t, "median_step_s": {"a": 0.02, "b": 0.02 / t},
-                         "overlapping_steps": 0}} for t in ts] + [{"status": "died"}]}
+            {"repeat": i, "status": "ok", "sides": [side("a", 10.0, 0.0), side("b", 9.0 + t, 1.0)],
+             "compare": {"steps": 100, "throughput": t, "step_median": t, "by_first": {"a": t - 0.1, "b": t + 0.1},
+                         "median_step_s": {"a": 0.02, "b": 0.02 / t}, "overlapping_steps": 0}}
+            for i, t in enumerate(ts)] + [{"repeat": len(ts), "status": "died"}]}
 
     for i, ts in enumerate(([0.9, 1.1], [1.0])):
         (tmp_path / f"{i}.json").write_text(json.dumps(doc(ts)))
     assert lockstep.main(["report", str(tmp_path / "0.json"), str(tmp_path / "1.json")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["resnet50: b=goalloc-vmm against a=native, 3 repeats: throughput 1.000 (0.900-1.100), "
-                   "step median 1.000 (0.900-1.100), b faster in 1",
-                   "  a=native: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 0.00",
-                   "  b=goalloc-vmm: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 1.00"]
+    assert out[0] == ("resnet50: b=goalloc-vmm against a=native, 3 repeats: throughput 1.000 (0.900-1.100), "
+                      "step median 1.000 (0.900-1.100), b faster in 1")
+    assert [line.split()[0] for line in out[1:4]] == ["r0", "r1", "r0"]  # every repeat of both files
+    assert "throughput 0.900  step median 0.900  (a first 0.800, b first 1.000)" in out[1]
+    assert out[4] == "  by who stepped first, step median: a first 0.800-1.000, b first 1.000-1.200, a first lower in 3 of 3 repeats"
+    assert out[5:] == ["  a=native: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 0.00",
+                       "  b=goalloc-vmm: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 1.00"]
     assert lockstep.main(["report"]) == 2
+
+
+def test_report_and_slim_refuse_what_is_not_a_lockstep_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    (tmp_path / "bench.json").write_text(json.dumps({"runs": []}))
+    (tmp_path / "bad.json").write_text("{")
+    for argv, why in ((["report", str(tmp_path / "bench.json")], "is not a bench/lockstep.py lockstep.json"),
+                      (["report", str(tmp_path / "bad.json")], "cannot read"),
+                      (["slim", str(tmp_path / "missing.json"), str(tmp_path / "o.json")], "cannot read"),
+                      (["slim", str(tmp_path / "bench.json"), str(tmp_path / "o.json")], "is not a bench/lockstep.py")):
+        assert lockstep.main(argv) == 1
+        assert why in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
 
