@@ -182,7 +182,7 @@ func (d *cudaRuntime) destroyStream(s Stream) error {
 
 // engineCounts reads the VMM device's driver-call counters.
 func (d *VMM) engineCounts() (create, mapped, unmapped, released, access uint64) {
-	c := &d.src.drv.calls
+	c := &d.src.profile.calls
 	return c[callCreate].n.Load(), c[callMap].n.Load(), c[callUnmap].n.Load(), c[callRelease].n.Load(),
 		c[callSetAccess].n.Load()
 }

@@ -150,8 +150,9 @@ type DriverError struct {
 
 // CUresult values goalloc reacts to.
 const (
-	cudaErrorOutOfMemory = 2
-	cudaErrorNotReady    = 600
+	cudaErrorOutOfMemory              = 2
+	cudaErrorNotReady                 = 600
+	cudaErrorStreamCaptureUnsupported = 900
 )
 
 func (e *DriverError) Error() string {

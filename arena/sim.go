@@ -45,6 +45,9 @@ type Sim struct {
 	// Counters tests read: how often each primitive ran (UsageReads:
 	// PoolUsage, a driver call on the GPU).
 	Allocs, Frees, Syncs, Trims, UsageReads uint64
+	// CaptureViolations counts the calls a capture forbids that were made
+	// while one was underway (breakCaptures).
+	CaptureViolations uint64
 }
 
 type simStream struct {
@@ -307,6 +310,12 @@ func (d *Sim) RecordEvent(e Event, s Stream) error {
 			return err
 		}
 	}
+	if d.capture[s] == CaptureActive {
+		// The driver would make the record a node of the graph, an event
+		// that no query may then ask about: the simulation refuses it, so
+		// that a test sees the allocator try.
+		return d.breakCaptures("cuEventRecord on a stream being captured")
+	}
 	ev.recorded, ev.stream, ev.seq = true, s, d.stream(s).enqueued
 	return nil
 }
@@ -321,6 +330,14 @@ func (d *Sim) EventDone(e Event) (bool, error) {
 	if d.faults.EventQuery != nil {
 		if err := d.faults.EventQuery(e); err != nil {
 			return false, err
+		}
+	}
+	for _, st := range d.capture {
+		if st == CaptureActive {
+			// In the default (global) capture mode the driver refuses a query
+			// from any thread while a capture is underway, and the capture
+			// is lost.
+			return false, d.breakCaptures("cuEventQuery while a stream is being captured")
 		}
 	}
 	// An event never recorded counts as complete, as in CUDA.
@@ -345,9 +362,9 @@ func (d *Sim) DestroyEvent(e Event) error {
 func (d *Sim) Synchronize() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	for s, st := range d.capture {
+	for _, st := range d.capture {
 		if st == CaptureActive {
-			return fmt.Errorf("sim: cuCtxSynchronize while stream %#x is being captured invalidates the capture", s)
+			return d.breakCaptures("cuCtxSynchronize while a stream is being captured")
 		}
 	}
 	d.Syncs++
@@ -366,6 +383,18 @@ func (d *Sim) Synchronize() error {
 		d.pool.trim(d.releaseThreshold, d.completed)
 	}
 	return nil
+}
+
+// breakCaptures is the driver's answer to a call a capture forbids: the
+// error, and every capture underway invalidated. Called with d.mu held.
+func (d *Sim) breakCaptures(what string) error {
+	for s, st := range d.capture {
+		if st == CaptureActive {
+			d.capture[s] = CaptureInvalidated
+		}
+	}
+	d.CaptureViolations++
+	return &DriverError{Op: what, Code: cudaErrorStreamCaptureUnsupported, Name: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"}
 }
 
 func (d *Sim) CaptureStatus(s Stream) (CaptureStatus, error) {

@@ -17,6 +17,7 @@ type SimVMM struct {
 var (
 	_ Device         = (*SimVMM)(nil)
 	_ DriverProfiler = (*SimVMM)(nil)
+	_ CaptureAware   = (*SimVMM)(nil)
 )
 
 // simVMMGranule is the simulated allocation granularity, an H200's.
@@ -102,6 +103,7 @@ func (d *SimVMM) SetReleaseThreshold(uint64) error { return nil }
 func (d *SimVMM) PoolUsage() (PoolUsage, error)    { return d.src.usage(), nil }
 func (d *SimVMM) ResetPoolHigh() error             { d.src.resetHigh(); return nil }
 func (d *SimVMM) SetCap(limit uint64)              { d.src.setCap(limit) }
+func (d *SimVMM) SetCaptureUnderway(underway bool) { d.src.setCaptureUnderway(underway) }
 func (d *SimVMM) CheckInvariants() error           { return d.src.checkInvariants() }
 
 // MemInfo is what cuMemGetInfo would say: the device less the physical

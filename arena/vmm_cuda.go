@@ -36,6 +36,7 @@ type VMM struct {
 var (
 	_ Device         = (*VMM)(nil)
 	_ DriverProfiler = (*VMM)(nil)
+	_ CaptureAware   = (*VMM)(nil)
 )
 
 // Name says what kind of device d is, as the replay tool's results do: a
@@ -224,6 +225,9 @@ func (d *VMM) ResetPoolHigh() error {
 
 // SetCap bounds the physical memory held (0: no bound but the device).
 func (d *VMM) SetCap(limit uint64) { d.src.setCap(limit) }
+
+// SetCaptureUnderway is CaptureAware's method.
+func (d *VMM) SetCaptureUnderway(underway bool) { d.src.setCaptureUnderway(underway) }
 
 // Close unmaps and releases everything (memory still allocated is lost)
 // and releases the primary context.

@@ -910,6 +910,7 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 			}
 		}
 	}
+lend:
 	for _, c := range later {
 		if paid >= f.need {
 			break
@@ -946,6 +947,9 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 					if ev != 0 {
 						e.events = append(e.events, ev)
 					}
+				}
+				if errors.Is(err, ErrCaptureUnderway) {
+					break lend // no lending while a capture is underway: what is missing is created
 				}
 				unpay()
 				return 0, err

@@ -26,7 +26,8 @@ import (
 type vmmSource struct {
 	mu       sync.Mutex
 	eng      vmmPlacer
-	drv      *timedPhys // the driver, every call counted and timed
+	drv      *captureGate // the driver, gated while a capture is underway (capturegate.go)
+	profile  *timedPhys   // the driver under the gate, every call counted and timed
 	gran     uint64
 	pages    map[uintptr]*vmmPage  // by base
 	owned    map[Stream][]*vmmPage // pages by owner stream
@@ -58,7 +59,8 @@ const pieceAlign = 512
 // mem is the device's memory: the ranges placement reserves VA in steps of
 // twice that, the segments placement that much per segment.
 func newVMMSource(phys PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSource, error) {
-	drv := &timedPhys{PhysDriver: phys}
+	profile := &timedPhys{PhysDriver: phys}
+	drv := &captureGate{PhysDriver: profile}
 	p, err := ParseVMMPlacement(string(p)) // "": the default
 	if err != nil {
 		return nil, err
@@ -72,12 +74,16 @@ func newVMMSource(phys PhysDriver, p VMMPlacement, mem, limit uint64) (*vmmSourc
 	if err != nil {
 		return nil, err
 	}
-	return &vmmSource{eng: eng, drv: drv, gran: eng.granule(), pages: map[uintptr]*vmmPage{},
+	return &vmmSource{eng: eng, drv: drv, profile: profile, gran: eng.granule(), pages: map[uintptr]*vmmPage{},
 		owned: map[Stream][]*vmmPage{}}, nil
 }
 
 // DriverCalls is the profile of the driver calls made so far.
-func (v *vmmSource) DriverCalls() []DriverCallStat { return v.drv.DriverCalls() }
+func (v *vmmSource) DriverCalls() []DriverCallStat { return v.profile.DriverCalls() }
+
+// setCaptureUnderway opens or closes the gate between the placement and
+// the driver's events (CaptureAware).
+func (v *vmmSource) setCaptureUnderway(underway bool) { v.drv.underway.Store(underway) }
 
 var errVMMClosed = errors.New("arena: VMM device is closed")
 

@@ -36,6 +36,10 @@ type Allocator struct {
 	// graph captures in progress, innermost last (graphs.go).
 	general *cachePool
 	windows []PoolID
+	// afterCapture holds the frees that wait for other streams and were
+	// made while a capture was underway: their events are recorded when
+	// the last window closes (capturesEnd).
+	afterCapture []recordedFree
 	// recorded maps a live pointer to the streams other than its owner that
 	// Tensor.record_stream said use it. It is nil while it would be empty,
 	// so that a free finds it empty without reading a map.

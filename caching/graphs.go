@@ -40,6 +40,9 @@ func (a *Allocator) BeginAllocateToPool(id PoolID) error {
 	}
 	p.users++
 	a.windows = append(a.windows, id)
+	if len(a.windows) == 1 {
+		a.capturesBegin()
+	}
 	a.publishFront()
 	a.stats.GraphBegins++
 	return nil
@@ -59,6 +62,9 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 			for p.deferredReleases > 0 && !a.windowOpen(id) {
 				p.deferredReleases--
 				errs = append(errs, a.release(p))
+			}
+			if len(a.windows) == 0 {
+				errs = append(errs, a.capturesEnd())
 			}
 			return errors.Join(errs...)
 		}
@@ -91,10 +97,45 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 	return a.release(p)
 }
 
-// capturing says whether any capture window is open: then an allocation
-// may belong to a private pool (captureTarget), and nothing may
-// synchronise the device or free on a capturing stream (mayFree).
+// capturing says whether any capture window is open: a capture may be
+// underway on the device, as PyTorch's captures_underway says. Then an
+// allocation may belong to a private pool (captureTarget), and goalloc
+// records, queries and synchronises nothing (the driver forbids a query
+// from any thread during a capture, and would make a record on a captured
+// stream part of the graph): deferred frees are not polled
+// (pollDeferred), a free that needs events waits for the end of the
+// captures to record them (deferIfRecorded), nothing of a private pool
+// goes back to the device (mayFree), and the device's own use of events
+// is gated (arena.CaptureAware).
 func (a *Allocator) capturing() bool { return len(a.windows) > 0 }
+
+// capturesBegin is called when the first window opens.
+func (a *Allocator) capturesBegin() {
+	if g, ok := a.dev.(arena.CaptureAware); ok {
+		g.SetCaptureUnderway(true)
+	}
+}
+
+// capturesEnd is called when the last window closes: what waited for the
+// end of the captures goes ahead. Frees that need events record them now,
+// and the cached memory of private pools released meanwhile goes back.
+func (a *Allocator) capturesEnd() error {
+	if g, ok := a.dev.(arena.CaptureAware); ok {
+		g.SetCaptureUnderway(false)
+	}
+	for _, f := range a.afterCapture {
+		a.deferred.Add(f.ptr, f.used)
+	}
+	clear(a.afterCapture)
+	a.afterCapture = a.afterCapture[:0]
+	var errs []error
+	for _, p := range a.private {
+		if p.released {
+			errs = append(errs, a.releaseCachedOf(p))
+		}
+	}
+	return errors.Join(errs...)
+}
 
 // windowOpen says whether a capture window of pool id is open.
 func (a *Allocator) windowOpen(id PoolID) bool {
@@ -115,12 +156,21 @@ func (a *Allocator) release(p *cachePool) error {
 		return nil
 	}
 	p.setReleased(true)
+	return a.releaseCachedOf(p)
+}
+
+// releaseCachedOf gives the free memory of the released private pool p
+// back to the device (while a capture is underway, mayFree keeps it until
+// capturesEnd), and forgets p if it then holds nothing.
+func (a *Allocator) releaseCachedOf(p *cachePool) error {
 	var errs []error
 	for _, l := range append([]*StreamFreeList(nil), p.lists...) {
 		for i := range l.buckets {
 			for l.buckets[i].count > 0 {
 				if err := a.releaseBlock(l.buckets[i].list.head); err != nil {
-					errs = append(errs, err)
+					if err != errCapturing {
+						errs = append(errs, err)
+					}
 					break
 				}
 			}
@@ -129,7 +179,7 @@ func (a *Allocator) release(p *cachePool) error {
 			for seg := l.small[c].head; seg != nil; {
 				next := seg.next
 				if seg.used == 0 {
-					if err := a.releaseSegment(seg); err != nil {
+					if err := a.releaseSegment(seg); err != nil && err != errCapturing {
 						errs = append(errs, err)
 					}
 				}
@@ -173,13 +223,20 @@ func (a *Allocator) captureTarget(s arena.Stream) (*cachePool, error) {
 	return a.private[a.windows[len(a.windows)-1]], nil
 }
 
-var errCapturing = errors.New("the stream is being captured into a CUDA graph")
+var errCapturing = errors.New("a CUDA graph capture is underway")
 
-// mayFree says whether a stream-ordered free on s is safe now: not while s
-// is being captured, when the free would become a node of the graph.
-func (a *Allocator) mayFree(s arena.Stream) error {
+// mayFree says whether giving memory of pool p back to the device, ordered
+// on s, is safe now. Not while s is being captured: the free would become
+// a node of the graph. Nor, while any capture is underway, memory of a
+// private pool: it was taken outside the captures for any stream's use
+// (AllocUncaptured), so its free needs events, which wait for the end of
+// the captures (capturesEnd gives it back then).
+func (a *Allocator) mayFree(p *cachePool, s arena.Stream) error {
 	if !a.capturing() {
 		return nil
+	}
+	if p != a.general {
+		return errCapturing
 	}
 	st, err := a.dev.CaptureStatus(s)
 	if err != nil {

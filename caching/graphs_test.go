@@ -164,3 +164,99 @@ func TestReleaseTwiceDuringWindow(t *testing.T) {
 	require.NoError(t, a.EndAllocateToPool(id))
 	require.NoError(t, a.CheckInvariants())
 }
+
+// simBackends runs f on the simulated device under each backend: the
+// stream-ordered pool (async) and goalloc's own placement (vmm), both over
+// the same Sim, which the test drives (streams, captures, faults).
+func simBackends(t *testing.T, cfg Config, f func(t *testing.T, a *Allocator, sim *arena.Sim)) {
+	t.Run("async", func(t *testing.T) {
+		a, sim := newTestAllocator(t, cfg)
+		f(t, a, sim)
+	})
+	t.Run("vmm", func(t *testing.T) {
+		dev, err := arena.NewSimVMM(0, 16<<30)
+		require.NoError(t, err)
+		a, err := New(dev, cfg)
+		require.NoError(t, err)
+		f(t, a, dev.Sim)
+		require.NoError(t, dev.CheckInvariants())
+	})
+}
+
+// While a capture is underway goalloc records, queries and synchronises
+// nothing, whatever the device has pending: PyTorch's
+// test_cuda_graph_allocator_propagates_stream saw a cuEventQuery during a
+// capture that a second stream had joined, which the driver refuses and
+// which spoils the capture. The simulated device counts every such call
+// (arena.Sim.CaptureViolations) and invalidates the capture, as the driver
+// does. The joined stream's allocations go to the capture's pool, and
+// what had to wait for events goes ahead once the capture ends.
+func TestCaptureRecordsQueriesAndSynchronisesNothing(t *testing.T) {
+	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, sim *arena.Sim) {
+		const E, R = arena.Stream(0xe0), arena.Stream(0xf0)   // eager streams
+		const C0, C1 = arena.Stream(0xc0), arena.Stream(0xc1) // the capture's origin, and a stream that joins it
+		id := PoolID{1, 9}
+		sim.SetManual(true) // work completes only when the test says
+
+		// Before the capture: eager blocks freed with work still queued,
+		// one of them used on R too (record_stream), so its free waits for
+		// an event; on vmm their spans wait for fences.
+		var eager []uintptr
+		for i := 0; i < 4; i++ {
+			p, err := a.Malloc(40<<20, E)
+			require.NoError(t, err)
+			eager = append(eager, p)
+		}
+		require.NoError(t, a.RecordStream(eager[0], R))
+		sim.Launch(E)
+		sim.Launch(R)
+		for _, p := range eager {
+			require.NoError(t, a.Free(p, 40<<20, E))
+		}
+		kept, err := a.Malloc(40<<20, E) // live across the capture, used by the capture's streams
+		require.NoError(t, err)
+
+		require.NoError(t, a.BeginAllocateToPool(id))
+		sim.SetCapture(C0, arena.CaptureActive)
+		x, err := a.Malloc(40<<20, C0)
+		require.NoError(t, err)
+		sim.SetCapture(C1, arena.CaptureActive) // s1.wait_stream(s0) inside the capture
+		y, err := a.Malloc(40<<20, C1)
+		require.NoError(t, err)
+		small, err := a.Malloc(1000, C1)
+		require.NoError(t, err)
+		live := a.PoolLive(id)
+		require.Len(t, live, 3, "the joined stream's allocations are the capture's")
+		require.NoError(t, a.Free(y, 40<<20, C1))
+		require.NoError(t, a.RecordStream(kept, C1))
+		require.NoError(t, a.Free(kept, 40<<20, E)) // its free needs an event on a captured stream
+		_ = a.Stats()                               // reads poll deferred frees
+		_ = a.Snapshot()
+		require.NoError(t, a.EmptyCache()) // empty_cache synchronises, but not during a capture
+		z, err := a.Malloc(80<<20, C1)     // more memory for the pool
+		require.NoError(t, err)
+		sim.SetCapture(C0, arena.CaptureNone)
+		sim.SetCapture(C1, arena.CaptureNone)
+		require.NoError(t, a.EndAllocateToPool(id))
+
+		assert.Zero(t, sim.CaptureViolations, "an event was recorded, queried or the device synchronised during the capture")
+		require.NoError(t, a.CheckInvariants())
+
+		// After the capture the waiting frees go ahead.
+		sim.SetManual(false)
+		require.NoError(t, a.EmptyCache())
+		st := a.Stats()
+		assert.EqualValues(t, 3, st.Active[StatAll].Current, "the frees that waited completed: only x, z and small are active")
+		assert.Len(t, a.PoolLive(id), 3)
+		require.NoError(t, a.Free(x, 40<<20, C0))
+		require.NoError(t, a.Free(z, 80<<20, C1))
+		require.NoError(t, a.Free(small, 1000, C1))
+		require.NoError(t, a.ReleasePool(id))
+		require.NoError(t, a.EmptyCache())
+		st = a.Stats()
+		assert.Zero(t, st.Active[StatAll].Current)
+		assert.Zero(t, st.ReservedBytes[StatAll].Current, "everything went back")
+		assert.Zero(t, st.GraphPools)
+		require.NoError(t, a.CheckInvariants())
+	})
+}

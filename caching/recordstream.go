@@ -60,14 +60,27 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	if !l.pool.rule.defersFrees() {
 		return false
 	}
-	a.deferred.Add(ptr, used)
+	if a.capturing() {
+		// No event may be recorded now (see capturing): the free waits,
+		// pending, for the end of the captures, as in PyTorch's allocator.
+		a.afterCapture = append(a.afterCapture, recordedFree{ptr, used})
+	} else {
+		a.deferred.Add(ptr, used)
+	}
 	a.stats.DeferredFrees++
 	return true
 }
 
+// recordedFree is a free of ptr that must wait for the streams in used.
+type recordedFree struct {
+	ptr  uintptr
+	used []arena.Stream
+}
+
 // pollDeferred completes the deferred frees whose events have completed.
+// While a capture is underway nothing is polled (see capturing).
 func (a *Allocator) pollDeferred() int {
-	if a.deferred.Len() == 0 {
+	if a.deferred.Len() == 0 || a.capturing() {
 		return 0
 	}
 	return a.deferred.Poll(a.completeFree)

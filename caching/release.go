@@ -12,7 +12,7 @@ import (
 // stream.
 func (a *Allocator) releaseBlock(id blockID) error {
 	b := &a.blocks[id]
-	if err := a.mayFree(b.stream); err != nil {
+	if err := a.mayFree(b.list.pool, b.stream); err != nil {
 		return err
 	}
 	if err := a.mem.Free(b.addr, b.size, b.stream); err != nil {
@@ -37,7 +37,7 @@ func (a *Allocator) releaseBlock(id blockID) error {
 }
 
 func (a *Allocator) releaseSegment(seg *Segment) error {
-	if err := a.mayFree(seg.stream); err != nil {
+	if err := a.mayFree(seg.list.pool, seg.stream); err != nil {
 		return err
 	}
 	if err := a.mem.Free(seg.addr, seg.size, seg.stream); err != nil {
@@ -159,11 +159,17 @@ func (a *Allocator) releaseAll() error {
 
 // EmptyCache is torch.cuda.empty_cache: it gives back to the pool every
 // byte not in use and trims the pool down to the pre-warmed reserve
-// (releaseAll).
+// (releaseAll). While a capture is underway it does not synchronise the
+// device, which would break the capture: it gives back what it can.
 func (a *Allocator) EmptyCache() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	err := a.releaseAll()
+	var err error
+	if a.capturing() {
+		a.reclaim(false)
+	} else {
+		err = a.releaseAll()
+	}
 	// Forget the streams that hold nothing now: a stream's record costs
 	// host memory, and operations that look at every stream time.
 	a.general.dropAllUnused()

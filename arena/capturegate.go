@@ -1,0 +1,54 @@
+package arena
+
+// The capture gate: what a VMM device's placement may ask of the driver's
+// events while a CUDA graph capture is underway (package doc: "arena").
+
+import (
+	"errors"
+
+	"go.uber.org/atomic"
+)
+
+// ErrCaptureUnderway is the error of an event record refused because a
+// capture is underway on the device.
+var ErrCaptureUnderway = errors.New("arena: a CUDA graph capture is underway on the device, so no event is recorded")
+
+// CaptureAware is a device whose memory source records and polls events
+// of its own (the VMM devices, whose placement needs them to move memory
+// between streams). The caching layer says when a capture is underway on
+// the device, as PyTorch's allocator keeps its captures_underway: from the
+// first BeginAllocateToPool to the last EndAllocateToPool.
+//
+// Why: in CUDA's default (global) capture mode the driver refuses
+// cuEventQuery from any thread while a capture is underway, and the refusal
+// invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); an event
+// recorded on a stream that joined the capture becomes a node of the graph.
+// So while one is underway the device neither queries nor records.
+type CaptureAware interface {
+	SetCaptureUnderway(underway bool)
+}
+
+// captureGate is a PhysDriver adaptor that keeps the placement away from
+// events while a capture is underway: a record is refused with
+// ErrCaptureUnderway (the placement then leaves what it would have covered
+// unrecorded, as for any refused record), and a query answers "not done
+// yet", which is the truth as far as anyone may ask: what waits for an
+// event keeps waiting, and nothing is reused or unmapped on its strength.
+type captureGate struct {
+	PhysDriver
+	underway atomic.Bool
+}
+
+func (g *captureGate) RecordEvent(e Event, s Stream) error {
+	if g.underway.Load() {
+		return ErrCaptureUnderway
+	}
+	return g.PhysDriver.RecordEvent(e, s)
+}
+
+func (g *captureGate) EventDone(e Event) (bool, error) {
+	if g.underway.Load() {
+		return false, nil
+	}
+	return g.PhysDriver.EventDone(e)
+}
