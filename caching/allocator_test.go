@@ -217,13 +217,13 @@ func TestLoweringCapReleasesCache(t *testing.T) {
 	assert.Zero(t, a.reserved(), "lowering the cap releases cached memory")
 	u, _ := sim.PoolUsage()
 	assert.Zero(t, u.ReservedCurrent, "and trims the pool")
-	for _, f := range []float64{0, -1, 1.5, math.NaN(), math.Inf(1)} {
+	for _, f := range []float64{-1, 1.5, math.NaN(), math.Inf(1), math.Inf(-1), -0.1} {
 		err := a.SetFraction(f)
 		var ie *InputError
 		require.ErrorAs(t, err, &ie, "fraction %v", f)
 		assert.Equal(t, "invalid_fraction", ie.Kind)
 	}
-	assert.EqualValues(t, 5, a.Stats().BadInput["invalid_fraction"])
+	assert.EqualValues(t, 6, a.Stats().BadInput["invalid_fraction"])
 }
 
 func TestRequestLargerThanDeviceFailsFast(t *testing.T) {
@@ -397,8 +397,8 @@ func TestParseConfig(t *testing.T) {
 	for _, bad := range []struct{ conf, want string }{
 		{"bogus:1", `unknown key "bogus"`},
 		{"fraction", "not key:value"},
-		{"fraction:0", "outside (0, 1]"},
-		{"fraction:1.5", "outside (0, 1]"},
+		{"fraction:0", "0 would refuse every allocation"},
+		{"fraction:1.5", "outside [0, 1]"},
 		{"fraction:nan", "not a number"},
 		{"reserve:1", "outside [0, 1)"},
 		{"release_threshold:lots", "not a byte size"},
@@ -447,8 +447,28 @@ func TestSnapshotMatchesStats(t *testing.T) {
 	_, _ = p, q
 }
 
-// A cap is a cap: a positive fraction so small that fraction x device
-// rounds to 0 bytes must not turn into 0, which means "no cap".
+// A cap is a cap: a fraction of 0, as torch.cuda.set_per_process_memory_fraction
+// takes it, or one so small that fraction x device rounds to 0 bytes, must
+// not turn into a limit of 0, which means "no cap".
+func TestFractionZeroRefusesEverything(t *testing.T) {
+	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, _ *arena.Sim) {
+		p, err := a.Malloc(3<<20, 0)
+		require.NoError(t, err)
+		require.NoError(t, a.SetFraction(0))
+		var oom *OOMError
+		for _, n := range []uint64{1, 4096, 3 << 20, 1 << 30} {
+			_, err = a.Malloc(n, 1)
+			require.ErrorAs(t, err, &oom, "%d bytes under a fraction of 0", n)
+		}
+		require.NoError(t, a.Free(p, 3<<20, 0), "what was live before is freed as usual")
+		require.NoError(t, a.SetFraction(1))
+		q, err := a.Malloc(1<<30, 1)
+		require.NoError(t, err, "a fraction of 1 lifts it")
+		require.NoError(t, a.Free(q, 1<<30, 1))
+		require.NoError(t, a.CheckInvariants())
+	})
+}
+
 func TestTinyFractionIsStillACap(t *testing.T) {
 	for _, f := range []float64{1e-12, 1e-11, 5e-324} {
 		a, _ := newTestAllocator(t, DefaultConfig())

@@ -89,7 +89,7 @@ func DefaultConfig() Config {
 
 // confKeys documents every key ParseConfig takes, for error messages and the README.
 var confKeys = map[string]string{
-	"fraction":          "cap on reserved memory as a share of the device, in (0, 1]",
+	"fraction":          "cap on reserved memory as a share of the device, in (0, 1]; no cap without it",
 	"reserve":           "share of the device pre-warmed into the pool at first use, in [0, 1)",
 	"release_threshold": "bytes the driver pool keeps when idle: a size (512M, 2G) or max",
 	"large_cache":       "most bytes of free large blocks cached above the pool: a size or 0 (default 256M on backend:vmm, 0 on backend:async, whose pool caches for itself)",
@@ -134,7 +134,11 @@ func ParseConfig(s string) (Config, error) {
 		switch k {
 		case "fraction":
 			if c.Fraction, err = parseNumber(v); err == nil {
-				err = CheckFraction(c.Fraction)
+				if err = CheckFraction(c.Fraction); err == nil && c.Fraction == 0 {
+					// Config.Fraction 0 means no cap; a cap of nothing is
+					// set_per_process_memory_fraction(0.0)'s, at run time.
+					err = fmt.Errorf("0 would refuse every allocation; leave fraction out for no cap")
+				}
 			}
 		case "reserve":
 			c.Reserve, err = parseShare(v, true, false)
@@ -218,17 +222,19 @@ func largeCacheDefault(backend string) uint64 {
 
 // CheckFraction is the one rule for a memory fraction, wherever it comes
 // from (GOALLOC_CONF's fraction, set_per_process_memory_fraction, Python):
-// a share of the device's memory in (0, 1].
+// a share of the device's memory in [0, 1], as PyTorch takes it. 0 is a cap
+// that refuses every allocation (fractionLimit).
 func CheckFraction(f float64) error {
-	if math.IsNaN(f) || f <= 0 || f > 1 {
-		return fmt.Errorf("%v is outside (0, 1]", f)
+	if math.IsNaN(f) || f < 0 || f > 1 {
+		return fmt.Errorf("%v is outside [0, 1]", f)
 	}
 	return nil
 }
 
 // fractionLimit is the cap in bytes for fraction f of total bytes. It is at
-// least one byte: a limit of 0 means no cap, and a fraction so small that
-// f x total rounds to 0 is still a cap, one that refuses everything.
+// least one byte: a limit of 0 means no cap, and a fraction of 0, or one so
+// small that f x total rounds to 0, is still a cap, one that refuses
+// everything.
 func fractionLimit(f float64, total uint64) uint64 {
 	return max(1, uint64(f*float64(total)))
 }

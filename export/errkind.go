@@ -16,7 +16,7 @@ import (
 //
 //	0  none          no call of this thread has failed
 //	1  bad_argument  an argument the call refuses: a negative or absurd size,
-//	                 a device that does not exist, a fraction outside (0, 1],
+//	                 a device that does not exist, a fraction outside [0, 1],
 //	                 a pointer or pool goalloc does not hold, ...
 //	2  bad_config    a bad GOALLOC_CONF string (or goalloc_configure's), or a
 //	                 bad GOALLOC_DEVICE, GOALLOC_SIM_DEVICES, GOALLOC_SIM_MEMORY

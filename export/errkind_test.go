@@ -22,7 +22,7 @@ func TestEveryFailureSetsItsKind(t *testing.T) {
 		{"device that does not exist", nil, func(l *library) error { _, err := l.statsJSON(7); return err }, errBadArgument},
 		{"malloc on a device that does not exist", nil, func(l *library) error { l.malloc(1, 7, 0); return nil }, errBadArgument},
 		{"asking for a device that does not exist", nil, func(l *library) error { return l.deviceExists(2) }, errBadArgument},
-		{"fraction outside (0, 1]", nil, func(l *library) error { return l.setFraction(1.5, 0) }, errBadArgument},
+		{"fraction outside [0, 1]", nil, func(l *library) error { return l.setFraction(1.5, 0) }, errBadArgument},
 		{"fraction for a device that does not exist", nil, func(l *library) error { return l.setFraction(0.5, 9) }, errBadArgument},
 		{"statistic that does not exist", nil, func(l *library) error { _, err := l.stat(0, 99); return err }, errBadArgument},
 		{"history too long", nil, func(l *library) error { return l.recordHistory(caching.MaxHistoryEntries + 1) }, errBadArgument},

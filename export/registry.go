@@ -351,24 +351,24 @@ func (l *library) emptyCache() error {
 	return l.fail(errors.Join(errs...))
 }
 
-// setFraction is goalloc_set_memory_fraction.
+// setFraction is goalloc_set_memory_fraction. The fraction is recorded and
+// applied under l.mu, so that the one recorded (what config() and
+// get_per_process_memory_fraction read) is the one in force, however
+// threads race to set it.
 func (l *library) setFraction(f float64, d int) error {
 	if err := caching.CheckFraction(f); err != nil {
 		return l.bad("invalid_fraction", fmt.Sprintf("goalloc: device %d: memory fraction %v", d, err))
 	}
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	if err := l.initLocked(0); err != nil {
-		l.mu.Unlock()
 		return err
 	}
 	if err := l.noDeviceLocked(d); err != nil {
-		l.mu.Unlock()
 		return err
 	}
 	l.fractions[d] = f
-	a := l.devices[d].Load()
-	l.mu.Unlock()
-	if a != nil {
+	if a := l.devices[d].Load(); a != nil {
 		return l.reportErr(a.SetFraction(f))
 	}
 	return nil

@@ -68,7 +68,9 @@ func TestPerDeviceCaps(t *testing.T) {
 	assert.Zero(t, stats(t, l, 0)["num_ooms"])
 	require.Len(t, out.lines(), 1)
 	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 1: 3.00 GiB requested; cap 2.00 GiB")
-	require.Error(t, l.setFraction(0, 0))
+	require.NoError(t, l.setFraction(0, 1), "0 is a cap, as in PyTorch")
+	assert.Zero(t, l.malloc(512, 1, 0), "that refuses everything")
+	require.Error(t, l.setFraction(-0.5, 0))
 	require.Error(t, l.setFraction(1.5, 0))
 	require.Error(t, l.setFraction(0.5, 7), "no device 7")
 	l.free(p, 3<<30, 0, 0)
@@ -126,7 +128,7 @@ func TestBadConfigIsAnErrorAtInit(t *testing.T) {
 	t.Setenv("GOALLOC_SIM_MEMORY", "2048T") // 64 devices of it would not fit apart in 64 bits
 	require.ErrorContains(t, newLibrary().init(0), "outside [1 MiB, 1 PiB]")
 	assert.Equal(t, []string{
-		"goalloc: not initialised: GOALLOC_CONF: fraction: 2 is outside (0, 1] (cap on reserved memory as a share of the device, in (0, 1])",
+		"goalloc: not initialised: GOALLOC_CONF: fraction: 2 is outside [0, 1] (cap on reserved memory as a share of the device, in (0, 1]; no cap without it)",
 		`goalloc: not initialised: GOALLOC_DEVICE="tpu"; use cuda or sim`,
 		`goalloc: not initialised: GOALLOC_SIM_MEMORY="lots": "lots" is not a byte size`,
 		`goalloc: not initialised: GOALLOC_SIM_MEMORY="2048T": 2251799813685248 bytes is outside [1 MiB, 1 PiB]`,
@@ -271,4 +273,32 @@ func TestNoEntryPointCountsACallBeforeInit(t *testing.T) {
 		}
 	}
 	assert.Empty(t, out.b.String())
+}
+
+// The fraction the library records (config's "fractions", what
+// get_per_process_memory_fraction reads) and the cap in force agree, however
+// two threads race to set it.
+func TestConcurrentFractionsAgreeWithTheCap(t *testing.T) {
+	l := simLibrary(t, "1")
+	require.NotZero(t, l.malloc(512, 0, 0)) // the device exists: setFraction applies it at once
+	a := l.existingDevice(0)
+	require.NotNil(t, a)
+	for round := 0; round < 200000; round++ {
+		var wg sync.WaitGroup
+		for _, f := range []float64{0.25, 0.75} {
+			wg.Add(1)
+			go func(f float64) {
+				defer wg.Done()
+				_ = l.setFraction(f, 0)
+			}(f)
+		}
+		wg.Wait()
+		l.mu.Lock()
+		recorded := l.fractions[0]
+		l.mu.Unlock()
+		want := uint64(recorded * float64(a.Total()))
+		if got := a.Limit(); got != want {
+			t.Fatalf("round %d: the recorded fraction %v means a cap of %d bytes, but %d is in force", round, recorded, want, got)
+		}
+	}
 }

@@ -10,12 +10,12 @@ import pytest
 import goalloc
 
 
-@pytest.mark.parametrize("fraction", [0, 0.0, -0.5, 1.5, math.nan, math.inf])
+@pytest.mark.parametrize("fraction", [-0.5, -1e-300, 1.5, math.nan, math.inf, -math.inf])
 def test_fraction_outside_zero_one_is_a_value_error(fraction):
     with warnings.catch_warnings():
         # The library also warns of the first one (once per kind): expected.
         warnings.simplefilter("ignore", goalloc.GoallocWarning)
-        with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
+        with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
             goalloc.set_memory_fraction(fraction, 1)
 
 
@@ -111,8 +111,20 @@ def test_history_arguments_of_the_wrong_type():
 @pytest.mark.parametrize("fraction", [10**400, -10**400], ids=["10**400", "-10**400"])
 def test_fraction_beyond_a_double_is_a_value_error(fraction):
     """Not Python's OverflowError: the library's own message, as for 1.5."""
-    with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
         goalloc.set_memory_fraction(fraction, 1)
+
+
+@pytest.mark.parametrize("fraction", [0, 0.0])
+def test_fraction_zero_refuses_everything_as_in_pytorch(raw, device, fraction):
+    """torch.cuda.set_per_process_memory_fraction(0.0) is allowed, and reads back."""
+    goalloc.set_memory_fraction(fraction, device)
+    assert goalloc.config()["fractions"][str(device)] == 0
+    assert raw.malloc(512, device) == 0
+    goalloc.set_memory_fraction(1.0, device)
+    p = raw.malloc(512, device)
+    assert p != 0
+    raw.free(p, 512, device)
 
 
 def test_tiny_fraction_is_a_cap_and_shows_before_the_device_exists(raw, device):

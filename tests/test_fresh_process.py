@@ -92,7 +92,7 @@ def test_bad_goalloc_conf_in_the_environment_is_reported_by_the_first_call():
     except ValueError as e:
         print(e)
     """, env={"GOALLOC_CONF": "fraction:7"})
-    assert "GOALLOC_CONF: fraction: 7 is outside (0, 1]" in proc.stdout
+    assert "GOALLOC_CONF: fraction: 7 is outside [0, 1]" in proc.stdout
 
 
 def test_bad_simulated_device_settings_are_value_errors():

@@ -128,10 +128,10 @@ def _parse_device(device: Any) -> tuple[str, Optional[int]]:
 
 
 def _fraction_argument(fraction: Any) -> float:
-    """fraction as a C double. Its range, (0, 1], is the library's rule,
+    """fraction as a C double. Its range, [0, 1], is the library's rule,
     checked there (caching.CheckFraction) with the message a user reads."""
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-        raise TypeError(f"goalloc: memory fraction must be a number in (0, 1], not {fraction!r}")
+        raise TypeError(f"goalloc: memory fraction must be a number in [0, 1], not {fraction!r}")
     try:
         return float(fraction)
     except OverflowError:  # an int beyond any double: out of range, as infinity is
@@ -278,7 +278,8 @@ def empty_cache(device: Device = None) -> None:
 
 
 def set_memory_fraction(fraction: float, device: Device = None) -> None:
-    """Cap reserved memory at fraction x the device's memory, fraction in (0, 1].
+    """Cap reserved memory at fraction x the device's memory, fraction in [0, 1]
+    (0 refuses every allocation, as in PyTorch).
 
     The goalloc side of torch.cuda.set_per_process_memory_fraction(): past
     the cap an allocation fails (NULL to torch) after goalloc has given its

@@ -126,11 +126,22 @@ int main(int argc, char** argv) {
     a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, false, {});
   }
 
-  // Memory fraction.
+  // Memory fraction: every value PyTorch takes, [0, 1]; 0 refuses everything
+  // (test_get_per_process_memory_fraction sets 1.0, 0.0 and random values).
   EXPECT(a.getMemoryFraction(1) == 1.0, "default fraction");
   a.setMemoryFraction(0.5, 1);
   EXPECT(a.getMemoryFraction(1) == 0.5, "fraction");
-  EXPECT(throws<c10::Error>([&] { a.setMemoryFraction(1.5, 1); }).find("outside (0, 1]") != std::string::npos, "bad fraction");
+  a.setMemoryFraction(1.0, 1);
+  EXPECT(a.getMemoryFraction(1) == 1.0, "fraction 1");
+  a.setMemoryFraction(0.0, 1);
+  EXPECT(a.getMemoryFraction(1) == 0.0, "fraction 0");
+  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(512, 1, S); }).find("out of memory") != std::string::npos,
+         "fraction 0 refuses everything");
+  a.setMemoryFraction(0.123456789, 1);
+  EXPECT(a.getMemoryFraction(1) == 0.123456789, "fraction read back exactly");
+  a.setMemoryFraction(1.0, 1);
+  EXPECT(throws<c10::Error>([&] { a.setMemoryFraction(1.5, 1); }).find("outside [0, 1]") != std::string::npos, "bad fraction");
+  EXPECT(a.getMemoryFraction(1) == 1.0, "a refused fraction changes nothing");
 
   // History and snapshot through c10's structs.
   a.recordHistory(true, nullptr, SIZE_MAX, CCA::RecordContext::ALL, false, {});  // torch's default: sys.maxsize

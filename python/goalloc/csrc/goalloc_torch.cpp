@@ -398,18 +398,19 @@ class GoallocAllocator : public CCA::CUDAAllocator {
 
   bool initialized() override { return initialized_.load(); }
 
+  // The fraction is the library's to check ([0, 1], as PyTorch takes it;
+  // 0 refuses every allocation) and to keep: the one it reports is the one
+  // in force.
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    TORCH_CHECK(0 < fraction && fraction <= 1, "goalloc: memory fraction ", fraction, " is outside (0, 1]");
     check(lib.set_fraction(device, fraction));
-    std::lock_guard<std::mutex> g(mu_);
-    fractions_[device] = fraction;
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = fractions_.find(device);
-    if (it != fractions_.end()) return it->second;
-    double f = parse(lib.config_json())["fraction"].num;  // GOALLOC_CONF's fraction, 0 if none
+    check_device(device);
+    Json conf = parse(lib.config_json());
+    const Json& set = conf["fractions"][std::to_string(device).c_str()];
+    if (set.kind == Json::Number) return set.num;
+    double f = conf["fraction"].num;  // GOALLOC_CONF's fraction, 0 if none
     return f > 0 ? f : 1.0;
   }
 
@@ -751,7 +752,6 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   std::atomic<int> open_windows_{0};
   std::mutex mu_;  // guards everything below
   std::vector<Window> windows_[kMaxDevices];
-  std::map<int, double> fractions_;
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
 
   static TraceEntry::Action action(const std::string& s) {
