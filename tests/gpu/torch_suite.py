@@ -101,6 +101,7 @@ class Run:
         self.verbose = verbose
         self.outcomes: dict[str, str] = {}
         self.messages: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}
         self.processes = 0
 
     def run(self, tests: list[str]) -> None:
@@ -137,13 +138,14 @@ class Run:
             out.seek(0)
             output = out.read()
             out.close()
-        started, current = set(), None
+        started, current, began = set(), None, 0.0
         for e in events:
             if e["ev"] == "start":
                 started.add(e["test"])
-                current = e["test"]
+                current, began = e["test"], e["t"]
             elif e["ev"] == "done":
                 self.outcomes[e["test"]] = e["outcome"]
+                self.seconds[e["test"]] = round(e["t"] - began, 1)
                 if e.get("message"):
                     self.messages[e["test"]] = e["message"]
                 current = None
@@ -193,7 +195,8 @@ def run_allocator(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
             elif alone.outcomes[t] not in FAILED:
                 messages.pop(t, None)
     keep = {t: messages[t] for t in tests if outcomes[t] not in ("passed", "skipped") and t in messages}
-    return {"outcomes": outcomes, "sequence": sequence, "messages": keep}
+    slowest = dict(sorted(first.seconds.items(), key=lambda kv: -kv[1])[:15])
+    return {"outcomes": outcomes, "sequence": sequence, "messages": keep, "slowest": slowest}
 
 
 def short(nodeid: str) -> str:
@@ -239,6 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result[args.allocator + "_sequence"] = {short(t): o for t, o in got["sequence"].items()}
     result[args.allocator + "_messages"] = {short(t): m for t, m in got["messages"].items()}
     result[args.allocator + "_seconds"] = round(time.time() - started, 1)
+    result[args.allocator + "_slowest"] = {short(t): s for t, s in got["slowest"].items()}
     result["exceptions"] = dict(EXCEPTIONS)
     result["classes"] = args.classes
     passing, missing = compare(result["native"], result["goalloc"])
