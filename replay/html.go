@@ -86,6 +86,8 @@ type row struct {
 	// FragNote, when set, says why Frag means little: the free memory it
 	// is computed over is tiny (tinyFreeShare).
 	FragNote string
+	// InputWarnings is Result.InputWarningNote.
+	InputWarnings string
 }
 
 // tinyFreeShare is the share of peak live bytes below which free memory at
@@ -105,7 +107,7 @@ func newRow(r *Result, color string) row {
 		DevAllocs:     fmtCount(r.DeviceAllocs), DevFrees: fmtCount(r.DeviceFrees),
 		OOMs: fmtCount(uint64(r.OOMs)), NsPerOp: fmt.Sprintf("%.0f", r.NsPerOp),
 		EndToEnd: fmt.Sprintf("%.2f M", r.EndToEndEventsPerSecond/1e6),
-		VsNative: "–", OOMAt: r.OOMError,
+		VsNative: "–", OOMAt: r.OOMError, InputWarnings: r.InputWarningNote(),
 	}
 	if r.AllocatorPeakAllocatedBytes > 0 {
 		rw.Alloc = fmtBytes(r.AllocatorPeakAllocatedBytes)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/goalloc/goalloc/arena"
+	"github.com/goalloc/goalloc/caching"
 	"github.com/goalloc/goalloc/policies"
 )
 
@@ -73,6 +74,13 @@ type Result struct {
 	// goes on without them (and skips their frees). OOMError is the first.
 	OOMs     int    `json:"ooms"`
 	OOMError string `json:"oom_error,omitempty"`
+	// InputWarnings counts the calls the policy found wrong but carried out
+	// all the same (caching.InputError with Handled: goalloc frees a block
+	// freed on another stream than its allocation's in the allocation
+	// stream's order); the replay goes on past them. InputWarning is the
+	// first.
+	InputWarnings int    `json:"input_warnings"`
+	InputWarning  string `json:"input_warning,omitempty"`
 
 	// NsPerOp is the wall time of the replay loop over Replayed, and
 	// EventsPerSecond its inverse. EndToEndEventsPerSecond counts every event
@@ -146,7 +154,9 @@ func DeviceName(dev arena.Device) string {
 // and it belongs to the replay: it is closed when Replay returns.
 //
 // An allocation that fails for lack of memory is counted and skipped, with
-// its free; any other error stops the replay, naming the trace line.
+// its free; a call the policy carries out despite bad input is counted as a
+// warning (InputWarnings); any other error stops the replay, naming the
+// trace line.
 func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	name := opt.Policy
 	if name == "" {
@@ -204,7 +214,13 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 				break
 			}
 			if err := a.Free(p, ev.Size, ev.Stream); err != nil {
-				return nil, replayError(t, ev, name, err)
+				if !handledInput(err) {
+					return nil, replayError(t, ev, name, err)
+				}
+				if res.InputWarnings == 0 {
+					res.InputWarning = fmt.Sprintf("%s: %v", t.where(ev.Line), err)
+				}
+				res.InputWarnings++
 			}
 			live -= ev.Size
 		}
@@ -262,6 +278,30 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		res.EndToEndEventsPerSecond = float64(t.Lines) / total.Seconds()
 	}
 	return res, nil
+}
+
+// InputWarningNote says, for the report, how many calls the policy carried
+// out despite bad input and what the first was; "" when there were none.
+func (r *Result) InputWarningNote() string {
+	if r.InputWarnings == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%s: calls carried out despite bad input (a warning each): %s; the first at %s",
+		r.Policy, fmtCount(uint64(r.InputWarnings)), r.InputWarning)
+}
+
+// handledInput says err only reports input the policy found wrong and
+// acted on all the same (caching.InputError.Handled, as goalloc's library
+// front treats it too): the call did its work, so the replay counts it and
+// goes on.
+func handledInput(err error) bool {
+	ies := caching.InputErrors(err)
+	for _, ie := range ies {
+		if !ie.Handled {
+			return false
+		}
+	}
+	return len(ies) > 0
 }
 
 func replayError(t *Trace, ev *Event, policy string, err error) error {

@@ -1,6 +1,8 @@
 package replay
 
 import (
+	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
@@ -192,4 +194,38 @@ func TestDeviceName(t *testing.T) {
 	require.Equal(t, "sim", DeviceName(vmm), "the simulated VMM device is the simulated device's")
 	// A wrapper that does not pass Name on is not taken for what it wraps.
 	require.Equal(t, "*replay.countingDevice", DeviceName(&countingDevice{Device: arena.NewSim(0, 0)}))
+}
+
+// A free on another stream than its allocation's is a mistake goalloc
+// reports and handles (it frees the block in the allocation stream's
+// order); every policy replays the trace, and goalloc's warning is counted
+// in the result, the first one kept with where it happened.
+func TestReplayFreeOnAnotherStream(t *testing.T) {
+	onStream := func(action string, addr, size, stream uint64) string {
+		return fmt.Sprintf(`{"a": "%s", "addr": %d, "size": %d, "stream": %d, "t": 1000}`, action, addr, size, stream)
+	}
+	tr, err := Open(writeFile(t, "streams.jsonl", traceText(
+		onStream("alloc", 1, 4096, 7),
+		onStream("free_completed", 1, 4096, 9),
+		onStream("alloc", 2, 4096, 7),
+	)))
+	require.NoError(t, err)
+	var results []*Result
+	for _, name := range policies.Names {
+		r, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: name})
+		require.NoError(t, err, name)
+		results = append(results, r)
+		require.Equal(t, uint64(4096), r.PeakLiveBytes, name)
+		if name == "goalloc" {
+			require.Equal(t, 1, r.InputWarnings, name)
+			require.Contains(t, r.InputWarning, "line 3: ")
+			require.Contains(t, r.InputWarning, "freed in the allocation stream's order")
+		} else {
+			require.Zero(t, r.InputWarnings, name)
+			require.Empty(t, r.InputWarning, name)
+		}
+	}
+	var page strings.Builder
+	require.NoError(t, WriteHTML(&page, tr, results))
+	require.Contains(t, page.String(), "goalloc: calls carried out despite bad input (a warning each): 1; the first at line 3: ")
 }

@@ -456,6 +456,9 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		if r.OOMs > 0 {
 			fmt.Fprintf(w, "%s: %d allocations failed for lack of memory; the first at %s\n", r.Policy, r.OOMs, r.OOMError)
 		}
+		if note := r.InputWarningNote(); note != "" {
+			fmt.Fprintln(w, note)
+		}
 	}
 }
 

@@ -391,3 +391,31 @@ func TestReplaySnapshotDevices(t *testing.T) {
 		require.Empty(t, out, "%v", c.args)
 	}
 }
+
+// A free on another stream than its allocation's: goalloc handles it with a
+// warning, which the table and the JSON count, and every policy replays
+// the trace.
+func TestReplayFreeOnAnotherStream(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "streams.jsonl")
+	text := `{"workload": "w", "events": 3}` + "\n" +
+		`{"a": "alloc", "addr": 1, "size": 4096, "stream": 7, "t": 1}` + "\n" +
+		`{"a": "free_completed", "addr": 1, "size": 4096, "stream": 9, "t": 2}` + "\n" +
+		`{"a": "alloc", "addr": 2, "size": 4096, "stream": 7, "t": 3}` + "\n"
+	require.NoError(t, os.WriteFile(path, []byte(text), 0o644))
+	code, out, errOut := goalloc(t, "replay", path, "--compare", "--json")
+	require.Equal(t, 0, code, errOut)
+	var results []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &results), out)
+	require.Len(t, results, len(policies.Names))
+	for _, r := range results {
+		want := 0.0
+		if r["policy"] == "goalloc" {
+			want = 1
+			require.Contains(t, r["input_warning"], "line 3: ")
+		}
+		require.Equal(t, want, r["input_warnings"], r["policy"])
+	}
+	code, out, errOut = goalloc(t, "replay", path)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "goalloc: calls carried out despite bad input (a warning each): 1; the first at line 3: ")
+}
