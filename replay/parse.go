@@ -175,7 +175,7 @@ func parseEventFast(b []byte, ev *rawEvent) error {
 		key := b[i+1 : end-1]
 		i = skipSpace(b, end)
 		if i >= len(b) || b[i] != ':' {
-			return syntaxError(i, "want ':' after field name %q", key)
+			return syntaxError(i, "want ':' after field name %s", preview(key))
 		}
 		i = skipSpace(b, i+1)
 		if i < len(b) && b[i] == 'n' { // null: as if the field were absent
@@ -214,7 +214,7 @@ func parseEventFast(b []byte, ev *rawEvent) error {
 		if i < len(b) && b[i] == '}' {
 			return checkEnd(b, i+1)
 		}
-		return syntaxError(i, "want ',' or '}' after the value of %q", key)
+		return syntaxError(i, "want ',' or '}' after the value of %s", preview(key))
 	}
 }
 
@@ -445,13 +445,29 @@ func skipScalar(b []byte, i int) (int, error) {
 	return scanNumber(b, i)
 }
 
-// valuePreview quotes the value at b[i] for an error message.
+// previewBytes is how much of a value from the input a message quotes:
+// enough to recognise it, while the message stays one short line however
+// large the value is.
+const previewBytes = 40
+
+// preview quotes a value from the input for a message: whole when it is
+// short, else its first previewBytes bytes and its length. Every message
+// that shows input goes through it.
+func preview[T ~string | ~[]byte](s T) string {
+	if len(s) <= previewBytes {
+		return strconv.Quote(string(s))
+	}
+	return fmt.Sprintf("%s... (%d bytes)", strconv.Quote(string(s[:previewBytes])), len(s))
+}
+
+// valuePreview quotes the value at b[i], up to the ',' or '}' after it, for
+// a message.
 func valuePreview(b []byte, i int) string {
 	j := i
-	for j < len(b) && b[j] != ',' && b[j] != '}' && j-i < 40 {
+	for j < len(b) && b[j] != ',' && b[j] != '}' {
 		j++
 	}
-	return strconv.Quote(string(b[i:j]))
+	return preview(b[i:j])
 }
 
 // parseEventSlow parses an event line with encoding/json, fields matched by
@@ -474,7 +490,7 @@ func parseEventSlow(b []byte, ev *rawEvent) error {
 		case "a":
 			var s string
 			if err = json.Unmarshal(raw, &s); err != nil {
-				return fmt.Errorf("field a: want a string naming the action, got %s", strconv.Quote(string(raw)))
+				return fmt.Errorf("field a: want a string naming the action, got %s", preview(raw))
 			}
 			setAction(ev, []byte(s))
 		case "addr":
@@ -488,7 +504,7 @@ func parseEventSlow(b []byte, ev *rawEvent) error {
 			ev.has |= hasStream
 		case "t":
 			if err = json.Unmarshal(raw, &ev.t); err != nil {
-				err = fmt.Errorf("field t: want an integer, got %s", strconv.Quote(string(raw)))
+				err = fmt.Errorf("field t: want an integer, got %s", preview(raw))
 			}
 			ev.has |= hasT
 		}
@@ -502,7 +518,7 @@ func parseEventSlow(b []byte, ev *rawEvent) error {
 func slowUint(raw json.RawMessage, field string) (uint64, error) {
 	var n uint64
 	if err := json.Unmarshal(raw, &n); err != nil {
-		return 0, fmt.Errorf("field %s: want a non-negative integer, got %s", field, strconv.Quote(string(raw)))
+		return 0, fmt.Errorf("field %s: want a non-negative integer, got %s", field, preview(raw))
 	}
 	return n, nil
 }

@@ -453,7 +453,7 @@ func (s *snapshotReader) decodeEvents(entries []any, dev int) ([]snapEvent, erro
 	if len(unknown) > 0 {
 		names := slices.Sorted(maps.Keys(unknown))
 		for i, n := range names {
-			names[i] = fmt.Sprintf("%s (%d)", n, unknown[n])
+			names[i] = fmt.Sprintf("%s (%d)", preview(n), unknown[n])
 		}
 		s.note("device_traces[%d] has events of actions this reader does not know, left out: %s (it knows %s)",
 			dev, strings.Join(names, ", "), strings.Join(actionNames(), ", "))
@@ -645,7 +645,7 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 			"so its peak is not the recorded run's. The allocations replay as usual")
 	}
 	if in.AllocConf != "" && in.Recorder == "pytorch" {
-		s.note("recorded with PYTORCH_CUDA_ALLOC_CONF=%q; the native policy models the default settings, so its figures may differ from the recorded run's", in.AllocConf)
+		s.note("recorded with PYTORCH_CUDA_ALLOC_CONF=%s; the native policy models the default settings, so its figures may differ from the recorded run's", preview(in.AllocConf))
 	}
 	if n := in.Actions["oom"]; n > 0 {
 		s.note("the recorded run ran out of memory (%d oom events); the requests that failed are not in the history and are not replayed", n)
@@ -655,8 +655,8 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	}
 	switch in.Recorder {
 	case "goalloc":
-		s.note("recorded by goalloc (through its allocator class in torch, settings %q): its alloc sizes are the slots and blocks goalloc handed out, "+
-			"not the requests, and its peak reserved, %s, is goalloc's", strings.TrimPrefix(in.AllocConf, "goalloc "), fmtBytes(in.RecordedPeakReservedBytes))
+		s.note("recorded by goalloc (through its allocator class in torch, settings %s): its alloc sizes are the slots and blocks goalloc handed out, "+
+			"not the requests, and its peak reserved, %s, is goalloc's", preview(strings.TrimPrefix(in.AllocConf, "goalloc ")), fmtBytes(in.RecordedPeakReservedBytes))
 	case "unknown":
 		s.note("no allocator_settings: not written by PyTorch's caching allocator (goalloc's snapshots have none). Its alloc sizes are what that allocator recorded "+
 			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", fmtBytes(in.RecordedPeakReservedBytes))
@@ -728,8 +728,18 @@ func pyRepr(v any) string {
 	case nil:
 		return "None"
 	case string:
-		return fmt.Sprintf("%q", x)
-	case int64, float64, bool, *big.Int:
+		return preview(x)
+	case *big.Int:
+		// Decimal conversion takes time that grows faster than the
+		// number's length: an int past 128 bits is named by its size.
+		if n := x.BitLen(); n > 128 {
+			if x.Sign() < 0 {
+				return fmt.Sprintf("a negative int of %d bits", n)
+			}
+			return fmt.Sprintf("an int of %d bits", n)
+		}
+		return x.String()
+	case int64, float64, bool:
 		return fmt.Sprint(x)
 	}
 	return "a " + pyTypeName(v)

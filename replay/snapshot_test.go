@@ -381,7 +381,7 @@ func TestSnapshotGzipped(t *testing.T) {
 
 // pickled writes v as a protocol 2 pickle, for snapshots the fixtures do
 // not cover: maps (string keys, in sorted order), slices, tuples, strings,
-// ints, bools and nil.
+// ints (and positive *big.Int), bools and nil.
 func pickled(v any) []byte {
 	var b bytes.Buffer
 	b.Write([]byte{0x80, 2})
@@ -397,6 +397,20 @@ func pickled(v any) []byte {
 			binary.LittleEndian.PutUint64(le[:], uint64(x))
 			b.Write([]byte{0x8a, 8})
 			b.Write(le[:])
+		case *big.Int:
+			// LONG4: little-endian two's complement, here of a positive
+			// number, with a zero byte above a set top bit.
+			be := x.Bytes()
+			le := make([]byte, len(be), len(be)+1)
+			for i, c := range be {
+				le[len(be)-1-i] = c
+			}
+			if len(le) > 0 && le[len(le)-1]&0x80 != 0 {
+				le = append(le, 0)
+			}
+			b.WriteByte(0x8b)
+			_ = binary.Write(&b, binary.LittleEndian, uint32(len(le)))
+			b.Write(le)
 		case string:
 			b.WriteByte('X')
 			_ = binary.Write(&b, binary.LittleEndian, uint32(len(x)))
@@ -519,7 +533,7 @@ func TestSnapshotInitialState(t *testing.T) {
 	tr, err = openPickled(t, snap)
 	require.NoError(t, err)
 	require.Equal(t, uint64(0x1000), tr.PeakLive)
-	require.Contains(t, strings.Join(tr.Snapshot.Notes, "\n"), "actions this reader does not know, left out: teleport (2)")
+	require.Contains(t, strings.Join(tr.Snapshot.Notes, "\n"), "actions this reader does not know, left out: \"teleport\" (2)")
 
 	// One event: what torch's enabled="state" keeps.
 	snap["device_traces"] = []any{[]any{te("alloc", 0x5000, 0x100)}}
@@ -604,4 +618,22 @@ func TestSnapshotThroughGoallocsClass(t *testing.T) {
 	require.Contains(t, notes, `recorded by goalloc (through its allocator class in torch, settings "fraction:0,large_cache:256M")`)
 	require.NotContains(t, notes, "PYTORCH_CUDA_ALLOC_CONF")
 	require.Zero(t, tr.Header.MaxReserved, "goalloc's figures are not the native allocator's")
+}
+
+// A value of megabytes in a field the reader refuses is named by a short
+// preview in the message, and a huge int by its size: converting it to
+// decimal would cost time that grows faster than the file.
+func TestSnapshotErrorsQuoteAPreview(t *testing.T) {
+	huge := new(big.Int).Lsh(big.NewInt(1), 16<<20) // 2 MiB of bytes
+	for _, c := range []struct {
+		event map[string]any
+		want  string
+	}{
+		{map[string]any{"action": "alloc", "addr": 1, "size": huge, "stream": 0}, "size is an int of 16777217 bits, not a non-negative integer"},
+		{map[string]any{"action": "alloc", "addr": 1, "size": 1, "stream": strings.Repeat("s", 5<<20)}, `stream is "ssss`},
+	} {
+		_, err := openPickled(t, map[string]any{"segments": []any{}, "device_traces": []any{[]any{c.event}}})
+		require.ErrorContains(t, err, c.want)
+		require.Less(t, len(err.Error()), 500, "%.300s", err)
+	}
 }

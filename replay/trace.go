@@ -364,6 +364,15 @@ func (p *parser) header(line []byte) error {
 		return errors.New("the first line is an event, not the header: a trace starts with a header line (workload, torch, gpu, max_allocated, max_reserved, events, seconds)")
 	}
 	if err := json.Unmarshal(line, &p.t.Header); err != nil {
+		// encoding/json's message quotes the whole value, however long.
+		var typeErr *json.UnmarshalTypeError
+		if errors.As(err, &typeErr) {
+			got := ""
+			if raw, ok := fields[typeErr.Field]; ok { // not when the key differs in case only
+				got = ", got " + preview(raw)
+			}
+			return fmt.Errorf("malformed header: field %s: want %s%s", typeErr.Field, typeErr.Type, got)
+		}
 		return fmt.Errorf("malformed header: %v", err)
 	}
 	// About two thirds of the events are replayed (alloc and free_completed
@@ -388,7 +397,7 @@ func (p *parser) event(ev *rawEvent) error {
 		return fmt.Errorf("missing field %s (an event has a, addr, size, stream and t)", strings.Join(names, ", "))
 	}
 	if ev.act == actNone {
-		return fmt.Errorf("unknown action %q (want %s)", ev.badAction, lineActionList())
+		return fmt.Errorf("unknown action %s (want %s)", preview(ev.badAction), lineActionList())
 	}
 	if p.line > math.MaxInt32 || p.line < math.MinInt32 {
 		return errors.New("too many lines: a trace is limited to 2^31")

@@ -220,3 +220,24 @@ func TestDamagedGzipIsReportedAsDamage(t *testing.T) {
 		require.ErrorContains(t, err, "the file is damaged", "offset %d", off)
 	}
 }
+
+// A field of megabytes is quoted by a short preview in the message, whichever
+// parser (the fast scan, encoding/json for an unusual line, the header's)
+// refuses it.
+func TestErrorsQuoteAPreview(t *testing.T) {
+	digits := strings.Repeat("7", 2<<20)
+	name := strings.Repeat("x", 5<<20)
+	for _, c := range []struct {
+		name, text, want string
+	}{
+		{"big-size.jsonl", traceText(`{"a": "alloc", "addr": 1, "size": ` + digits + `, "stream": 0}`), `line 2: field size: "77777`},
+		{"big-size-slow.jsonl", traceText(`{"a": "al\u006coc", "addr": 1, "size": ` + digits + `, "stream": 0}`), `line 2: field size: want a non-negative integer, got "77777`},
+		{"big-action.jsonl", traceText(`{"a": "` + name + `", "addr": 1, "size": 1, "stream": 0}`), `line 2: unknown action "xxxx`},
+		{"big-key.jsonl", traceText(`{"a": "alloc", "` + name + `" 1}`), `line 2: malformed JSON at column 5242899: want ':' after field name "xxxx`},
+		{"big-header.jsonl", `{"workload": "w", "max_allocated": ` + digits + "}\n", `line 1: malformed header: field max_allocated: want uint64, got "77777`},
+	} {
+		_, err := Open(writeFile(t, c.name, c.text))
+		require.ErrorContains(t, err, c.want, c.name)
+		require.Less(t, len(err.Error()), 500, "%s: %.300s", c.name, err)
+	}
+}
