@@ -54,6 +54,12 @@ type pyDict struct {
 // position, so that filling a large dict is not quadratic.
 const dictIndexFrom = 16
 
+// maxKeyBytes bounds a str key. Every SETITEM hashes its key, or compares it
+// with up to dictIndexFrom others, and the memo lets a two-byte reference
+// set a long key again, so a key's length multiplies the work a small file
+// can ask for. A snapshot's keys are field and setting names, far shorter.
+const maxKeyBytes = 255
+
 // get returns the value under the string key.
 func (d *pyDict) get(key string) (any, bool) {
 	if d.index != nil {
@@ -73,8 +79,12 @@ func (d *pyDict) get(key string) (any, bool) {
 
 // set stores v under k, replacing an earlier value, as Python does.
 func (d *pyDict) set(k, v any) error {
-	switch k.(type) {
-	case nil, bool, int64, float64, string:
+	switch k := k.(type) {
+	case string:
+		if len(k) > maxKeyBytes {
+			return fmt.Errorf("a dict key of %d bytes, %s (a snapshot's keys are names; this reader takes keys of up to %d bytes)", len(k), preview(k), maxKeyBytes)
+		}
+	case nil, bool, int64, float64:
 	default:
 		return fmt.Errorf("a dict key of type %s (only None, bool, int, float and str keys are read)", pyTypeName(k))
 	}

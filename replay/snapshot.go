@@ -194,7 +194,7 @@ func readSnapshot(r io.Reader, name string, opt ReadOptions, start time.Time) (*
 	if !ok {
 		return nil, fail("a pickle of a %s, not a memory snapshot (torch.cuda.memory._snapshot() is a dict of segments and device_traces)", pyTypeName(v))
 	}
-	s := &snapshotReader{name: name, top: top}
+	s := &snapshotReader{name: name, top: top, size: len(data), elements: len(data)}
 	tr, err := s.trace(opt)
 	if err != nil {
 		var pe *ParseError
@@ -212,6 +212,27 @@ type snapshotReader struct {
 	name string
 	top  *pyDict
 	info SnapshotInfo
+	// size is the pickle's length in bytes; elements how many more list
+	// elements the reader may walk (walk).
+	size, elements int
+}
+
+// walk charges the n elements of a list the reader is about to walk against
+// the snapshot's size. Every element of every list was pushed by an opcode
+// of its own, a byte at least, and went into one list, so the lists of a
+// pickle hold at most as many elements as it has bytes, and a reader that
+// walks each list once stays within that. Only a list walked again can go
+// past it: the memo (or DUP) hands out the same list or dict as often as a
+// two-byte reference is written, so a small file can name one segment or
+// block so many times over that walking it would take time and memory far
+// beyond the file's. That is refused here, before the walk.
+func (s *snapshotReader) walk(n int, what string) error {
+	if n > s.elements {
+		return fmt.Errorf("%s: the snapshot holds more list elements than its %d bytes can without repeating objects: its pickle memo refers to the same list or dict over and over "+
+			"(torch writes each segment, block and event once), which would make reading it take work far beyond the file's size; a crafted or damaged file", what, s.size)
+	}
+	s.elements -= n
+	return nil
 }
 
 // segment is what the replay needs of one of the snapshot's segments.
@@ -243,6 +264,9 @@ func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := s.walk(len(traces), "device_traces"); err != nil {
+		return nil, err
+	}
 	segments, err := s.segments()
 	if err != nil {
 		return nil, err
@@ -272,6 +296,9 @@ func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
 	}
 	s.info.Device = dev
 	entries, _ := asList(traces[dev], "")
+	if err := s.walk(len(entries), fmt.Sprintf("device_traces[%d]", dev)); err != nil {
+		return nil, err
+	}
 	events, err := s.decodeEvents(entries, dev)
 	if err != nil {
 		return nil, err
@@ -309,6 +336,9 @@ func (s *snapshotReader) segments() ([]*segment, error) {
 	}
 	list, err := asList(v, "segments")
 	if err != nil {
+		return nil, err
+	}
+	if err := s.walk(len(list), "segments"); err != nil {
 		return nil, err
 	}
 	out := make([]*segment, 0, len(list))
@@ -351,6 +381,9 @@ func (s *snapshotReader) segments() ([]*segment, error) {
 		}
 		blocks, err := asList(bv, what+".blocks")
 		if err != nil {
+			return nil, err
+		}
+		if err := s.walk(len(blocks), what+".blocks"); err != nil {
 			return nil, err
 		}
 		for j, b := range blocks {

@@ -104,6 +104,11 @@ func TestUnpickleRefuses(t *testing.T) {
 		{"SETITEMS on a list", []byte{0x80, 2, ']', '(', 'N', 'N', 'u', '.'}, "not a dict"},
 		{"odd SETITEMS", []byte{0x80, 2, '}', '(', 'N', 'u', '.'}, "pairs"},
 		{"list as a key", []byte{0x80, 2, '}', ']', 'N', 's', '.'}, "dict key of type list"},
+		// Each SETITEM hashes or compares its key: one long key memoized
+		// and set again and again would cost its length per two-byte
+		// reference.
+		{"long key", append(append([]byte{0x80, 2, '}', 'X', 0, 1, 0, 0}, bytes.Repeat([]byte("k"), 256)...),
+			'q', 0, 'N', 's', 'h', 0, 'N', 's', '.'), "a dict key of 256 bytes"},
 		{"two values at STOP", []byte{0x80, 2, 'N', 'N', '.'}, "STOP with 2 values"},
 		{"APPEND without list", []byte{0x80, 2, 'N', 'a', '.'}, "APPEND"},
 	} {
@@ -636,4 +641,68 @@ func TestSnapshotErrorsQuoteAPreview(t *testing.T) {
 		require.ErrorContains(t, err, c.want)
 		require.Less(t, len(err.Error()), 500, "%.300s", err)
 	}
+}
+
+// sharedSnapshot is a pickle of a few tens of kilobytes whose one segment,
+// with one block, is listed n times, and whose block is listed n times in
+// that segment, each repeat a memo reference (BINGET) to the one object:
+// n² blocks for the reader to walk, from 4n bytes.
+func sharedSnapshot(n int) []byte {
+	var b bytes.Buffer
+	str := func(s string) {
+		b.WriteByte('X')
+		_ = binary.Write(&b, binary.LittleEndian, uint32(len(s)))
+		b.WriteString(s)
+	}
+	num := func(v int32) {
+		b.WriteByte('J')
+		_ = binary.Write(&b, binary.LittleEndian, v)
+	}
+	b.Write([]byte{0x80, 2, '}'})
+	str("device_traces")
+	b.WriteString("]]as") // [[]]: one device, no events
+	str("segments")
+	b.WriteString("](")
+	b.WriteString("}q\x00(") // the segment, memo 0
+	str("device")
+	num(0)
+	str("address")
+	num(0)
+	str("total_size")
+	num(2 << 20)
+	str("stream")
+	num(0)
+	str("blocks")
+	b.WriteString("](")
+	b.WriteString("}q\x01(") // the block, memo 1
+	str("address")
+	num(0)
+	str("size")
+	num(512)
+	str("state")
+	str("active_allocated")
+	b.WriteString("u")
+	b.WriteString(strings.Repeat("h\x01", n-1))
+	b.WriteString("eu") // the block list, then the segment's items
+	b.WriteString(strings.Repeat("h\x00", n-1))
+	b.WriteString("es.")
+	return b.Bytes()
+}
+
+// A snapshot whose memo shares objects over and over is refused, with a
+// message that says so, after work of the order of the file's size, not of
+// the n² elements the references stand for.
+func TestSnapshotSharedObjects(t *testing.T) {
+	data := sharedSnapshot(10000)
+	require.Less(t, len(data), 50<<10)
+	v, err := unpickle(data)
+	require.NoError(t, err, "the pickle itself is well formed")
+	segs, _ := v.(*pyDict).get("segments")
+	require.Len(t, segs.(*pyList).items, 10000)
+
+	path := filepath.Join(t.TempDir(), "shared.pickle")
+	require.NoError(t, os.WriteFile(path, data, 0o644))
+	_, err = Open(path)
+	require.ErrorContains(t, err, "more list elements than its")
+	require.ErrorContains(t, err, "refers to the same list or dict")
 }
