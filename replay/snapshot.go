@@ -63,7 +63,21 @@ type ReadOptions struct {
 	// first with events. A JSON lines trace has one device and takes -1
 	// only.
 	Device int
+	// MaxInputBytes bounds the trace's text, after gunzip; 0 is
+	// DefaultMaxInputBytes. MaxLineBytes bounds a line of a JSON lines
+	// trace; 0 is DefaultMaxLineBytes.
+	MaxInputBytes, MaxLineBytes uint64
 }
+
+// The default input limits. A snapshot is held in memory whole, with its
+// decoded values several times its size besides, and a compressed file can
+// expand without end, so the text read is bounded; the default leaves room
+// for long recordings, and --max-input-bytes raises it. A JSON lines
+// trace's line is one event or the header, a few hundred bytes at most.
+const (
+	DefaultMaxInputBytes = 2 << 30
+	DefaultMaxLineBytes  = 1 << 20
+)
 
 // SnapshotInfo is what a memory snapshot said beyond its events: which
 // device was replayed, the state its history starts from, and the recorded
@@ -179,7 +193,7 @@ func sniffSnapshot(r io.Reader) (io.Reader, bool) {
 // readSnapshot reads a memory snapshot pickle from r and makes the Trace of
 // one of its devices.
 func readSnapshot(r io.Reader, name string, opt ReadOptions, start time.Time) (*Trace, error) {
-	data, err := io.ReadAll(r)
+	data, err := readAll(r)
 	if err != nil {
 		return nil, &ParseError{Path: name, Err: readError(err)}
 	}
@@ -205,6 +219,42 @@ func readSnapshot(r io.Reader, name string, opt ReadOptions, start time.Time) (*
 	}
 	tr.Elapsed = time.Since(start)
 	return tr, nil
+}
+
+// readAll reads r to its end. It fills chunks that double in size up to a
+// bound and joins them once at the end, where a slice grown as it fills
+// would copy the data several times and hold it twice while growing: a
+// snapshot costs one copy, and a stream refused at the input limit
+// (limitedInput) none, holding no more than the limit.
+func readAll(r io.Reader) ([]byte, error) {
+	const first, most = 64 << 10, 64 << 20
+	var chunks [][]byte
+	total := 0
+	for size := first; ; size = min(2*size, most) {
+		c := make([]byte, 0, size)
+		var err error
+		for len(c) < cap(c) && err == nil {
+			var n int
+			n, err = r.Read(c[len(c):cap(c)])
+			c = c[:len(c)+n]
+		}
+		chunks = append(chunks, c)
+		total += len(c)
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if len(chunks) == 1 {
+		return chunks[0], nil
+	}
+	data := make([]byte, 0, total)
+	for _, c := range chunks {
+		data = append(data, c...)
+	}
+	return data, nil
 }
 
 // snapshotReader turns a decoded snapshot into a Trace.

@@ -3,6 +3,7 @@ package replay
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"compress/flate"
 	"compress/gzip"
 	"encoding/json"
@@ -121,7 +122,8 @@ func (e *ParseError) Unwrap() error { return e.Err }
 // Open reads and parses the trace at path: gzipped JSON lines, or plain JSON
 // lines (told apart by the gzip magic number, not by the name), or a memory
 // snapshot pickle of PyTorch's (snapshot.go; told by the pickle's first
-// byte), gzipped or not. A snapshot's first device with events is taken.
+// byte), gzipped or not. A snapshot's first device with events is taken,
+// and the input limits are the defaults (ReadOptions).
 func Open(path string) (*Trace, error) { return OpenWith(path, ReadOptions{Device: -1}) }
 
 // OpenWith is Open with options.
@@ -151,7 +153,8 @@ func ReadWith(r io.Reader, name string, opt ReadOptions) (*Trace, error) {
 	br := bufio.NewReaderSize(r, 64<<10)
 	magic, _ := br.Peek(2)
 	var src io.Reader = br
-	if len(magic) == 2 && magic[0] == 0x1f && magic[1] == 0x8b {
+	gzipped := len(magic) == 2 && magic[0] == 0x1f && magic[1] == 0x8b
+	if gzipped {
 		zr, err := gzip.NewReader(br)
 		if err != nil {
 			return nil, &ParseError{Path: name, Err: fmt.Errorf("unreadable gzip: %w", err)}
@@ -161,6 +164,7 @@ func ReadWith(r io.Reader, name string, opt ReadOptions) (*Trace, error) {
 	} else if strings.HasSuffix(name, ".gz") {
 		return nil, &ParseError{Path: name, Err: errors.New("unreadable gzip: the name ends in .gz but the file does not start with the gzip magic number")}
 	}
+	src = &limitedInput{r: src, max: cmp.Or(opt.MaxInputBytes, DefaultMaxInputBytes)}
 	var snapshot bool
 	if src, snapshot = sniffSnapshot(src); snapshot {
 		return readSnapshot(src, name, opt, start)
@@ -168,7 +172,8 @@ func ReadWith(r io.Reader, name string, opt ReadOptions) (*Trace, error) {
 		return nil, &ParseError{Path: name, Err: errors.New("a device index picks a device of a memory snapshot; this is a JSON lines trace, of one device")}
 	}
 
-	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}, gzipped: src != io.Reader(br)}
+	p := &parser{name: name, t: &Trace{Path: name}, ids: map[uint64]liveID{}, gzipped: gzipped,
+		maxLine: int(min(cmp.Or(opt.MaxLineBytes, DefaultMaxLineBytes), math.MaxInt))}
 	if err := p.run(src); err != nil {
 		return nil, err
 	}
@@ -182,6 +187,42 @@ func ReadWith(r io.Reader, name string, opt ReadOptions) (*Trace, error) {
 	return p.t, nil
 }
 
+// limitedInput is a trace's text, after gunzip, that fails with an
+// inputTooLargeError once more than max bytes come through: how far a
+// small compressed file may expand, and how much of a snapshot is held.
+type limitedInput struct {
+	r         io.Reader
+	max, read uint64
+}
+
+func (l *limitedInput) Read(p []byte) (int, error) {
+	if l.read > l.max {
+		return 0, &inputTooLargeError{max: l.max}
+	}
+	// One byte past the limit is enough to tell a text longer than it.
+	if left := l.max - l.read + 1; uint64(len(p)) > left {
+		p = p[:left]
+	}
+	n, err := l.r.Read(p)
+	l.read += uint64(n)
+	if l.read > l.max {
+		return n, &inputTooLargeError{max: l.max}
+	}
+	return n, err
+}
+
+// inputTooLargeError is a trace whose text passes ReadOptions.MaxInputBytes.
+type inputTooLargeError struct{ max uint64 }
+
+func (e *inputTooLargeError) Error() string {
+	return fmt.Sprintf("the trace is larger than %s after gunzip, the most this reader takes (--max-input-bytes raises it)", fmtBytes(e.max))
+}
+
+// maxEventsHint bounds the events a header's count reserves room for: the
+// count is the file's claim, not what it holds, and past the bound Events
+// grows as the lines arrive.
+const maxEventsHint = 1 << 20
+
 // liveID is what the parser knows of a trace address id between its alloc
 // and its free_completed.
 type liveID struct {
@@ -194,7 +235,9 @@ type parser struct {
 	name string
 	// gzipped: the text comes through gzip, whose checksum can tell a
 	// damaged file from a bad trace.
-	gzipped   bool
+	gzipped bool
+	// maxLine is the longest line taken (ReadOptions.MaxLineBytes).
+	maxLine   int
 	t         *Trace
 	line      int
 	sawHeader bool
@@ -222,7 +265,7 @@ func (p *parser) run(src io.Reader) error {
 	spare := make(chan []byte, 4)
 	done := make(chan struct{})
 	defer close(done)
-	go readChunks(src, chunks, spare, done)
+	go readChunks(src, p.maxLine, chunks, spare, done)
 	for c := range chunks {
 		// A read error says more than whatever the cut-off text it left
 		// would fail to parse as.
@@ -253,7 +296,8 @@ func (p *parser) run(src io.Reader) error {
 // with where the text first went wrong, and otherwise parseErr is.
 func (p *parser) damaged(parseErr error, chunks <-chan chunk, spare chan<- []byte) error {
 	for c := range chunks {
-		if c.err == io.EOF {
+		var tooLarge *inputTooLargeError
+		if c.err == io.EOF || errors.As(c.err, &tooLarge) {
 			break
 		}
 		if c.err != nil {
@@ -270,7 +314,10 @@ func (p *parser) damaged(parseErr error, chunks <-chan chunk, spare chan<- []byt
 // readError says what went wrong reading the (possibly compressed) text.
 func readError(err error) error {
 	var corrupt flate.CorruptInputError
+	var tooLarge *inputTooLargeError
 	switch {
+	case errors.As(err, &tooLarge):
+		return err
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return fmt.Errorf("unreadable gzip: the file is truncated (%w)", err)
 	case errors.Is(err, gzip.ErrChecksum), errors.Is(err, gzip.ErrHeader), errors.As(err, &corrupt):
@@ -281,7 +328,10 @@ func readError(err error) error {
 
 // readChunks cuts src into chunks of whole lines and sends them on out; a
 // chunk that carries an error is the last. It stops early once done closes.
-func readChunks(src io.Reader, out chan<- chunk, spare <-chan []byte, done <-chan struct{}) {
+// A line longer than maxLine is sent, as far as it was read, as the last
+// chunk, for the parser to refuse (parseChunk): the buffer never grows past
+// about twice maxLine.
+func readChunks(src io.Reader, maxLine int, out chan<- chunk, spare <-chan []byte, done <-chan struct{}) {
 	defer close(out)
 	var rest []byte // the start of a line the last chunk cut off
 	for {
@@ -293,9 +343,13 @@ func readChunks(src io.Reader, out chan<- chunk, spare <-chan []byte, done <-cha
 		}
 		buf = append(buf, rest...)
 		var err error
+		tooLong := false
 		for err == nil {
 			if len(buf) == cap(buf) {
 				if bytes.IndexByte(buf, '\n') >= 0 {
+					break
+				}
+				if tooLong = len(buf) > maxLine; tooLong {
 					break
 				}
 				buf = append(buf, 0)[:len(buf)] // a line longer than the buffer: grow it
@@ -305,7 +359,7 @@ func readChunks(src io.Reader, out chan<- chunk, spare <-chan []byte, done <-cha
 			buf = buf[:len(buf)+n]
 		}
 		c := chunk{buf: buf, err: err}
-		if err == nil {
+		if err == nil && !tooLong {
 			cut := bytes.LastIndexByte(buf, '\n') + 1
 			rest = append(rest[:0], buf[cut:]...)
 			c.buf = buf[:cut]
@@ -315,7 +369,7 @@ func readChunks(src io.Reader, out chan<- chunk, spare <-chan []byte, done <-cha
 		case <-done:
 			return
 		}
-		if err != nil {
+		if err != nil || tooLong {
 			return
 		}
 	}
@@ -332,6 +386,9 @@ func (p *parser) parseChunk(buf []byte) error {
 			buf = nil
 		}
 		p.line++
+		if len(line) > p.maxLine {
+			return &ParseError{Path: p.name, Line: p.line, Err: fmt.Errorf("longer than %s, the longest line this reader takes (--max-line-bytes raises it)", fmtBytes(uint64(p.maxLine)))}
+		}
 		if len(bytes.TrimSpace(line)) == 0 {
 			continue
 		}
@@ -377,8 +434,8 @@ func (p *parser) header(line []byte) error {
 	}
 	// About two thirds of the events are replayed (alloc and free_completed
 	// of every block): sizing Events from the header saves growing it.
-	if n := p.t.Header.Events; n > 0 && n < 1<<28 {
-		p.t.Events = make([]Event, 0, n*2/3+16)
+	if n := p.t.Header.Events; n > 0 {
+		p.t.Events = make([]Event, 0, min(n/3*2+16, maxEventsHint))
 	}
 	return nil
 }

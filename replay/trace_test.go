@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -221,9 +222,9 @@ func TestDamagedGzipIsReportedAsDamage(t *testing.T) {
 	}
 }
 
-// A field of megabytes is quoted by a short preview in the message, whichever
-// parser (the fast scan, encoding/json for an unusual line, the header's)
-// refuses it.
+// A field of megabytes (on a line let past the line limit) is quoted by a
+// short preview in the message, whichever parser (the fast scan,
+// encoding/json for an unusual line, the header's) refuses it.
 func TestErrorsQuoteAPreview(t *testing.T) {
 	digits := strings.Repeat("7", 2<<20)
 	name := strings.Repeat("x", 5<<20)
@@ -236,8 +237,123 @@ func TestErrorsQuoteAPreview(t *testing.T) {
 		{"big-key.jsonl", traceText(`{"a": "alloc", "` + name + `" 1}`), `line 2: malformed JSON at column 5242899: want ':' after field name "xxxx`},
 		{"big-header.jsonl", `{"workload": "w", "max_allocated": ` + digits + "}\n", `line 1: malformed header: field max_allocated: want uint64, got "77777`},
 	} {
-		_, err := Open(writeFile(t, c.name, c.text))
+		_, err := OpenWith(writeFile(t, c.name, c.text), ReadOptions{Device: -1, MaxLineBytes: 16 << 20})
 		require.ErrorContains(t, err, c.want, c.name)
 		require.Less(t, len(err.Error()), 500, "%s: %.300s", c.name, err)
 	}
+}
+
+// gzipped is text compressed as gzip.
+func gzipped(t testing.TB, text []byte) []byte {
+	var b bytes.Buffer
+	zw := gzip.NewWriter(&b)
+	_, err := zw.Write(text)
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	return b.Bytes()
+}
+
+// A small gzip file that expands past the input limit is refused once
+// reading passes the limit, snapshot or JSON lines.
+func TestInputLimit(t *testing.T) {
+	opt := ReadOptions{Device: -1, MaxInputBytes: 1 << 20}
+	snapshot := append([]byte{pickleProto, 2}, make([]byte, 16<<20)...)
+	lines := []byte(traceText(strings.Repeat(ev("segment_alloc", 1, 512)+"\n", 200000)))
+	for name, text := range map[string][]byte{"bomb.pickle.gz": snapshot, "bomb.jsonl.gz": lines} {
+		compressed := gzipped(t, text)
+		require.Less(t, len(compressed), 1<<20, name)
+		_, err := ReadWith(bytes.NewReader(compressed), name, opt)
+		require.ErrorContains(t, err, name+": the trace is larger than 1.00 MiB after gunzip, the most this reader takes (--max-input-bytes raises it)")
+		// At the limit exactly, it is read.
+		if name == "bomb.jsonl.gz" {
+			tr, err := ReadWith(bytes.NewReader(compressed), name, ReadOptions{Device: -1, MaxInputBytes: uint64(len(text))})
+			require.NoError(t, err, name)
+			require.Equal(t, 200000, tr.Lines)
+		}
+	}
+}
+
+// endlessStream is a stream that starts with head and never ends, the
+// rest bytes it never writes: as large a stream as a test wants, at no
+// cost. Read counts what was read.
+type endlessStream struct {
+	head []byte
+	read uint64
+}
+
+func (s *endlessStream) Read(p []byte) (int, error) {
+	copy(p, s.head)
+	s.head = s.head[min(len(s.head), len(p)):]
+	s.read += uint64(len(p))
+	return len(p), nil
+}
+
+// With the default limit, a stream larger than the limit is refused once
+// reading passes it: the reader does not go on to read it all.
+func TestDefaultInputLimit(t *testing.T) {
+	s := &endlessStream{head: []byte{pickleProto, 2}}
+	_, err := ReadWith(s, "endless.pickle", ReadOptions{Device: -1})
+	require.ErrorContains(t, err, "endless.pickle: the trace is larger than 2.00 GiB after gunzip")
+	require.Greater(t, s.read, uint64(DefaultMaxInputBytes))
+	require.Less(t, s.read, uint64(DefaultMaxInputBytes+1<<20))
+}
+
+// A line past the line limit is refused without the reader holding more
+// of it than about twice the limit, with the default limit too: a stream of
+// zeros, gzipped, has no newline in it.
+func TestLineLimit(t *testing.T) {
+	line := strings.Repeat("x", 3<<20)
+	for _, c := range []struct {
+		name, text string
+		limit      uint64
+		want       string
+	}{
+		{"one-line.jsonl", line + "\n", 64 << 10, "one-line.jsonl: line 1: longer than 64.00 KiB, the longest line this reader takes (--max-line-bytes raises it)"},
+		{"short-lines.jsonl", traceText(ev("alloc", 1, 512), `{"a": "alloc", "addr": 2, "size": 512, "stream": 0, "pad": "`+strings.Repeat(" ", 200)+`"}`), 150, "short-lines.jsonl: line 3: longer than 150 B"},
+		{"header.jsonl", `{"workload": "` + line + `"}` + "\n", 0, "header.jsonl: line 1: longer than 1.00 MiB"},
+	} {
+		_, err := ReadWith(strings.NewReader(c.text), c.name, ReadOptions{Device: -1, MaxLineBytes: c.limit})
+		require.ErrorContains(t, err, c.want, c.name)
+	}
+
+	pr, pw := io.Pipe()
+	go func() {
+		zw := gzip.NewWriter(pw)
+		zeros := make([]byte, 1<<20)
+		for i := 0; i < 64; i++ {
+			if _, err := zw.Write(zeros); err != nil {
+				return // the reader stopped, as it should
+			}
+		}
+		pw.CloseWithError(zw.Close())
+	}()
+	counted := &countingReader{r: pr}
+	_, err := ReadWith(counted, "zeros.jsonl.gz", ReadOptions{Device: -1})
+	pr.Close()
+	require.ErrorContains(t, err, "zeros.jsonl.gz: line 1: longer than 1.00 MiB")
+	require.Less(t, counted.n, int64(1<<20), "a few megabytes of zeros compress to kilobytes")
+}
+
+// countingReader counts the bytes read through it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// A header's event count only sizes the events' slice up to a bound: a
+// two-line trace that claims a quarter of a billion events does not
+// reserve memory for them.
+func TestHeaderEventCountIsAHintOnly(t *testing.T) {
+	text := `{"workload": "w", "events": 268435455}` + "\n" + ev("alloc", 1, 512) + "\n"
+	tr, err := ReadWith(strings.NewReader(text), "claims.jsonl", ReadOptions{Device: -1})
+	require.NoError(t, err)
+	require.Len(t, tr.Events, 1)
+	require.LessOrEqual(t, cap(tr.Events), maxEventsHint)
+	require.Contains(t, tr.Warnings, "the header says 268435455 events, the file has 1 (truncated or edited?)")
 }

@@ -6,6 +6,7 @@
 //
 //	goalloc replay [TRACE] [--device sim|cuda] [--policy NAME] [--conf GOALLOC_CONF]
 //	               [--sim-memory BYTES] [--device-index N] [--json] [--html OUT.html]
+//	               [--max-input-bytes BYTES] [--max-line-bytes BYTES]
 //	goalloc replay --compare [TRACE] [--device sim|cuda] [--json] [--html OUT.html]
 //
 // See usage below for the flags, and package replay for how it measures.
@@ -72,6 +73,10 @@ Flags:
   --sim-memory BYTES   the simulated device's memory, e.g. 80G (default: $GOALLOC_SIM_MEMORY,
                        else %s)
   --device-index N     the device of a memory snapshot to replay (default: the first with events)
+  --max-input-bytes BYTES
+                       the largest trace read, after gunzip (default %s); a larger one is refused
+  --max-line-bytes BYTES
+                       the longest line of a JSON lines trace read (default %s)
   --json               print the results as JSON (an array with --compare)
   --html OUT.html      also write a self-contained HTML report with plots
   --allow-oom          exit 0 even when allocations failed for lack of memory
@@ -83,7 +88,7 @@ lack of memory (the results are printed all the same; --allow-oom makes it 0).
 
 func replayUsage() string {
 	return fmt.Sprintf(replayUsageText, strings.Join(policies.Names, ", "), strings.Join(policies.ConfKeys(), ", "),
-		units.FormatBytes(arena.DefaultSimMemory))
+		units.FormatBytes(arena.DefaultSimMemory), units.FormatBytes(replay.DefaultMaxInputBytes), units.FormatBytes(replay.DefaultMaxLineBytes))
 }
 
 // run is the whole command, writing to stdout and stderr and returning the
@@ -132,6 +137,9 @@ type replayFlags struct {
 	allowOOM  bool
 	// deviceIndex picks a snapshot's device; -1 the first with events.
 	deviceIndex int
+	// maxInputBytes and maxLineBytes bound what is read of the trace
+	// (replay.ReadOptions).
+	maxInputBytes, maxLineBytes uint64
 }
 
 func runReplay(args []string, stdout, stderr io.Writer) int {
@@ -171,6 +179,8 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	fs.BoolVar(&f.allowOOM, "allow-oom", false, "")
 	fs.IntVar(&f.deviceIndex, "device-index", -1, "")
 	simMemory := fs.String("sim-memory", "", "")
+	maxInput := fs.String("max-input-bytes", "", "")
+	maxLine := fs.String("max-line-bytes", "", "")
 
 	// Flags may come before or after the trace: parse up to each
 	// positional argument, set it aside, and go on.
@@ -220,6 +230,29 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	}
 	f.backend, f.layout = backend, layout
 
+	for _, limit := range []struct {
+		flag  string
+		value string
+		to    *uint64
+		def   uint64
+	}{
+		{"--max-input-bytes", *maxInput, &f.maxInputBytes, replay.DefaultMaxInputBytes},
+		{"--max-line-bytes", *maxLine, &f.maxLineBytes, replay.DefaultMaxLineBytes},
+	} {
+		*limit.to = limit.def
+		if limit.value == "" {
+			continue
+		}
+		n, err := units.ParseBytes(limit.value)
+		if err == nil && n == 0 {
+			err = errors.New("a limit is at least 1 byte")
+		}
+		if err != nil {
+			return nil, usagef("%s: %v", limit.flag, err)
+		}
+		*limit.to = n
+	}
+
 	f.simMemory = arena.DefaultSimMemory
 	source := "--sim-memory"
 	if *simMemory == "" {
@@ -257,7 +290,7 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
-	tr, err := replay.OpenWith(path, replay.ReadOptions{Device: f.deviceIndex})
+	tr, err := replay.OpenWith(path, replay.ReadOptions{Device: f.deviceIndex, MaxInputBytes: f.maxInputBytes, MaxLineBytes: f.maxLineBytes})
 	if err != nil {
 		return err
 	}

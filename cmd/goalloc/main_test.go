@@ -419,3 +419,33 @@ func TestReplayFreeOnAnotherStream(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "goalloc: calls carried out despite bad input (a warning each): 1; the first at line 3: ")
 }
+
+// --max-input-bytes and --max-line-bytes bound what is read of the trace,
+// with a message that names the flag to raise.
+func TestInputLimitFlags(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	code, _, errOut := goalloc(t, "replay", trace, "--max-input-bytes", "4K")
+	require.Equal(t, 1, code)
+	require.Contains(t, errOut, "s.jsonl.gz: the trace is larger than 4.00 KiB after gunzip, the most this reader takes (--max-input-bytes raises it)")
+	code, _, errOut = goalloc(t, "replay", trace, "--max-line-bytes", "64")
+	require.Equal(t, 1, code)
+	require.Contains(t, errOut, "s.jsonl.gz: line 1: longer than 64 B, the longest line this reader takes (--max-line-bytes raises it)")
+	code, _, errOut = goalloc(t, "replay", trace, "--max-input-bytes", "1M", "--max-line-bytes", "200", "--json")
+	require.Equal(t, 0, code, errOut)
+
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--max-input-bytes", "lots"}, `--max-input-bytes: "lots" is not a byte size`},
+		{[]string{"--max-line-bytes", "0"}, "--max-line-bytes: a limit is at least 1 byte"},
+	} {
+		code, out, errOut := goalloc(t, append([]string{"replay", trace}, c.args...)...)
+		require.Equal(t, 2, code, "%v: %s", c.args, errOut)
+		require.Contains(t, errOut, c.want, "%v", c.args)
+		require.Empty(t, out)
+	}
+	_, out, _ := goalloc(t, "help", "replay")
+	require.Contains(t, out, "--max-input-bytes BYTES")
+	require.Contains(t, out, "(default 2.00 GiB)")
+}
