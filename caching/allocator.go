@@ -15,10 +15,25 @@ import (
 // or large path of its cache pool (small.go, large.go); Holds, the cap
 // (SetFraction, SetLimit) and Close.
 
-// MaxRequest is the largest size Malloc considers a request at all (256 TiB);
-// anything larger is a caller bug (a negative ssize_t cast to unsigned, say),
-// reported as bad input rather than as an out-of-memory.
+// MaxRequest is the largest request any device could hold (256 TiB), so
+// that size arithmetic below it cannot overflow. Malloc answers a larger
+// one as PyTorch's allocator does, out of memory, without asking the
+// device; from 2^63 up it is a caller bug (a negative ssize_t cast to
+// unsigned), reported as bad input (checkRequest).
 const MaxRequest = 1 << 48
+
+// checkRequest refuses a request no device can hold, before any pool
+// is asked: bad input from 2^63 up, else out of memory. Called with a.mu
+// held.
+func (a *Allocator) checkRequest(size uint64) error {
+	if size >= 1<<63 {
+		return a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: a negative size?", size, a.dev.Ordinal()))
+	}
+	if size > MaxRequest {
+		return a.outOfMemory(size, fmt.Errorf("%d bytes is more than any device has: %w", size, arena.ErrOutOfMemory))
+	}
+	return nil
+}
 
 // Allocator is the caching allocator of one device. All its methods are safe
 // for concurrent use; each takes the one mutex once.
@@ -228,7 +243,7 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if size > MaxRequest {
-		return 0, a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: larger than any device (a negative size?)", size, a.dev.Ordinal()))
+		return 0, a.checkRequest(size)
 	}
 	cp := a.general
 	if a.capturing() {
@@ -242,6 +257,12 @@ func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
 
 // mallocIn is Malloc from the cache pool cp, with a.mu held.
 func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintptr, error) {
+	if a.deferred.Len() > 0 {
+		// Frees waiting for other streams complete as soon as they can, as
+		// PyTorch's allocator processes its events at every malloc: the
+		// owner then gets its block back where it would under PyTorch.
+		a.pollDeferred()
+	}
 	l := cp.last
 	if l == nil || l.stream != s {
 		l = cp.list(s)

@@ -193,7 +193,8 @@ func TestCapOOMAndRecovery(t *testing.T) {
 	assert.EqualValues(t, 60<<20, oom.Requested)
 	assert.EqualValues(t, 100<<20, oom.Limit)
 	assert.EqualValues(t, 64<<20, oom.Reserved, "what the pool holds: two 32 MiB chunks")
-	for _, want := range []string{"device 0", "60.00 MiB requested", "cap 100.00 MiB", "reserved 64.00 MiB", "allocated 60.00 MiB", "largest free cached block"} {
+	for _, want := range []string{"CUDA out of memory. Tried to allocate 60.00 MiB. GPU 0 has a total capacity of 16.00 GiB of which",
+		"cap 100.00 MiB", "reserved 64.00 MiB", "allocated 60.00 MiB", "largest free cached block"} {
 		assert.Contains(t, err.Error(), want)
 	}
 	assert.EqualValues(t, 1, a.Stats().NumOOMs)
@@ -232,7 +233,18 @@ func TestRequestLargerThanDeviceFailsFast(t *testing.T) {
 	var oom *OOMError
 	require.ErrorAs(t, err, &oom)
 	assert.Zero(t, sim.Syncs, "no synchronisation can make it fit")
+	// Beyond any device, PyTorch's words: out of memory, up to 2^63.
 	_, err = a.Malloc(MaxRequest+1, 0)
+	require.ErrorAs(t, err, &oom)
+	assert.Contains(t, err.Error(), "CUDA out of memory. Tried to allocate 262144.00 GiB. GPU 0 has a total capacity of 16.00 GiB")
+	_, err = a.Malloc(1<<60+1, 0)
+	require.ErrorAs(t, err, &oom)
+	assert.Contains(t, err.Error(), "CUDA out of memory. Tried to allocate more than 1EB memory.")
+	_, err = a.MallocIn(PoolID{}, 1<<62, 0)
+	require.ErrorAs(t, err, &oom, "the same through MallocIn")
+	assert.Zero(t, sim.Syncs, "no synchronisation can make them fit")
+	// From 2^63 a size_t is a negative ssize_t: bad input.
+	_, err = a.Malloc(1<<63, 0)
 	var ie *InputError
 	require.ErrorAs(t, err, &ie)
 	assert.Equal(t, "invalid_size", ie.Kind)
@@ -261,7 +273,7 @@ func TestBadInputMatrix(t *testing.T) {
 		{"double free small", func() error { return a.Free(freed, 2000, 0) }, "double_free"},
 		{"record_stream unknown", func() error { return a.RecordStream(0xdead000, 5) }, "unknown_pointer"},
 		{"record_stream freed", func() error { return a.RecordStream(freed, 5) }, "record_stream_not_live"},
-		{"size too large", func() error { _, err := a.Malloc(1<<60, 0); return err }, "invalid_size"},
+		{"size too large", func() error { _, err := a.Malloc(1<<63, 0); return err }, "invalid_size"},
 	}
 	for _, r := range rows {
 		err := r.call()
@@ -581,4 +593,33 @@ func TestAMissReadsWhatTheDeviceHoldsOnce(t *testing.T) {
 	require.NoError(t, a.Free(p, 4<<20, 0))
 	require.NoError(t, a.Free(q, 4<<20, 0))
 	require.NoError(t, a.CheckInvariants())
+}
+
+// A block freed while another stream used it (record_stream) is the owner's
+// again as soon as that stream's work is done: the next allocation of its
+// size on the owner gets it back, as under PyTorch's allocator
+// (test_cuda.py's test_record_stream), even when the cache would serve the
+// request without a miss.
+func TestRecordedFreeIsReusedOnceComplete(t *testing.T) {
+	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, sim *arena.Sim) {
+		const A, B = arena.Stream(0xa0), arena.Stream(0xb0)
+		sim.SetManual(true)
+		for _, size := range []uint64{16, 1 << 20} {
+			p, err := a.Malloc(size, A)
+			require.NoError(t, err)
+			require.NoError(t, a.RecordStream(p, B))
+			sim.Launch(B) // B reads p
+			require.NoError(t, a.Free(p, size, A))
+			q, err := a.Malloc(size, A)
+			require.NoError(t, err)
+			assert.NotEqual(t, p, q, "reused while B may still read it")
+			sim.Complete(B)
+			r, err := a.Malloc(size, A)
+			require.NoError(t, err)
+			assert.Equal(t, p, r, "size %d: the block comes back once B is done", size)
+			require.NoError(t, a.Free(q, size, A))
+			require.NoError(t, a.Free(r, size, A))
+		}
+		require.NoError(t, a.CheckInvariants())
+	})
 }

@@ -61,19 +61,32 @@ type OOMError struct {
 	Device                      int
 	Requested                   uint64
 	Limit, Total                uint64
+	Free                        uint64 // what the device had free (cuMemGetInfo) when the request failed
 	Reserved, Allocated, Cached uint64 // Reserved: what the device holds, the figure the cap bounds (held.go)
 	LargestFree                 uint64
 	Cause                       error
 }
 
+// maxTorchRequest is PyTorch's bound on one request (one exbibyte): its
+// allocator refuses a larger one as out of memory without looking, and so
+// does goalloc, in PyTorch's words.
+const maxTorchRequest = 1 << 60
+
+// Error opens with PyTorch's own sentences (scripts and tests match "CUDA
+// out of memory" and "Tried to allocate"), then says what goalloc held.
 func (e *OOMError) Error() string {
+	if e.Requested > maxTorchRequest {
+		return fmt.Sprintf("CUDA out of memory. Tried to allocate more than 1EB memory. goalloc: device %d (%v)", e.Device, e.Cause)
+	}
 	limit := "no cap"
 	if e.Limit > 0 {
 		limit = fmt.Sprintf("cap %s", units.FormatBytes(e.Limit))
 	}
-	return fmt.Sprintf("goalloc: out of memory on device %d: %s requested; %s, device %s; reserved %s, allocated %s, cached free %s, largest free cached block %s (%v)",
-		e.Device, units.FormatBytes(e.Requested), limit, units.FormatBytes(e.Total), units.FormatBytes(e.Reserved),
-		units.FormatBytes(e.Allocated), units.FormatBytes(e.Cached), units.FormatBytes(e.LargestFree), e.Cause)
+	return fmt.Sprintf("CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is free. "+
+		"goalloc on device %d: reserved %s (%s), allocated %s, cached free %s, largest free cached block %s (%v)",
+		units.FormatBytes(e.Requested), e.Device, units.FormatBytes(e.Total), units.FormatBytes(e.Free),
+		e.Device, units.FormatBytes(e.Reserved), limit, units.FormatBytes(e.Allocated), units.FormatBytes(e.Cached),
+		units.FormatBytes(e.LargestFree), e.Cause)
 }
 
 func (e *OOMError) Unwrap() error { return arena.ErrOutOfMemory }
@@ -85,8 +98,12 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 		a.history.add(actionOOM, 0, size, 0)
 	}
 	held, _ := a.mu.held.get()
+	free, _, err := a.dev.MemInfo()
+	if err != nil {
+		free = 0 // the message says 0 B free; the cause says why the request failed
+	}
 	return &OOMError{
-		Device: a.dev.Ordinal(), Requested: size, Limit: a.limited.Limit(), Total: a.total,
+		Device: a.dev.Ordinal(), Requested: size, Limit: a.limited.Limit(), Total: a.total, Free: free,
 		Reserved: uint64(held), Allocated: uint64(a.cells.current(StatAll, statAllocatedBytes)),
 		Cached: f.FreeBytes, LargestFree: f.LargestFreeBlock, Cause: cause,
 	}

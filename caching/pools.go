@@ -24,7 +24,7 @@ func (a *Allocator) MallocIn(id PoolID, size uint64, s arena.Stream) (uintptr, e
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if size > MaxRequest {
-		return 0, a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: larger than any device (a negative size?)", size, a.dev.Ordinal()))
+		return 0, a.checkRequest(size)
 	}
 	cp := a.general
 	if id != (PoolID{}) {

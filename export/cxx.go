@@ -255,6 +255,12 @@ func (l *library) mallocIn(size uint64, d int, s uintptr, id caching.PoolID) (ui
 	}
 	p, err := a.MallocIn(id, size, arena.Stream(s))
 	if err != nil {
+		var oom *caching.OOMError
+		if errors.As(err, &oom) {
+			// The class raises torch.OutOfMemoryError with this message,
+			// which is where PyTorch's allocator says it too: not on stderr.
+			return 0, l.fail(err)
+		}
 		l.report(err)
 		return 0, err
 	}

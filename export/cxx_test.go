@@ -64,12 +64,19 @@ func TestFreeOwnedFindsTheDevice(t *testing.T) {
 }
 
 // A refused allocation hands back its error: the class throws it as
-// torch.OutOfMemoryError when it is an out-of-memory.
+// torch.OutOfMemoryError when it is an out-of-memory, and that is the one
+// place it is said, as with PyTorch's allocator: nothing on stderr. The C
+// ABI's NULL says nothing, so there goalloc prints it.
 func TestMallocInReturnsTheError(t *testing.T) {
+	out := captureLibraryOutput(t)
 	l := simLibrary(t, "1")
 	_, err := l.mallocIn(1<<40, 0, 0, caching.PoolID{})
 	var oom *caching.OOMError
 	require.ErrorAs(t, err, &oom)
+	assert.Contains(t, err.Error(), "CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 8.00 GiB")
+	assert.Equal(t, []string{""}, out.lines(), "the class's out-of-memory is not printed")
+	assert.Zero(t, l.malloc(1<<40, 0, 0))
+	assert.Len(t, out.lines(), 1, "the C ABI's is")
 	_, err = l.mallocIn(64, 0, 0, caching.PoolID{0, 9})
 	require.Error(t, err)
 	assert.NotErrorAs(t, err, &oom)

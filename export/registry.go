@@ -397,7 +397,8 @@ func (l *library) recordHistory(entries int) error {
 func (l *library) report(err error) {
 	var oom *caching.OOMError
 	if errors.As(err, &oom) {
-		warnings.print(err.Error())
+		// PyTorch's words open the message; on stderr it says whose it is.
+		warnings.print("goalloc: " + err.Error())
 		_ = l.fail(err)
 		return
 	}

@@ -67,7 +67,7 @@ func TestPerDeviceCaps(t *testing.T) {
 	assert.EqualValues(t, 1, stats(t, l, 1)["num_ooms"])
 	assert.Zero(t, stats(t, l, 0)["num_ooms"])
 	require.Len(t, out.lines(), 1)
-	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 1: 3.00 GiB requested; cap 2.00 GiB")
+	assert.Contains(t, out.lines()[0], "goalloc: CUDA out of memory. Tried to allocate 3.00 GiB. GPU 1 has a total capacity of 8.00 GiB of which 8.00 GiB is free. goalloc on device 1: reserved 0 B (cap 2.00 GiB)")
 	require.NoError(t, l.setFraction(0, 1), "0 is a cap, as in PyTorch")
 	assert.Zero(t, l.malloc(512, 1, 0), "that refuses everything")
 	require.Error(t, l.setFraction(-0.5, 0))
@@ -142,7 +142,7 @@ func TestConfigureBeforeAndAfterUse(t *testing.T) {
 	require.NoError(t, l.configure("fraction:0.5"))
 	p := l.malloc(5<<30, 0, 0)
 	assert.Zero(t, p, "over the configured cap of 4 GiB")
-	assert.Contains(t, out.lines()[0], "goalloc: out of memory on device 0: 5.00 GiB requested; cap 4.00 GiB")
+	assert.Contains(t, out.lines()[0], "goalloc: CUDA out of memory. Tried to allocate 5.00 GiB. GPU 0 has a total capacity of 8.00 GiB")
 	require.ErrorContains(t, l.configure("fraction:0.9"), "before any tensor")
 }
 

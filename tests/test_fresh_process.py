@@ -48,7 +48,8 @@ def test_fraction_cap_fails_an_allocation_with_goallocs_message_and_the_process_
     assert out["allocated"] == 0
     oom_lines = [line for line in proc.stderr.splitlines() if "out of memory" in line]
     assert len(oom_lines) == 1, proc.stderr
-    assert oom_lines[0].startswith("goalloc: out of memory on device 0: 128.00 MiB requested; cap 81.92 MiB, device 8.00 GiB")
+    assert oom_lines[0].startswith("goalloc: CUDA out of memory. Tried to allocate 128.00 MiB. GPU 0 has a total capacity of 8.00 GiB of which ")
+    assert "(cap 81.92 MiB)" in oom_lines[0]
 
 
 def test_lowering_the_fraction_releases_cached_memory():

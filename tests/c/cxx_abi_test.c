@@ -64,8 +64,9 @@ int main(int argc, char **argv) {
 
 	/* goalloc_pool_malloc: the message, and whether it was an out-of-memory. */
 	struct { size_t size; ull pool; int oom; const char *want; } refused[] = {
-		{(size_t)1 << 40, 0, 1, "out of memory on device 0"},
-		{(size_t)1 << 62, 0, 0, "larger than any device"},
+		{(size_t)1 << 40, 0, 1, "CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0"},
+		{(size_t)1 << 62, 0, 1, "CUDA out of memory. Tried to allocate more than 1EB memory."},
+		{(size_t)1 << 63, 0, 0, "a negative size?"},
 		{64, 12345, 0, "not in use"},
 	};
 	for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {

@@ -84,12 +84,16 @@ int main(int argc, char** argv) {
 
   // Refusals: out-of-memory as c10::OutOfMemoryError, the rest as c10::Error.
   std::string oom = throws<c10::OutOfMemoryError>([&] { a.malloc(size_t(1) << 40, 0, S); });
-  EXPECT(oom.find("goalloc: out of memory on device 0") == 0, "%s", oom.c_str());
-  std::string bad = throws<c10::Error>([&] { a.malloc(size_t(1) << 62, 0, S); });
-  EXPECT(bad.find("larger than any device") != std::string::npos, "%s", bad.c_str());
-  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(size_t(1) << 62, 0, S); }).find("WRONG TYPE") == 0,
+  EXPECT(oom.find("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 8.00 GiB of which") == 0,
+         "%s", oom.c_str());
+  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(size_t(1) << 62, 0, S); })
+                 .find("CUDA out of memory. Tried to allocate more than 1EB memory.") == 0,
+         "beyond 1 EiB: PyTorch's words");
+  std::string bad = throws<c10::Error>([&] { a.malloc(size_t(1) << 63, 0, S); });
+  EXPECT(bad.find("a negative size?") != std::string::npos, "%s", bad.c_str());
+  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(size_t(1) << 63, 0, S); }).find("WRONG TYPE") == 0,
          "bad input is not an out-of-memory");
-  EXPECT(a.getDeviceStats(0).num_ooms == 1, "num_ooms");
+  EXPECT(a.getDeviceStats(0).num_ooms == 2, "num_ooms");
   int observed = 0;
   a.attachOutOfMemoryObserver([&](int64_t dev, size_t size, size_t, size_t) { observed += dev == 0 && size == (size_t(1) << 40); });
   throws<c10::OutOfMemoryError>([&] { a.malloc(size_t(1) << 40, 0, S); });

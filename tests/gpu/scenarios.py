@@ -224,7 +224,7 @@ def scenario_train(out: Path) -> dict[str, Any]:
 
 def scenario_fraction(out: Path) -> dict[str, Any]:
     """set_per_process_memory_fraction caps goalloc: an over-cap allocation
-    fails with goalloc's message on stderr, and the process keeps working.
+    fails with goalloc's message in the exception, and the process keeps working.
 
     torch 2.11 does not check a NULL from a pluggable allocator: it makes a
     tensor with no memory, and a kernel run on that tensor writes through

@@ -49,7 +49,7 @@ def test_fraction_caps_and_recovers(result):
     assert f["still_works"] == 3000.0
     assert f["reserved"] <= f["cap"]
     assert f["after_raising_cap"] == "allocated"
-    assert "goalloc: out of memory on device 0" in result["stderr"]
+    assert "goalloc: CUDA out of memory. Tried to allocate" in result["stderr"]
 
 
 def test_threads_without_context(result):

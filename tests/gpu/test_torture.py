@@ -42,7 +42,7 @@ def test_torture_under_cap_forces_retries():
     # Every failed request surfaced in torch, as a failed fill or a skipped check.
     assert r["ooms_seen_by_torch"] + r["skipped_checks"] == r["num_ooms"]
     assert r["reserved_peak"] <= 0.0003 * torch.cuda.get_device_properties(0).total_memory
-    assert "goalloc: out of memory on device 0" in r["stderr"]
+    assert "goalloc: CUDA out of memory. Tried to allocate" in r["stderr"]
 
 
 def test_torture_threads():

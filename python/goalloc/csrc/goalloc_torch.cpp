@@ -308,10 +308,44 @@ int front_drain(int device) {
 // have gone, and each of those frees asks the front first.
 goalloc_front::Front& front = *new goalloc_front::Front(&front_log_of, &front_drain);
 
+// Uncached memory: while torch.cuda.caching_allocator_enable(False) is in
+// force, allocations bypass goalloc altogether, as they bypass PyTorch's
+// cache: cudaMalloc and cudaFree, counted nowhere. Such a pointer is freed
+// the same way whatever the flag says by then, so it is remembered here.
+// uncached_count lets every other free skip the set with one load.
+struct Uncached {
+  std::mutex mu;
+  std::unordered_set<void*> ptrs;
+  std::atomic<size_t> count{0};
+
+  void* alloc(size_t size) {
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&p, size));
+    std::lock_guard<std::mutex> g(mu);
+    ptrs.insert(p);
+    count.store(ptrs.size(), std::memory_order_release);
+    return p;
+  }
+
+  // free cudaFrees ptr if it is uncached memory, and says whether it was.
+  bool free(void* ptr) {
+    if (count.load(std::memory_order_acquire) == 0) return false;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (ptrs.erase(ptr) == 0) return false;
+      count.store(ptrs.size(), std::memory_order_release);
+    }
+    cudaError_t err = cudaFree(ptr);
+    if (err != cudaSuccess) (void)cudaGetLastError();  // a deleter must not throw
+    return true;
+  }
+};
+Uncached& uncached = *new Uncached();  // never destroyed, like the front
+
 // free_block frees ptr through the front, or in Go when the front does not
 // take it: goalloc_free_ptr's status (0: freed).
 int free_block(void* ptr) {
-  if (ptr == nullptr || front.give(ptr)) return 0;
+  if (ptr == nullptr || front.give(ptr) || uncached.free(ptr)) return 0;
   keeper.before_go_call();
   return call_clock.time(goalloc_clock::kFree, [&] { return lib.free_ptr(ptr); });
 }
@@ -344,6 +378,10 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
 
   void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    if (!enabled_.load(std::memory_order_relaxed)) {
+      c10::cuda::CUDAGuard guard(device);
+      return uncached.alloc(size);
+    }
     ull id0 = 0, id1 = 0;
     uint64_t s = reinterpret_cast<uintptr_t>(stream);
     if (open_windows_.load(std::memory_order_acquire) > 0) {
@@ -420,8 +458,18 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     if (mempool_id == c10::MempoolId_t{0, 0}) lib.empty_cache();
   }
 
-  void enable(bool) override {}
-  bool isEnabled() const override { return true; }
+  // torch.cuda.caching_allocator_enable(False): allocations go straight to
+  // the driver, uncounted (Uncached above), until it is enabled again.
+  void enable(bool value) override { enabled_.store(value); }
+  bool isEnabled() const override { return enabled_.load(); }
+
+  // torch.accelerator's memory functions ask the device's allocator.
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    c10::cuda::CUDAGuard guard(device);
+    size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return {free, total};
+  }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     // An empty tensor has no block; a pointer another allocator made (a
@@ -749,6 +797,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   std::atomic<bool> initialized_{false};
+  std::atomic<bool> enabled_{true};
   std::atomic<int> open_windows_{0};
   std::mutex mu_;  // guards everything below
   std::vector<Window> windows_[kMaxDevices];
@@ -780,6 +829,14 @@ void install(const std::string& path) {
   if (installed != nullptr) return;
   auto a = std::make_shared<GoallocAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+  // changeCurrentAllocator swaps the allocator torch's CUDA tensors use but
+  // not the one registered for the device type, which torch.accelerator's
+  // functions (memory_stats, memory_allocated, ...) ask: register this
+  // one too, above the built-in registration's priority 0.
+  c10::SetAllocator(c10::DeviceType::CUDA, a.get(), 1);
+  // The library is initialised already (the package does it with torch's
+  // device count); torch.accelerator asks initialized() before any call.
+  a->init(c10::cuda::device_count());
   installed = a;
 }
 
