@@ -53,6 +53,19 @@ func (l *Limited) Limit() uint64 { return l.limit.Load() }
 // Held is the bytes allocated through l and not freed.
 func (l *Limited) Held() uint64 { return l.held.Load() }
 
+// Claim counts size bytes held by something outside the source under the
+// cap (a pool with an allocator of its own), or refuses them with
+// ErrCapReached; Unclaim gives them back.
+func (l *Limited) Claim(size uint64) error {
+	if !l.claim(size) {
+		return ErrCapReached
+	}
+	return nil
+}
+
+// Unclaim gives back a Claim.
+func (l *Limited) Unclaim(size uint64) { l.held.Sub(size) }
+
 // claim takes size bytes under the cap, or says the cap refuses them.
 func (l *Limited) claim(size uint64) bool {
 	held := l.held.Add(size)

@@ -51,6 +51,9 @@ type Allocator struct {
 	// graph captures in progress, innermost last (graphs.go).
 	general *cachePool
 	windows []PoolID
+	// external is what pools with an allocator of their own hold
+	// (external.go).
+	external externalTally
 	// afterCapture holds the frees that wait for other streams and were
 	// made while a capture was underway: their events are recorded when
 	// the last window closes (capturesEnd).

@@ -186,6 +186,16 @@ func (a *Allocator) CheckInvariants() error {
 		}
 	}
 
+	x := &a.external
+	for t := StatAll; t < numStatTypes; t++ {
+		segs[t] += x.segments[t]
+		reserved[t] += x.reserved[t]
+		live[t] += x.live[t]
+		activeN[t] += x.live[t]
+		allocated[t] += x.allocated[t]
+		active[t] += x.allocated[t]
+		requested[t] += x.requested[t]
+	}
 	var st Stats
 	a.cells.fill(&st)
 	for t := StatAll; t < numStatTypes; t++ {
@@ -213,9 +223,9 @@ func (a *Allocator) CheckInvariants() error {
 	}
 	// The stack under the cache counts what it handed out on its own; the
 	// cap is only right if that count is reserved_bytes.
-	if r := uint64(reserved[StatAll]); a.limited.Held() != r || a.counting.Held() != r {
-		return fmt.Errorf("the memory stack holds %d bytes (cap's count) and %d (device count), blocks add up to %d",
-			a.limited.Held(), a.counting.Held(), r)
+	if own := uint64(reserved[StatAll] - x.reserved[StatAll]); a.limited.Held() != own+x.claimed || a.counting.Held() != own {
+		return fmt.Errorf("the memory stack holds %d bytes (cap's count, own-allocator pools' %d in it) and %d (device count), blocks add up to %d",
+			a.limited.Held(), x.claimed, a.counting.Held(), own)
 	}
 	for _, p := range pools {
 		if poolBytes[p] != p.reserved {

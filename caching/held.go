@@ -51,6 +51,10 @@ type heldFigure struct {
 	// cache line; now and high are read only when one of them is set.
 	stale, unpublished bool
 	now, high          int64
+	// external is what pools with an allocator of their own hold
+	// (external.go): the device's figure does not include it, so now adds
+	// it, and high follows now where now passes it.
+	external int64
 	// read reads them (the observer's refresh; nil before there is one).
 	read func()
 }
@@ -85,9 +89,20 @@ func newHeldObserver(src arena.MemorySource, h *heldFigure) *heldObserver {
 func (o *heldObserver) refresh() {
 	o.h.stale = false
 	if u, err := o.MemorySource.PoolUsage(); err == nil {
-		o.h.now, o.h.high = int64(u.ReservedCurrent), int64(u.ReservedHigh)
+		o.h.now, o.h.high = int64(u.ReservedCurrent)+o.h.external, int64(u.ReservedHigh)+o.h.external
 		o.h.unpublished = true
 	}
+}
+
+// addExternal adds d bytes to what own-allocator pools hold. The peak is
+// the device's peak plus what they held when it was read, or a later now:
+// a peak of theirs between two reads while the device held less is not
+// seen (their peak and the device's are not taken at the same moment).
+func (h *heldFigure) addExternal(d int64) {
+	h.external += d
+	h.now += d
+	h.high = max(h.high, h.now)
+	h.unpublished = true
 }
 
 func (o *heldObserver) Alloc(size uint64, s arena.Stream) (uintptr, error) {

@@ -17,6 +17,11 @@ package main
 //	                           const unsigned long long* blocks, int n);
 //	void* goalloc_front(int device);
 //	int   goalloc_front_drain(int device);
+//	int   goalloc_external_claim(int device, size_t size, char** err);
+//	void  goalloc_external_unclaim(int device, size_t size);
+//	int   goalloc_external_segment(int device, int alloc, void* addr, size_t size, int large, cudaStream_t stream);
+//	int   goalloc_external_block(int device, int alloc, void* addr, size_t size, size_t requested,
+//	                             int large, cudaStream_t stream);
 //
 // The class evaluates PyTorch's pool filters itself and names the pool of
 // each allocation (caching/pools.go); a failed allocation hands back its
@@ -304,4 +309,48 @@ func (l *library) stats(d int) (caching.Stats, error) {
 		return a.Stats(), nil
 	}
 	return caching.Stats{}, nil
+}
+
+// Pools with an allocator of their own (caching/external.go): the class
+// carves them; these count what they hold, under the cap.
+
+//export goalloc_external_claim
+func goalloc_external_claim(device C.int, size C.size_t, errOut **C.char) C.int {
+	a, err := lib.device(int(device))
+	if err == nil {
+		err = a.ClaimExternal(uint64(size))
+	}
+	if err != nil {
+		if errOut != nil {
+			*errOut = C.CString(err.Error())
+		}
+		return -1
+	}
+	return 0
+}
+
+//export goalloc_external_unclaim
+func goalloc_external_unclaim(device C.int, size C.size_t) {
+	if a := lib.existingDevice(int(device)); a != nil {
+		a.UnclaimExternal(uint64(size))
+	}
+}
+
+//export goalloc_external_segment
+func goalloc_external_segment(device C.int, alloc C.int, addr unsafe.Pointer, size C.size_t, large C.int, stream C.cudaStream_t) C.int {
+	a := lib.existingDevice(int(device))
+	if a == nil {
+		return status(lib.bad("bad_device", fmt.Sprintf("goalloc: an own-allocator segment on device %d, where goalloc holds nothing", int(device))))
+	}
+	a.ExternalSegment(alloc != 0, uintptr(addr), uint64(size), large != 0, arena.Stream(uintptr(stream)))
+	return 0
+}
+
+//export goalloc_external_block
+func goalloc_external_block(device C.int, alloc C.int, addr unsafe.Pointer, size, requested C.size_t, large C.int, stream C.cudaStream_t) C.int {
+	a := lib.existingDevice(int(device))
+	if a == nil {
+		return status(lib.bad("bad_device", fmt.Sprintf("goalloc: an own-allocator block on device %d, where goalloc holds nothing", int(device))))
+	}
+	return status(lib.reportErr(a.ExternalBlock(alloc != 0, uintptr(addr), uint64(size), uint64(requested), large != 0, arena.Stream(uintptr(stream)))))
 }

@@ -43,6 +43,95 @@ static std::string throws(F f) {
 
 static cudaStream_t stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// FakeSource stands in for the allocator of a torch.cuda.MemPool(allocator=...)
+// (torch's CUDAPluggableAllocator over ncclMemAlloc, say): fake addresses,
+// every call counted, live segments kept.
+struct FakeSource : GoallocAllocator {
+  uintptr_t next = 0x700000000000;
+  int allocs = 0, frees = 0;
+  std::set<void*> live;
+  void* raw_alloc_with_stream(size_t n, cudaStream_t) override {
+    void* p = reinterpret_cast<void*>(next);
+    next += n + (size_t(1) << 30);
+    allocs++;
+    live.insert(p);
+    return p;
+  }
+  void raw_delete(void* p) override {
+    frees++;
+    live.erase(p);
+  }
+};
+
+// Pools with an allocator of their own: carved as PyTorch carves them from
+// that allocator's segments, counted by goalloc in its statistics and
+// snapshot and under its cap; use_on_oom; released with live tensors.
+static void own_allocator_pools(GoallocAllocator& a) {
+  const cudaStream_t S = stream(0x10);
+  const int all = 0, large = 2;
+  const size_t MiB = size_t(1) << 20;
+  auto src = std::make_shared<FakeSource>();
+  const c10::MempoolId_t id{0, 4242};
+  a.emptyCache({0, 0});
+  DeviceStats before = a.getDeviceStats(1);
+  a.createOrIncrefPool(1, id, src);  // MemPool(allocator=src)
+  EXPECT(a.getPoolUseCount(1, id) == 1, "one user");
+  a.beginAllocateToPool(1, id, [](cudaStream_t) { return true; });  // use_mem_pool
+  EXPECT(a.getPoolUseCount(1, id) == 2, "the window is a user");
+  void* x = a.malloc(MiB, 1, S);
+  void* y = a.malloc(MiB, 1, S);
+  void* z = a.malloc(MiB, 1, S);
+  a.endAllocateToPool(1, id);
+  a.releasePool(1, id);
+  EXPECT(src->allocs == 2 && y == static_cast<char*>(x) + MiB, "1 MiB blocks packed in 2 MiB segments: %d", src->allocs);
+  CCA::SnapshotInfo snap = a.snapshot(id, false);
+  EXPECT(snap.segments.size() == 2, "two segments in the pool's snapshot: %zu", snap.segments.size());
+  for (auto& s : snap.segments) EXPECT(s.owner_private_pool_id == id && s.device == 1, "the pool's");
+  DeviceStats st = a.getDeviceStats(1);
+  EXPECT(st.reserved_bytes[all].current - before.reserved_bytes[all].current == int64_t(4 * MiB),
+         "memory_reserved counts the segments: %lld", (long long)(st.reserved_bytes[all].current - before.reserved_bytes[all].current));
+  EXPECT(st.allocated_bytes[all].current - before.allocated_bytes[all].current == int64_t(3 * MiB), "and the blocks");
+
+  // Released with tensors alive (test_tensor_delete_after_allocator_delete):
+  // the pool keeps its allocator until they die, then gives everything back.
+  a.releasePool(1, id);  // ~MemPool
+  EXPECT(a.getPoolUseCount(1, id) == 0 && src->frees == 0, "released, tensors alive");
+  raw_delete_fn(x);
+  raw_delete_fn(y);
+  EXPECT(src->frees == 1, "a wholly free segment of a released pool goes back: %d", src->frees);
+  raw_delete_fn(z);
+  EXPECT(src->frees == 2 && src->live.empty(), "all back");
+  EXPECT(a.getDeviceStats(1).reserved_bytes[all].current == before.reserved_bytes[all].current, "uncounted");
+
+  // use_on_oom under a cap (test_mempool_limited_memory_with_allocator): a
+  // request goalloc refuses takes the pool's free block, at its start.
+  auto src2 = std::make_shared<FakeSource>();
+  const c10::MempoolId_t id2{0, 4243};
+  a.setMemoryFraction(double(41 * MiB) / double(8ull << 30), 1);
+  a.createOrIncrefPool(1, id2, src2);
+  a.setUseOnOOM(1, id2, true);
+  a.beginAllocateToPool(1, id2, [](cudaStream_t) { return true; });
+  void* b = a.malloc(40 * MiB, 1, S);
+  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(40 * MiB, 1, S); }).find("CUDA out of memory") == 0,
+         "a second 40 MiB segment is over the cap");
+  a.endAllocateToPool(1, id2);
+  a.releasePool(1, id2);
+  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(30 * MiB, 1, S); }).find("CUDA out of memory") == 0,
+         "goalloc's own request is over the cap too");
+  raw_delete_fn(b);
+  void* c = a.malloc(30 * MiB, 1, S);
+  EXPECT(c == b, "use_on_oom: the pool's free block at its start: %p, %p", c, b);
+  EXPECT(throws<c10::OutOfMemoryError>([&] { a.malloc(30 * MiB, 1, S); }).find("CUDA out of memory") == 0,
+         "10 MiB left in the pool");
+  raw_delete_fn(c);
+  EXPECT(a.getDeviceStats(1).allocated_bytes[large].current == before.allocated_bytes[large].current, "freed");
+  a.releasePool(1, id2);  // ~MemPool
+  a.emptyCache(id2);
+  EXPECT(src2->live.empty() && src2->allocs == 1, "one segment, given back: %d", src2->allocs);
+  EXPECT(a.getPoolUseCount(1, id2) == 0, "gone");
+  a.setMemoryFraction(1.0, 1);
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]);
@@ -220,11 +309,8 @@ int main(int argc, char** argv) {
   }  // the DataPtr's deleter frees in, as a storage's would
   EXPECT(a.checkPoolLiveAllocations(0, pool, {}), "in freed by its DataPtr");
 
-  EXPECT(throws<c10::Error>([&] { a.createOrIncrefPool(0, {0, 6}, std::make_shared<GoallocAllocator>()); })
-                 .find("its own allocator") != std::string::npos,
-         "a MemPool with another allocator");
   EXPECT(throws<c10::Error>([&] { a.setUseOnOOM(0, pool, true); }).find("use_on_oom") != std::string::npos,
-         "use_on_oom");
+         "use_on_oom on goalloc's own pool");
   a.releasePool(0, pool);  // ~MemPool
   EXPECT(a.getPoolUseCount(0, pool) == 0, "released");
   a.emptyCache(pool);
@@ -235,6 +321,7 @@ int main(int argc, char** argv) {
              std::string::npos,
          "raw_delete of a stranger");
   a.emptyCache({0, 0});
+  own_allocator_pools(a);
 
   std::printf("cxx_class_test: %d failures\n", failures);
   return failures ? 1 : 0;

@@ -44,6 +44,7 @@
 #include "goalloc_clock.h"
 #include "goalloc_front.h"
 #include "goalloc_sched.h"
+#include "goalloc_split.h"
 
 #include <atomic>
 #include <cstdint>
@@ -97,6 +98,10 @@ struct Library {
   int (*front_drain)(int);
   void (*sched_yield)();
   long long (*yield_every_ns)();
+  int (*external_claim)(int, size_t, char**);
+  void (*external_unclaim)(int, size_t);
+  int (*external_segment)(int, int, void*, size_t, int, cudaStream_t);
+  int (*external_block)(int, int, void*, size_t, size_t, int, cudaStream_t);
 };
 
 Library lib;
@@ -142,6 +147,10 @@ void open_library(const std::string& path) {
   GOALLOC_SYM(front_drain, "goalloc_front_drain");
   GOALLOC_SYM(sched_yield, "goalloc_sched_yield");
   GOALLOC_SYM(yield_every_ns, "goalloc_yield_every_ns");
+  GOALLOC_SYM(external_claim, "goalloc_external_claim");
+  GOALLOC_SYM(external_unclaim, "goalloc_external_unclaim");
+  GOALLOC_SYM(external_segment, "goalloc_external_segment");
+  GOALLOC_SYM(external_block, "goalloc_external_block");
 #undef GOALLOC_SYM
   TORCH_CHECK(missing.empty(), "goalloc: ", path, " lacks", missing,
               "; it is older than this allocator class: rebuild it (make lib)");
@@ -342,10 +351,229 @@ struct Uncached {
 };
 Uncached& uncached = *new Uncached();  // never destroyed, like the front
 
+// --- pools with an allocator of their own (goalloc_split.h) -------------------
+
+// OnDevice makes device current for its lifetime, as the pool's allocator
+// takes the current device; where the runtime cannot say which is current
+// (no GPU: goalloc's simulated device in tests) it changes nothing.
+struct OnDevice {
+  int prev = -1;
+  explicit OnDevice(int device) {
+    int cur = 0;
+    if (cudaGetDevice(&cur) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (cur != device && cudaSetDevice(device) == cudaSuccess) prev = cur;
+  }
+  ~OnDevice() {
+    if (prev >= 0) (void)cudaSetDevice(prev);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+};
+
+// OwnAllocatorEnv gives a pool the segments of its allocator (torch's
+// CUDAAllocator behind MemPool(allocator=...)), counted by goalloc under
+// its cap (caching/external.go). The pool keeps its allocator alive until
+// the pool goes, as PyTorch's private pools do.
+struct OwnAllocatorEnv : goalloc_split::Env {
+  std::shared_ptr<CCA::CUDAAllocator> source;
+  c10::DeviceIndex device;
+
+  OwnAllocatorEnv(std::shared_ptr<CCA::CUDAAllocator> s, c10::DeviceIndex d) : source(std::move(s)), device(d) {}
+
+  void* segment_alloc(size_t size, void* stream, bool large, std::string* err, bool* oom) override {
+    char* e = nullptr;
+    if (lib.external_claim(device, size, &e) != 0) {
+      *err = e != nullptr ? std::string(e) : last_error();
+      if (e != nullptr) lib.string_free(e);
+      *oom = true;
+      return nullptr;
+    }
+    void* p = nullptr;
+    try {
+      OnDevice on(device);
+      p = source->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+    } catch (const std::exception& ex) {
+      *err = ex.what();
+    }
+    if (p == nullptr) {
+      lib.external_unclaim(device, size);
+      if (err->empty()) *err = "goalloc: the pool's allocator gave no memory for a segment of " + std::to_string(size) + " bytes";
+      *oom = true;
+      return nullptr;
+    }
+    lib.external_segment(device, 1, p, size, large, static_cast<cudaStream_t>(stream));
+    return p;
+  }
+
+  void segment_free(const goalloc_split::Segment& s) override {
+    void* p = reinterpret_cast<void*>(s.addr);
+    try {
+      OnDevice on(device);
+      source->raw_delete(p);
+    } catch (const std::exception& ex) {
+      // A free must not throw (it runs in deleters): the memory is the
+      // pool's allocator's to lose, and the warning says so.
+      TORCH_WARN("goalloc: the pool's allocator failed to free a segment: ", ex.what());
+    }
+    lib.external_segment(device, 0, p, s.size, s.large, static_cast<cudaStream_t>(s.stream));
+  }
+
+  void block_counted(const goalloc_split::Block& b, void* stream, bool alloc) override {
+    lib.external_block(device, alloc, reinterpret_cast<void*>(b.addr), b.size, b.requested, b.seg->large,
+                       static_cast<cudaStream_t>(stream));
+  }
+
+  // A block that record_stream named other streams for is reused only
+  // after they are done; the pool waits for them at the free (a rare path:
+  // PyTorch's allocator polls events instead).
+  void wait_for(const std::vector<void*>& streams) override {
+    for (void* s : streams)
+      if (cudaStreamSynchronize(static_cast<cudaStream_t>(s)) != cudaSuccess) (void)cudaGetLastError();
+  }
+};
+
+// OwnAllocatorPools holds the pools with an allocator of their own, by
+// device and id, and the use_on_oom ones among them. Never destroyed, like
+// the front: frees reach it while the process exits. Its lock is never held
+// while a pool calls out (a pool's allocator may call back into torch's).
+class OwnAllocatorPools {
+ public:
+  using Key = std::tuple<int, ull, ull>;
+
+  std::shared_ptr<goalloc_split::Pool> find(c10::DeviceIndex device, c10::MempoolId_t id) {
+    if (count_.load(std::memory_order_acquire) == 0) return nullptr;
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pools_.find(Key{device, id.first, id.second});
+    return it == pools_.end() ? nullptr : it->second.pool;
+  }
+
+  // create_or_incref makes the pool of id over allocator, or adds a user.
+  void create_or_incref(c10::DeviceIndex device, c10::MempoolId_t id, std::shared_ptr<CCA::CUDAAllocator> allocator) {
+    std::shared_ptr<goalloc_split::Pool> p;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& e = pools_[Key{device, id.first, id.second}];
+      if (e.pool == nullptr) {
+        e.pool = std::make_shared<goalloc_split::Pool>(std::make_unique<OwnAllocatorEnv>(std::move(allocator), device));
+        count_.fetch_add(1, std::memory_order_release);
+      }
+      p = e.pool;
+    }
+    p->incref();
+  }
+
+  // release drops a user; a released pool that holds nothing goes.
+  int release(c10::DeviceIndex device, c10::MempoolId_t id) {
+    auto p = find(device, id);
+    if (p == nullptr) return -1;
+    int left = p->decref();
+    if (left == 0) drop_if_done(device, id, p);
+    return left;
+  }
+
+  // with_id is the pool of id on any device (ids are the process's).
+  std::vector<std::shared_ptr<goalloc_split::Pool>> with_id(c10::MempoolId_t id) {
+    std::vector<std::shared_ptr<goalloc_split::Pool>> out;
+    for (auto& [key, p] : all())
+      if (std::get<1>(key) == id.first && std::get<2>(key) == id.second) out.push_back(p);
+    return out;
+  }
+
+  void set_use_on_oom(c10::DeviceIndex device, c10::MempoolId_t id, bool on) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pools_.find(Key{device, id.first, id.second});
+    if (it != pools_.end()) it->second.use_on_oom = on;
+  }
+
+  // free gives ptr back to its pool; false when no such pool holds it.
+  bool free(void* ptr) {
+    if (count_.load(std::memory_order_acquire) == 0) return false;
+    for (auto& [key, p] : all()) {
+      if (p->free(ptr)) {
+        if (p->users() == 0) drop_if_done(std::get<0>(key), {std::get<1>(key), std::get<2>(key)}, p);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  bool record_stream(void* ptr, void* stream) {
+    if (count_.load(std::memory_order_acquire) == 0) return false;
+    for (auto& [key, p] : all())
+      if (p->record_stream(ptr, stream)) return true;
+    return false;
+  }
+
+  // take_on_oom serves a request goalloc refused for lack of memory from
+  // the free blocks of device's use_on_oom pools, as PyTorch's allocator
+  // does before it raises.
+  void* take_on_oom(c10::DeviceIndex device, size_t size, void* stream) {
+    if (count_.load(std::memory_order_acquire) == 0) return nullptr;
+    for (auto& [key, p] : all(device, true))
+      if (void* q = p->take(size, stream)) return q;
+    return nullptr;
+  }
+
+  // empty_released is the global empty_cache's part: pools no one uses any
+  // more give back what they can, and go when they hold nothing.
+  void empty_released() {
+    if (count_.load(std::memory_order_acquire) == 0) return;
+    for (auto& [key, p] : all()) {
+      if (p->users() > 0) continue;
+      p->empty();
+      drop_if_done(std::get<0>(key), {std::get<1>(key), std::get<2>(key)}, p);
+    }
+  }
+
+  // snapshot lists the segments of device's pools (id {0, 0}: all pools).
+  std::vector<std::pair<Key, std::vector<goalloc_split::SegmentView>>> snapshot(c10::MempoolId_t id) {
+    std::vector<std::pair<Key, std::vector<goalloc_split::SegmentView>>> out;
+    for (auto& [key, p] : all()) {
+      if (id != c10::MempoolId_t{0, 0} && (std::get<1>(key) != id.first || std::get<2>(key) != id.second)) continue;
+      out.emplace_back(key, p->snapshot());
+    }
+    return out;
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<goalloc_split::Pool> pool;
+    bool use_on_oom = false;
+  };
+
+  // all copies the pools (of device's use_on_oom ones), so that none is
+  // called with mu_ held.
+  std::vector<std::pair<Key, std::shared_ptr<goalloc_split::Pool>>> all(int device = -1, bool on_oom = false) {
+    std::vector<std::pair<Key, std::shared_ptr<goalloc_split::Pool>>> out;
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [key, e] : pools_)
+      if ((device < 0 || std::get<0>(key) == device) && (!on_oom || e.use_on_oom)) out.emplace_back(key, e.pool);
+    return out;
+  }
+
+  void drop_if_done(int device, c10::MempoolId_t id, const std::shared_ptr<goalloc_split::Pool>& p) {
+    if (p->users() != 0 || !p->holds_nothing()) return;
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pools_.find(Key{device, id.first, id.second});
+    if (it != pools_.end() && it->second.pool == p) {
+      pools_.erase(it);
+      count_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  std::mutex mu_;
+  std::map<Key, Entry> pools_;
+  std::atomic<int> count_{0};
+};
+OwnAllocatorPools& own_pools = *new OwnAllocatorPools();
+
 // free_block frees ptr through the front, or in Go when the front does not
 // take it: goalloc_free_ptr's status (0: freed).
 int free_block(void* ptr) {
-  if (ptr == nullptr || front.give(ptr) || uncached.free(ptr)) return 0;
+  if (ptr == nullptr || front.give(ptr) || uncached.free(ptr) || own_pools.free(ptr)) return 0;
   keeper.before_go_call();
   return call_clock.time(goalloc_clock::kFree, [&] { return lib.free_ptr(ptr); });
 }
@@ -386,6 +614,9 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     uint64_t s = reinterpret_cast<uintptr_t>(stream);
     if (open_windows_.load(std::memory_order_acquire) > 0) {
       pool_for(device, stream, &id0, &id1);
+      if (id0 != 0 || id1 != 0) {
+        if (auto own = own_pools.find(device, {id0, id1})) return malloc_own(*own, size, device, stream);
+      }
     } else if (void* p = front.take(device, s, size)) {
       return p;
     }
@@ -401,10 +632,24 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     std::string msg = err != nullptr ? std::string(err) : last_error();
     if (err != nullptr) lib.string_free(err);
     if (oom) {
+      if (void* q = own_pools.take_on_oom(device, size, stream)) return q;
       notify_oom(device, size);
       TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
     }
     TORCH_CHECK(false, msg);
+  }
+
+  // malloc_own carves a request from a pool with an allocator of its own.
+  void* malloc_own(goalloc_split::Pool& pool, size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    std::string err;
+    bool oom = false;
+    void* p = pool.malloc(size, stream, &err, &oom);
+    if (p != nullptr) return p;
+    if (oom) {
+      notify_oom(device, size);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, err);
+    }
+    TORCH_CHECK(false, err);
   }
 
   void* raw_alloc(size_t nbytes) override {
@@ -453,9 +698,16 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   void emptyCache(c10::MempoolId_t mempool_id) override {
-    // A private pool's cached memory goes back when its last user releases
-    // it (MemPool's destructor calls releasePool, then this).
-    if (mempool_id == c10::MempoolId_t{0, 0}) lib.empty_cache();
+    // A private pool of goalloc's gives its cached memory back when its
+    // last user releases it (MemPool's destructor calls releasePool, then
+    // this); one with an allocator of its own gives back its wholly free
+    // segments here, and the global empty_cache those of released pools.
+    if (mempool_id == c10::MempoolId_t{0, 0}) {
+      lib.empty_cache();
+      own_pools.empty_released();
+      return;
+    }
+    for (auto& own : own_pools.with_id(mempool_id)) own->empty();
   }
 
   // torch.cuda.caching_allocator_enable(False): allocations go straight to
@@ -475,6 +727,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     // An empty tensor has no block; a pointer another allocator made (a
     // tensor shared from another process) is not goalloc's to track.
     if (ptr.get() == nullptr || ptr.get_deleter() != &raw_delete_fn) return;
+    if (own_pools.record_stream(ptr.get(), stream.stream())) return;
     front.forget(ptr.get());  // its free goes to Go, which waits for the other stream
     lib.record_stream(ptr.get(), stream.stream());
   }
@@ -566,6 +819,31 @@ class GoallocAllocator : public CCA::CUDAAllocator {
       }
       info.device_traces.push_back(std::move(trace));
     }
+    for (auto& [key, segments] : own_pools.snapshot(mempool_id)) {
+      for (const auto& v : segments) {
+        SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(std::get<0>(key));
+        seg.address = v.addr;
+        seg.total_size = v.size;
+        seg.stream = v.stream;
+        seg.is_large = v.large;
+        seg.is_expandable = false;
+        seg.owner_private_pool_id = {std::get<1>(key), std::get<2>(key)};
+        for (const auto& b : v.blocks) {
+          BlockInfo blk;
+          blk.size = b.size;
+          blk.requested_size = b.requested;
+          blk.allocated = blk.active = b.allocated;
+          if (b.allocated) {
+            seg.allocated_size += b.size;
+            seg.active_size += b.size;
+            seg.requested_size += b.requested;
+          }
+          seg.blocks.push_back(std::move(blk));
+        }
+        info.segments.push_back(std::move(seg));
+      }
+    }
     info.config_metadata.garbage_collection_threshold = 0;
     info.config_metadata.max_split_size = SIZE_MAX;
     info.config_metadata.pinned_num_register_threads = 0;
@@ -613,9 +891,14 @@ class GoallocAllocator : public CCA::CUDAAllocator {
       windows_[device].push_back(Window{id, std::move(filter)});
       open_windows_.fetch_add(1, std::memory_order_release);
     }
-    // goalloc counts the window as a user of the pool, as PyTorch does, and
-    // knows a capture may be under way (no synchronising, no freeing into
-    // the driver on a capturing stream).
+    // A pool with an allocator of its own counts the window as a user;
+    // goalloc does so for its own, as PyTorch does, and knows a capture may
+    // be under way (no synchronising, no freeing into the driver on a
+    // capturing stream).
+    if (auto own = own_pools.find(device, id)) {
+      own->incref();
+      return;
+    }
     lib.begin_pool(device, id.first, id.second, nullptr);
   }
 
@@ -635,37 +918,59 @@ class GoallocAllocator : public CCA::CUDAAllocator {
       }
       TORCH_CHECK(found, "goalloc: endAllocateToPool: not allocating to pool (", id.first, ", ", id.second, ")");
     }
+    if (own_pools.find(device, id) != nullptr) return;
     lib.end_pool(device, id.first, id.second);
   }
 
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     check_device(device);
+    if (own_pools.find(device, id) != nullptr) {
+      TORCH_CHECK(own_pools.release(device, id) >= 0, "goalloc: releasePool: pool (", id.first, ", ", id.second,
+                  ") has no user left");
+      return;
+    }
     lib.release_pool(device, id.first, id.second);
   }
 
+  // A pool with an allocator of its own (MemPool(allocator=...)) is
+  // carved here (goalloc_split.h); any other is goalloc's.
   void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t id,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
-                "goalloc: a torch.cuda.MemPool with its own allocator is not supported while goalloc is "
-                "torch's allocator; make it without one (torch.cuda.MemPool()) and goalloc serves it");
     check_device(device);
+    if ((allocator != nullptr && allocator.get() != this) || own_pools.find(device, id) != nullptr) {
+      own_pools.create_or_incref(device, id, std::move(allocator));
+      return;
+    }
     check(lib.incref_pool(device, id.first, id.second));
   }
 
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
     check_device(device);
+    if (auto own = own_pools.find(device, id)) return own->users();
     int n = lib.pool_use_count(device, id.first, id.second);
     TORCH_CHECK(n >= 0, last_error());
     return n;
   }
 
-  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom, "goalloc: MemPool(use_on_oom=True) is not supported: goalloc does not take memory "
-                             "from a private pool for other allocations");
+  // use_on_oom: a request goalloc refuses for lack of memory takes a free
+  // block of the pool before it raises. Pools with an allocator of their
+  // own can; goalloc's own pools keep whole blocks, not carved for others.
+  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t id, bool use_on_oom) override {
+    check_device(device);
+    if (own_pools.find(device, id) != nullptr) {
+      own_pools.set_use_on_oom(device, id, use_on_oom);
+      return;
+    }
+    TORCH_CHECK(!use_on_oom, "goalloc: MemPool(use_on_oom=True) is supported for a pool with an allocator of its own "
+                             "(MemPool(allocator=..., use_on_oom=True)); goalloc's own pools are not carved for other "
+                             "allocations");
   }
 
-  // goalloc never splits a block, so every pool is a no-split pool.
-  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {}
+  // goalloc never splits a block of its own pools: they are no-split pools.
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    check_device(device);
+    if (auto own = own_pools.find(device, id)) own->set_no_split();
+  }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
                                 const std::unordered_set<void*>& expected_live_allocations) override {
