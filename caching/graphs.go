@@ -128,6 +128,7 @@ func (a *Allocator) capturesEnd() error {
 	}
 	clear(a.afterCapture)
 	a.afterCapture = a.afterCapture[:0]
+	a.pollDeferred() // nothing captured has run: these usually complete at once
 	var errs []error
 	for _, p := range a.private {
 		if p.released {

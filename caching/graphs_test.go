@@ -260,3 +260,43 @@ func TestCaptureRecordsQueriesAndSynchronisesNothing(t *testing.T) {
 		require.NoError(t, a.CheckInvariants())
 	})
 }
+
+// Inside a capture, a block of the capture's pool freed while another
+// captured stream still reads it (record_stream) is not handed out again
+// during the capture: the captured work of that stream may run after the
+// free (test_cuda.py's test_graph_capture_reclaim_2_streams, "BEFORE JOIN:
+// must NOT reuse"). Once the capture ends its events are recorded, and the
+// pool has it again.
+func TestRecordedFreeInACaptureWaitsForTheCaptureToEnd(t *testing.T) {
+	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, sim *arena.Sim) {
+		const C1, C2 = arena.Stream(0xc1), arena.Stream(0xc2)
+		id := PoolID{3, 1}
+		for _, size := range []uint64{32, 2 << 20} {
+			require.NoError(t, a.BeginAllocateToPool(id))
+			sim.SetCapture(C1, arena.CaptureActive)
+			sim.SetCapture(C2, arena.CaptureActive)
+			data1, err := a.Malloc(size, C1)
+			require.NoError(t, err)
+			require.NoError(t, a.RecordStream(data1, C2))
+			require.NoError(t, a.Free(data1, size, C1))
+			data2, err := a.Malloc(size, C1)
+			require.NoError(t, err)
+			assert.NotEqual(t, data1, data2, "size %d: reused while C2's captured work may still read it", size)
+			sim.SetCapture(C1, arena.CaptureNone)
+			sim.SetCapture(C2, arena.CaptureNone)
+			require.NoError(t, a.EndAllocateToPool(id))
+			assert.Zero(t, sim.CaptureViolations)
+
+			require.NoError(t, a.BeginAllocateToPool(id))
+			sim.SetCapture(C1, arena.CaptureActive)
+			data3, err := a.Malloc(size, C1)
+			require.NoError(t, err)
+			assert.Equal(t, data1, data3, "size %d: the next capture into the pool has it again", size)
+			sim.SetCapture(C1, arena.CaptureNone)
+			require.NoError(t, a.EndAllocateToPool(id))
+			require.NoError(t, a.Free(data2, size, C1))
+			require.NoError(t, a.Free(data3, size, C1))
+			require.NoError(t, a.CheckInvariants())
+		}
+	})
+}

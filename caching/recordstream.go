@@ -43,8 +43,10 @@ func (a *Allocator) RecordStream(ptr uintptr, s arena.Stream) error {
 	return nil
 }
 
-// deferIfRecorded starts a deferred free when other streams used ptr and the
-// pool's rule defers such frees (a graph's private pool does not).
+// deferIfRecorded starts a deferred free when other streams used ptr, in
+// any pool: in a graph's private pool too, since within a capture the
+// streams that used a block may still run its captured work after the
+// free (PyTorch's allocator defers these frees to the end of the capture).
 func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	if len(a.recorded) == 0 {
 		return false
@@ -56,9 +58,6 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	delete(a.recorded, ptr)
 	if len(a.recorded) == 0 {
 		a.recorded = nil
-	}
-	if !l.pool.rule.defersFrees() {
-		return false
 	}
 	if a.capturing() {
 		// No event may be recorded now (see capturing): the free waits,

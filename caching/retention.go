@@ -51,9 +51,6 @@ type retention interface {
 	beforeMiss(a *Allocator, l *StreamFreeList, n uint64)
 	// alloc takes n bytes for the pool from mem, for work on stream s.
 	alloc(mem arena.MemorySource, n uint64, s arena.Stream) (uintptr, error)
-	// defersFrees says whether the free of a block other streams used
-	// (record_stream) waits for their events.
-	defersFrees() bool
 	// gaveBack is called after a block or segment of p went back to the
 	// device pool.
 	gaveBack(a *Allocator, p *cachePool)
@@ -130,8 +127,6 @@ func (generalRetention) alloc(mem arena.MemorySource, n uint64, s arena.Stream) 
 	return mem.Alloc(n, s)
 }
 
-func (generalRetention) defersFrees() bool { return true }
-
 func (generalRetention) gaveBack(*Allocator, *cachePool) {}
 
 // emptySegmentBudget bounds the bytes of empty small segments the general
@@ -179,10 +174,6 @@ func (graphRetention) beforeMiss(*Allocator, *StreamFreeList, uint64) {}
 func (graphRetention) alloc(mem arena.MemorySource, n uint64, _ arena.Stream) (uintptr, error) {
 	return mem.AllocUncaptured(n)
 }
-
-// defersFrees is false: the graph's own order protects the memory, whose
-// blocks only replays of the same captures reuse, in the captured order.
-func (graphRetention) defersFrees() bool { return false }
 
 // gaveBack forgets the pool once it is released and holds nothing.
 func (graphRetention) gaveBack(a *Allocator, p *cachePool) { a.dropIfEmpty(p) }

@@ -13,7 +13,6 @@ import (
 func TestRetentionRules(t *testing.T) {
 	general := generalRetention{largeCache: 256 << 20, missRelease: true}
 	assert.Equal(t, limits{maxCachedLarge: 256 << 20, maxEmptyPerClass: 1, maxEmptyBytes: emptySegmentBudget}, general.limits())
-	assert.True(t, general.defersFrees(), "a general free waits for the streams that used the block")
 
 	p := newGraphPool(PoolID{1, 2})
 	graph := p.rule.(graphRetention)
@@ -24,7 +23,6 @@ func TestRetentionRules(t *testing.T) {
 	assert.Equal(t, keepNothing, p.limits)
 	p.setReleased(false)
 	assert.Equal(t, keepAll, p.limits, "a pool in use again keeps everything again")
-	assert.False(t, graph.defersFrees(), "the graph's own order protects its memory")
 	graph.beforeMiss(nil, nil, 1<<30) // a miss may release nothing of a graph pool: it touches nothing
 
 	src := &callsSource{MemorySource: arena.NewSim(0, 1<<30)}
