@@ -169,3 +169,26 @@ def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "nope.py"), "--allocator", "native"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "no such file" in p.stderr
+
+
+def test_select_runs_only_what_the_merged_file_lacks(suite: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    test_file, env = suite
+    out = tmp_path / "part.json"
+    # bad2 "passed" before: with --select missing it is not run again and keeps that outcome.
+    out.write_text(json.dumps({"native": {"TestCuda::test_b_bad2": "passed", "TestCuda::test_a_ok1": "not run"},
+                               "native_messages": {"TestCuda::test_zz_gone": "kept"}}))
+    p = run(test_file, env, out, "--allocator", "native", "--merge", str(out), "--select", "missing",
+            "-k", "ok1 or bad2 or skip8")
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert res["native"] == {"TestCuda::test_b_bad2": "passed", "TestCuda::test_a_ok1": "passed",
+                             "TestCuda::test_h_skip8": "skipped"}
+    assert res["native_messages"]["TestCuda::test_zz_gone"] == "kept"
+    assert "2 tests (missing)" in p.stdout
+    # unpassed: only what did not pass runs again.
+    p = run(test_file, env, out, "--allocator", "native", "--merge", str(out), "--select", "unpassed",
+            "-k", "ok1 or bad2 or skip8")
+    assert "0 tests (unpassed)" in p.stdout, p.stdout
+    p = subprocess.run([sys.executable, str(RUNNER), str(test_file), "--allocator", "native", "--select", "missing"],
+                       env=env, capture_output=True, text=True)
+    assert p.returncode == 2 and "needs a --merge file" in p.stderr

@@ -171,9 +171,22 @@ class Run:
         return started
 
 
-def run_allocator(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    tests = collect(args.test_file, args.allocator, args.classes, args.k)
-    print(f"{args.allocator}: {len(tests)} tests", flush=True)
+PASSED = ("passed", "skipped", "xfailed")
+
+
+def selected(tests: list[str], select: str, before: dict[str, str]) -> list[str]:
+    """The tests to run: all, those without an outcome in before (missing),
+    or those that did not pass there (unpassed)."""
+    if select == "missing":
+        return [t for t in tests if before.get(short(t), NOT_RUN) == NOT_RUN]
+    if select == "unpassed":
+        return [t for t in tests if before.get(short(t), NOT_RUN) not in PASSED]
+    return tests
+
+
+def run_allocator(args: argparse.Namespace, deadline: float, before: dict[str, str]) -> dict[str, Any]:
+    tests = selected(collect(args.test_file, args.allocator, args.classes, args.k), args.select, before)
+    print(f"{args.allocator}: {len(tests)} tests ({args.select})", flush=True)
     first = Run(args.test_file, args.allocator, args.test_timeout, deadline, True)
     first.run(tests)
     outcomes = {t: first.outcomes.get(t, NOT_RUN) for t in tests}
@@ -219,6 +232,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--revision", default="", help="the PyTorch revision test_file comes from")
     ap.add_argument("--classes", nargs="+", default=list(CLASSES))
     ap.add_argument("-k", default="", help="pytest -k expression, to run part of the classes")
+    ap.add_argument("--select", choices=("all", "missing", "unpassed"), default="all",
+                    help="run all tests, or only those the --merge file has no outcome for (missing) or that did "
+                         "not pass there (unpassed) under this allocator; the others keep their outcome")
     ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
     ap.add_argument("--test-timeout", type=float, default=150, help="seconds one test may take (default 150)")
     args = ap.parse_args(argv)
@@ -232,15 +248,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     result: dict[str, Any] = {"torch": torch.__version__, "revision": args.revision, "native": {}, "goalloc": {},
                               "exceptions": {}}
+    old: dict[str, Any] = {}
     if args.merge and args.merge.is_file():
         old = json.loads(args.merge.read_text())
         for k, v in old.items():
             if k != args.allocator and not k.startswith(args.allocator + "_"):
                 result[k] = v
-    got = run_allocator(args, deadline)
-    result[args.allocator] = {short(t): o for t, o in got["outcomes"].items()}
-    result[args.allocator + "_sequence"] = {short(t): o for t, o in got["sequence"].items()}
-    result[args.allocator + "_messages"] = {short(t): m for t, m in got["messages"].items()}
+    elif args.select != "all":
+        ap.error("--select missing or unpassed needs a --merge file")
+    got = run_allocator(args, deadline, old.get(args.allocator, {}))
+    ran = {short(t) for t in got["outcomes"]}
+    keep = {} if args.select == "all" else old
+
+    def merged(key: str, new: dict[str, Any]) -> dict[str, Any]:
+        kept = {t: v for t, v in keep.get(key, {}).items() if t not in ran}
+        return {**kept, **{short(t): v for t, v in new.items()}}
+
+    result[args.allocator] = merged(args.allocator, got["outcomes"])
+    result[args.allocator + "_sequence"] = merged(args.allocator + "_sequence", got["sequence"])
+    result[args.allocator + "_messages"] = merged(args.allocator + "_messages", got["messages"])
     result[args.allocator + "_seconds"] = round(time.time() - started, 1)
     result[args.allocator + "_slowest"] = {short(t): s for t, s in got["slowest"].items()}
     result["exceptions"] = dict(EXCEPTIONS)
