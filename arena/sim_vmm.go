@@ -55,8 +55,8 @@ func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	phys := NewFakePhys(sim, capacity, gran)
 	// Each device reserves VA in a window of its own, as a real process's
 	// devices share one address space: a pointer names its device.
-	phys.nextVA = simVMMVABase + uintptr(ordinal)*simVMMVAWindow
-	phys.vaEnd = phys.nextVA + simVMMVAWindow
+	start := simVMMVABase + uintptr(ordinal)*simVMMVAWindow
+	phys.SetVAWindow(start, start+simVMMVAWindow)
 	src, err := newVMMSource(phys, l.Placement, capacity, 0)
 	if err != nil {
 		return nil, err

@@ -708,3 +708,54 @@ func TestSpanListLinksAndReusesNodes(t *testing.T) {
 	g.unused = append(g.unused, e) // a span also listed unused
 	assert.ErrorContains(t, g.checkList(), "unused node")
 }
+
+// vmmSegmentsOf is the segments placement under a simulated VMM device.
+func vmmSegmentsOf(t *testing.T, d *SimVMM) *vmmSegments {
+	e, ok := d.src.eng.(*vmmSegments)
+	require.True(t, ok, "the default placement is segments")
+	return e
+}
+
+// A segment reserves the device's memory size of VA, and a window of VA
+// holds few segments of a device that large: a segment that holds nothing
+// gives its VA back, and its stream's state goes with it, once Trim has
+// unmapped it (empty_cache), so streams come and go without end. Before,
+// the ninth stream's reservation found the window used up.
+func TestSegmentsGiveTheirVABackOnTrim(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<50)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = d.Close() })
+	e := vmmSegmentsOf(t, d)
+	for i := 0; i < 20; i++ {
+		s := Stream(0x100 + i)
+		p, err := d.Alloc(1000, s)
+		require.NoError(t, err, "stream %d", i)
+		require.NoError(t, d.Free(p, 1000, s))
+		require.NoError(t, d.Trim(0))
+		assert.Zero(t, d.Phys().ReservedVA(), "stream %d: a segment that holds nothing keeps no VA", i)
+		assert.Empty(t, e.segs)
+		assert.Empty(t, e.streams, "nor any state for its stream")
+		require.NoError(t, d.CheckInvariants())
+	}
+}
+
+// Without a Trim too: a segment whose last granule pays for another
+// stream's growth gives its VA back then, so what is reserved follows the
+// streams that hold memory, not the streams seen.
+func TestSegmentsGiveTheirVABackWhenTheirLastMemoryGoes(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<50)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = d.Close() })
+	e := vmmSegmentsOf(t, d)
+	segVA := e.segVA
+	for i := 0; i < 20; i++ {
+		s := Stream(0x100 + i)
+		p, err := d.Alloc(1000, s)
+		require.NoError(t, err, "stream %d", i)
+		require.NoError(t, d.Free(p, 1000, s))
+		require.LessOrEqual(t, d.Phys().ReservedVA(), 2*segVA, "stream %d: the previous stream's segment is gone", i)
+		require.LessOrEqual(t, len(e.streams), 2)
+		require.EqualValues(t, e.gran, e.Held(), "one stream's freed memory paid for the next's")
+		require.NoError(t, d.CheckInvariants())
+	}
+}
