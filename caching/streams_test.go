@@ -104,28 +104,40 @@ func TestIdleStreamsHoldWithinTheCacheBudgets(t *testing.T) {
 
 // empty_cache forgets every stream that holds nothing live; a stream with a
 // live block keeps its record until that block is freed and the cache
-// emptied again.
+// emptied again. On vmm the device forgets them too: their segments' VA is
+// given back, and only the segment holding the live block keeps its own.
 func TestEmptyCacheDropsIdleStreams(t *testing.T) {
-	a, _ := newTestAllocator(t, DefaultConfig())
-	for i := 0; i < 100; i++ {
-		s := arena.Stream(0x1000 + i)
-		p, err := a.Malloc(1000, s)
+	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, _ *arena.Sim) {
+		reservedVA := func() uint64 {
+			if vmm, ok := a.dev.(*arena.SimVMM); ok {
+				return vmm.Phys().ReservedVA()
+			}
+			return 0
+		}
+		_, total, err := a.dev.MemInfo()
 		require.NoError(t, err)
-		require.NoError(t, a.Free(p, 1000, s))
-	}
-	live, err := a.Malloc(1<<20, 0x99)
-	require.NoError(t, err)
-	require.Greater(t, streamRecords(a), 1)
-	require.NoError(t, a.EmptyCache())
-	assert.Equal(t, 1, streamRecords(a), "only the stream with a live block is kept")
-	require.NoError(t, a.CheckInvariants())
-	require.NoError(t, a.Free(live, 1<<20, 0x99))
-	require.NoError(t, a.EmptyCache())
-	assert.Zero(t, streamRecords(a))
-	assert.Zero(t, a.Stats().ReservedBytes[StatAll].Current)
-	// And the allocator works as before on a stream it forgot.
-	p, err := a.Malloc(1000, 0x1000)
-	require.NoError(t, err)
-	require.NoError(t, a.Free(p, 1000, 0x1000))
-	require.NoError(t, a.CheckInvariants())
+		for i := 0; i < 100; i++ {
+			s := arena.Stream(0x1000 + i)
+			p, err := a.Malloc(1000, s)
+			require.NoError(t, err)
+			require.NoError(t, a.Free(p, 1000, s))
+		}
+		live, err := a.Malloc(1<<20, 0x99)
+		require.NoError(t, err)
+		require.Greater(t, streamRecords(a), 1)
+		require.NoError(t, a.EmptyCache())
+		assert.Equal(t, 1, streamRecords(a), "only the stream with a live block is kept")
+		assert.LessOrEqual(t, reservedVA(), total, "and, on vmm, only its segment")
+		require.NoError(t, a.CheckInvariants())
+		require.NoError(t, a.Free(live, 1<<20, 0x99))
+		require.NoError(t, a.EmptyCache())
+		assert.Zero(t, streamRecords(a))
+		assert.Zero(t, a.Stats().ReservedBytes[StatAll].Current)
+		assert.Zero(t, reservedVA(), "no segment is left")
+		// And the allocator works as before on a stream it forgot.
+		p, err := a.Malloc(1000, 0x1000)
+		require.NoError(t, err)
+		require.NoError(t, a.Free(p, 1000, 0x1000))
+		require.NoError(t, a.CheckInvariants())
+	})
 }
