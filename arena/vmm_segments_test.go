@@ -1,6 +1,7 @@
 package arena
 
 import (
+	"math/rand"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -758,4 +759,53 @@ func TestSegmentsGiveTheirVABackWhenTheirLastMemoryGoes(t *testing.T) {
 		require.EqualValues(t, e.gran, e.Held(), "one stream's freed memory paid for the next's")
 		require.NoError(t, d.CheckInvariants())
 	}
+}
+
+// A stream's segment dropped between two of its siblings takes its place
+// with it: those after it move down one place, with their free spans' keys,
+// so the free index keeps step 1's order. Random requests on a device too
+// small for its streams' memory make siblings (no hole fits) and drop them
+// (their last granules pay for others, or Trim); the invariants are
+// checked after every step, and the test sees at least one such drop.
+func TestSegmentsDropASiblingBetweenOthers(t *testing.T) {
+	middle := 0
+	for seed := int64(1); seed <= 20; seed++ {
+		rng := rand.New(rand.NewSource(seed))
+		e, _, _ := segmentsOnly(t, 32*mib, 0)
+		e.segVA = 8 * mib // a quarter of the device: a stream's memory spans siblings
+		live := map[uintptr]Stream{}
+		var order []uintptr // live allocations, oldest first
+		sizes := []uint64{512 << 10, mib, 3 * mib, 5 * mib}
+		for step := 0; step < 400; step++ {
+			before := map[*vmmSegment]int32{}
+			for _, g := range e.segs {
+				before[g] = g.order
+			}
+			switch r := rng.Intn(10); {
+			case r < 5:
+				s := Stream(1 + rng.Intn(4)/3) // stream 1 mostly
+				if p, err := e.Alloc(sizes[rng.Intn(len(sizes))], s); err == nil {
+					live[p] = s
+					order = append(order, p)
+				} else {
+					require.ErrorIs(t, err, ErrOutOfMemory)
+				}
+			case r < 9 && len(order) > 0:
+				k := rng.Intn(len(order))
+				p := order[k]
+				order = append(order[:k], order[k+1:]...)
+				require.NoError(t, e.Free(p, live[p], true))
+				delete(live, p)
+			default:
+				require.NoError(t, e.Trim(uint64(rng.Intn(16))*mib))
+			}
+			require.NoError(t, e.CheckInvariants(), "seed %d step %d", seed, step)
+			for g, k := range before {
+				if g.order < 0 && e.streams[g.stream] != nil && int(k) < len(e.streams[g.stream].segs) {
+					middle++ // a sibling after it took its place
+				}
+			}
+		}
+	}
+	assert.Positive(t, middle, "no sibling was dropped between others")
 }
