@@ -20,7 +20,8 @@
 //
 // Each stream gets a segment: one large VA reservation (the device's
 // memory size, reserved at the stream's first request and given back once
-// the segment holds nothing, see "VA and streams"), into which physical memory is mapped on demand, one handle per granule.
+// the segment holds nothing, see "VA and streams"), into which physical
+// memory is mapped on demand, one handle per granule.
 // The mapped granules of a segment are tiled by spans, runs of bytes in
 // steps of segQuantum (512 bytes), so that neighbours share the granule
 // between them:
@@ -94,9 +95,8 @@
 // name rather than searching for it. Only the rarer step 2, Trim and the
 // fences walk a segment's spans, and those that look for free memory
 // (paying, trimming, fencing) walk only segments with a free span
-// (nfree). Step 2 costs a map per new granule and
-// one set-access; paying costs an unmap per granule moved, and creates
-// only for growth.
+// (nfree). Step 2 costs a map per new granule and one set-access; paying
+// costs an unmap per granule moved, and creates only for growth.
 // Handles are one granule each, so any free granule can be given up
 // without splitting a handle; the price is a call per granule where the
 // ranges placement makes one call per handle of any size, paid only when
@@ -215,10 +215,10 @@
 // holders counts for it, and never by a span and the spare list at once;
 // an unrecorded event is only on free spans; a segment counts its free
 // spans (nfree); every stream's share has a segment, and the streams'
-// segments are exactly the placement's. A handle is released only once no draining span maps it
-// (a complete free span whose handles still drain elsewhere neither pays
-// nor is trimmed; the drain's free came first, so this lasts only until
-// the next poll).
+// segments are exactly the placement's. A handle is released only once no
+// draining span maps it (a complete free span whose handles still drain
+// elsewhere neither pays nor is trimmed; the drain's free came first, so
+// this lasts only until the next poll).
 
 package arena
 

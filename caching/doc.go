@@ -144,9 +144,9 @@
 // by replaying the shipped traces, on the simulated pool and on an H200
 // (BENCHMARKS.md has the figures and commands). The other constant,
 // emptySegmentBudget (what the device holds for empty segments, 32 MiB over
-// all streams), bounds what idle streams keep; the shipped traces use one stream and never reach
-// it (their replays gave the same figures with and without it). What the
-// numbers taught:
+// all streams), bounds what idle streams keep; the shipped traces use one
+// stream and never reach it (their replays gave the same figures with and
+// without it). What the numbers taught:
 //
 //   - A cache that keeps what it is given trades memory for hits at a bad
 //     rate: a 1 GiB bound without MissRelease held 1.12x (GPT-2) and 1.22x

@@ -16,9 +16,9 @@ import (
 //     Config.LargeCache, the least recently freed going back first; keeps
 //     one empty small segment per stream and class, within
 //     emptySegmentBudget of what the device holds for them over all
-//     streams; and lets a large miss give back
-//     the cached block the device pool will reuse in place
-//     (Config.MissRelease). See doc.go, "Cache policy".
+//     streams; and lets a large miss give back the cached block the device
+//     pool will reuse in place (Config.MissRelease). See doc.go, "Cache
+//     policy".
 //   - A graph's private pool (graphRetention) keeps everything until torch
 //     releases it, since the graph's replays use exactly the addresses the
 //     capture saw; once released, it keeps nothing. Its memory is taken
@@ -151,12 +151,13 @@ func (generalRetention) gaveBack(*Allocator, *cachePool) {}
 // most 6.6 MiB for a stream using all of them), so a few active streams
 // fit; memory kept for streams that are gone goes back to the pool, oldest
 // first, instead of growing with the number of streams ever seen. Where
-// streams share no physical handle (the VMM backend), a stream's kept
-// segments count a handle at least, which the device holds for them while
-// the stream holds nothing else: counted by their bytes, each idle
-// stream's 256 KiB segment would hold a whole handle. One stream's count
-// is the same either way while its segments fill less than the budget, so
-// a single stream keeps what it kept. The budget is its own, apart from
+// streams share no physical handle (the VMM backend), the device holds a
+// handle at least for a stream that keeps anything, so a stream's kept
+// segments count a handle at least: counted by their bytes alone, the
+// budget kept a 256 KiB segment for each of 128 idle streams, and the
+// device held a handle for each. A single stream's count is the same
+// either way while its segments fill less than the budget, so it keeps
+// what it kept. The budget is its own, apart from
 // Config.LargeCache, so that large_cache keeps meaning what every figure
 // measured with it meant.
 const emptySegmentBudget = 32 << 20

@@ -113,9 +113,12 @@ func (l *segmentList) remove(seg *Segment) {
 type emptySegments struct {
 	head, tail *Segment
 	bytes      uint64
-	// held is what the device holds at least for the segments: per stream,
-	// its segments' bytes, or perStream where that is more. Invariant: it
-	// is that sum over the streams' emptyBytes.
+	// held is what the budget counts for the segments: per stream, its
+	// segments' bytes, or perStream where that is more, which is what the
+	// device holds for a stream that keeps nothing else (a stream at work
+	// may share those handles with its live memory, and then counts more
+	// than its segments cost). Invariant: it is that sum over the streams'
+	// emptyBytes.
 	held uint64
 	// perStream is the least the device holds for a stream that holds
 	// anything, where streams never share a physical handle (the VMM
@@ -124,8 +127,7 @@ type emptySegments struct {
 	perStream uint64
 }
 
-// heldFor is what the device holds at least for n bytes of one stream's
-// empty segments.
+// heldFor is what held counts for n bytes of one stream's empty segments.
 func (l *emptySegments) heldFor(n uint64) uint64 {
 	if n == 0 {
 		return 0
