@@ -18,6 +18,7 @@ var (
 	_ Device         = (*SimVMM)(nil)
 	_ DriverProfiler = (*SimVMM)(nil)
 	_ CaptureAware   = (*SimVMM)(nil)
+	_ StreamGranular = (*SimVMM)(nil)
 )
 
 // simVMMGranule is the simulated allocation granularity, an H200's.
@@ -55,8 +56,8 @@ func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	phys := NewFakePhys(sim, capacity, gran)
 	// Each device reserves VA in a window of its own, as a real process's
 	// devices share one address space: a pointer names its device.
-	phys.nextVA = simVMMVABase + uintptr(ordinal)*simVMMVAWindow
-	phys.vaEnd = phys.nextVA + simVMMVAWindow
+	start := simVMMVABase + uintptr(ordinal)*simVMMVAWindow
+	phys.SetVAWindow(start, start+simVMMVAWindow)
 	src, err := newVMMSource(phys, l.Placement, capacity, 0)
 	if err != nil {
 		return nil, err
@@ -140,3 +141,18 @@ func (d *SimVMM) Calls() map[string]int {
 	}
 	return out
 }
+
+// StreamGranular is a device whose streams never share a physical handle:
+// the VMM devices, where a stream's memory lies in its own segments (or,
+// under the ranges placement, its own pages and ranges). A stream that
+// holds anything makes the device hold at least one handle for it, which
+// is what the caching layer's budget for memory kept per stream counts
+// (caching/retention.go).
+type StreamGranular interface {
+	// StreamGranule is the bytes of a handle: the least the device holds
+	// for a stream that holds anything.
+	StreamGranule() uint64
+}
+
+// StreamGranule is StreamGranular's method.
+func (d *SimVMM) StreamGranule() uint64 { return d.src.gran }

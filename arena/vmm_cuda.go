@@ -37,6 +37,7 @@ var (
 	_ Device         = (*VMM)(nil)
 	_ DriverProfiler = (*VMM)(nil)
 	_ CaptureAware   = (*VMM)(nil)
+	_ StreamGranular = (*VMM)(nil)
 )
 
 // Name says what kind of device d is, as the replay tool's results do: a
@@ -163,6 +164,9 @@ func (d *VMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
 
 // Granularity is the driver's allocation granularity for this device.
 func (d *VMM) Granularity() uint64 { return d.src.gran }
+
+// StreamGranule is StreamGranular's method: the placement's handle.
+func (d *VMM) StreamGranule() uint64 { return d.src.gran }
 
 // Synchronize waits for all work on the device, and then tells the
 // placement (vmmSource.synchronize).

@@ -2,6 +2,7 @@ package arena
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 )
 
@@ -18,7 +19,8 @@ type FakePhys struct {
 	capacity uint64
 	used     uint64 // bytes of live handles
 
-	nextVA  uintptr
+	vaStart uintptr                // where reservations start
+	nextVA  uintptr                // where the next one goes, while it fits below vaEnd
 	vaEnd   uintptr                // where reservations stop (0: nowhere)
 	res     map[uintptr]uint64     // reservations by base
 	page    map[uintptr]PhysHandle // granule-aligned VA -> the handle mapped there
@@ -50,7 +52,7 @@ type fakeHandle struct {
 // a granularity of gran bytes, taking events from rt.
 func NewFakePhys(rt Runtime, capacity, gran uint64) *FakePhys {
 	return &FakePhys{
-		rt: rt, gran: gran, capacity: capacity, nextVA: 0x7f0000000000,
+		rt: rt, gran: gran, capacity: capacity, vaStart: 0x7f0000000000, nextVA: 0x7f0000000000,
 		res: map[uintptr]uint64{}, page: map[uintptr]PhysHandle{}, mapping: map[uintptr]uint64{},
 		handles: map[PhysHandle]*fakeHandle{}, Calls: map[string]int{},
 	}
@@ -61,6 +63,17 @@ func (f *FakePhys) Used() uint64 {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.used
+}
+
+// ReservedVA is the bytes of VA reserved and not yet given back.
+func (f *FakePhys) ReservedVA() uint64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var n uint64
+	for _, size := range f.res {
+		n += size
+	}
+	return n
 }
 
 // Handles is how many handles exist.
@@ -87,6 +100,16 @@ func (f *FakePhys) aligned(va uintptr, size uint64) error {
 	return nil
 }
 
+// SetVAWindow makes reservations lie in [start, end).
+func (f *FakePhys) SetVAWindow(start, end uintptr) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.vaStart, f.nextVA, f.vaEnd = start, start, end
+}
+
+// ReserveVA reserves upwards from the window's start, a granule's gap after
+// each reservation; once the window's end is reached, in the lowest gap
+// that fits, as the driver reuses VA given back.
 func (f *FakePhys) ReserveVA(size uint64) (uintptr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -95,12 +118,40 @@ func (f *FakePhys) ReserveVA(size uint64) (uintptr, error) {
 		return 0, fmt.Errorf("fakephys: reserve of %d bytes", size)
 	}
 	base := f.nextVA
-	if f.vaEnd != 0 && (uint64(f.vaEnd-base) < size || uint64(f.vaEnd-base)-size < f.gran) {
+	if f.fitsBelowEnd(base, size) {
+		f.nextVA += uintptr(size) + uintptr(f.gran)
+	} else if base = f.lowestGap(size); base == 0 {
 		return 0, fmt.Errorf("fakephys: reserve of %d bytes: the device's VA window ends at %#x", size, f.vaEnd)
 	}
-	f.nextVA += uintptr(size) + uintptr(f.gran) // a gap between reservations
 	f.res[base] = size
 	return base, nil
+}
+
+// fitsBelowEnd says whether size bytes at base, and the gap after them,
+// lie below the window's end.
+func (f *FakePhys) fitsBelowEnd(base uintptr, size uint64) bool {
+	return f.vaEnd == 0 || base <= f.vaEnd && uint64(f.vaEnd-base) >= size && uint64(f.vaEnd-base)-size >= f.gran
+}
+
+// lowestGap is the lowest base in the window for size bytes and the gap
+// after them, clear of every reservation and its gap; 0 when none fits.
+func (f *FakePhys) lowestGap(size uint64) uintptr {
+	bases := make([]uintptr, 0, len(f.res))
+	for b := range f.res {
+		bases = append(bases, b)
+	}
+	slices.Sort(bases)
+	at := f.vaStart
+	for _, b := range bases {
+		if b >= at && uint64(b-at) >= size+f.gran {
+			return at
+		}
+		at = max(at, b+uintptr(f.res[b])+uintptr(f.gran))
+	}
+	if f.fitsBelowEnd(at, size) {
+		return at
+	}
+	return 0
 }
 
 func (f *FakePhys) FreeVA(base uintptr, size uint64) error {
@@ -110,8 +161,10 @@ func (f *FakePhys) FreeVA(base uintptr, size uint64) error {
 	if f.res[base] != size {
 		return fmt.Errorf("fakephys: free of VA %#x+%d, not a reservation", base, size)
 	}
-	for p := base; p < base+uintptr(size); p += uintptr(f.gran) {
-		if _, ok := f.page[p]; ok {
+	// The mappings, not the granules, are walked: a reservation may span
+	// the memory of a large simulated device many times over.
+	for p := range f.mapping {
+		if p >= base && p < base+uintptr(size) {
 			return fmt.Errorf("fakephys: free of VA %#x+%d while %#x is mapped", base, size, p)
 		}
 	}

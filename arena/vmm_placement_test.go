@@ -325,6 +325,9 @@ func vmmRandomOps(t *testing.T, placement VMMPlacement) {
 			require.NoError(t, h.d.Trim(0))
 			h.check()
 			assert.Zero(t, h.d.phys.Used(), "everything freed and trimmed")
+			if placement == VMMSegments {
+				assert.Zero(t, h.d.phys.ReservedVA(), "every segment's VA given back")
+			}
 			require.NoError(t, h.d.Close())
 			assert.Zero(t, h.d.Sim.Events(), "events leaked")
 		})

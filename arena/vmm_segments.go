@@ -19,8 +19,9 @@
 // # Segments and spans
 //
 // Each stream gets a segment: one large VA reservation (the device's
-// memory size, reserved at the stream's first request; VA costs nothing),
-// into which physical memory is mapped on demand, one handle per granule.
+// memory size, reserved at the stream's first request and given back once
+// the segment holds nothing, see "VA and streams"), into which physical
+// memory is mapped on demand, one handle per granule.
 // The mapped granules of a segment are tiled by spans, runs of bytes in
 // steps of segQuantum (512 bytes), so that neighbours share the granule
 // between them:
@@ -92,9 +93,10 @@
 // its node (spanID), so splitting a span or coalescing it with its
 // neighbours moves no other span, and whatever refers to a span holds its
 // name rather than searching for it. Only the rarer step 2, Trim and the
-// fences walk a segment's spans. Step 2 costs a map per new granule and
-// one set-access; paying costs an unmap per granule moved, and creates
-// only for growth.
+// fences walk a segment's spans, and those that look for free memory
+// (paying, trimming, fencing) walk only segments with a free span
+// (nfree). Step 2 costs a map per new granule and one set-access; paying
+// costs an unmap per granule moved, and creates only for growth.
 // Handles are one granule each, so any free granule can be given up
 // without splitting a handle; the price is a call per granule where the
 // ranges placement makes one call per handle of any size, paid only when
@@ -143,8 +145,23 @@
 // replays; on a GPU it is what keeps held from growing while the step's
 // own frees are still queued.
 //
+// # VA and streams
+//
 // Like PyTorch's expandable segments, a segment reserves the device's
-// memory size of VA; it is never given back before Close (VA is free).
+// memory size of VA. VA costs no memory, but it is not boundless: the
+// process's address space holds a bounded number of reservations of the
+// device's size, and every segment kept is a record (its spans, handles
+// and free keys) that the walks above pass over. Streams are often
+// short-lived (one per request in some servers), so neither may grow with
+// the streams ever seen. A segment that holds nothing (no span: nothing
+// mapped, live, pending or draining) gives its VA back (dropIfEmpty):
+// when its last granules pay for growth elsewhere, when its last drain
+// ends, and at Trim (empty_cache), which drops every such segment. A
+// stream's share of the placement (segStream) goes with its last segment,
+// so the placement keeps state only for streams that hold memory. Free
+// memory of a stream that is gone stays mapped until growth elsewhere
+// takes it or a Trim releases it, as any free memory does; then its
+// segment goes.
 //
 // # Events
 //
@@ -196,10 +213,12 @@
 // listed for polling; each stream's free index holds exactly its free
 // spans, in step 1's order; an event is held by one span, or by as many as
 // holders counts for it, and never by a span and the spare list at once;
-// an unrecorded event is only on free spans. A handle is released only once no draining span maps it
-// (a complete free span whose handles still drain elsewhere neither pays
-// nor is trimmed; the drain's free came first, so this lasts only until
-// the next poll).
+// an unrecorded event is only on free spans; a segment counts its free
+// spans (nfree); every stream's share has a segment, and the streams'
+// segments are exactly the placement's. A handle is released only once no
+// draining span maps it (a complete free span whose handles still drain
+// elsewhere neither pays nor is trimmed; the drain's free came first, so
+// this lasts only until the next poll).
 
 package arena
 
@@ -405,6 +424,9 @@ type vmmSegment struct {
 	// free is its stream's free index (segStream.free), kept here so that
 	// a change to a free span costs no map lookup.
 	free *freeIndex
+	// nfree counts its free spans (kept by index and unindex): the walks
+	// for free memory (paying, trimming, fences) skip a segment with none.
+	nfree int32
 	// unfenced counts the frees left unrecorded since the last fence.
 	unfenced int
 	// handles, by granule from base, up to the highest granule mapped so
@@ -690,12 +712,14 @@ func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
 func (e *vmmSegments) index(g *vmmSegment, id spanID) {
 	if sp := g.span(id); sp.state == spanFree {
 		g.free.add(freeKey{size: sp.size, base: sp.base, order: g.order, id: id})
+		g.nfree++
 	}
 }
 
 func (e *vmmSegments) unindex(g *vmmSegment, id spanID) {
 	if sp := g.span(id); sp.state == spanFree {
 		g.free.remove(freeKey{size: sp.size, base: sp.base, order: g.order, id: id})
+		g.nfree--
 	}
 }
 
@@ -850,30 +874,13 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 		f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
 	}
 	// Step 3: what pays for the new granules.
-	type cand struct {
-		g   *vmmSegment
-		id  spanID
-		ord int
-	}
-	var cands []cand
-	for si, g := range e.segs {
-		for id := g.first; id != noSpan; id = g.next(id) {
-			sp := g.span(id)
-			if sp.state != spanFree || (g == f.g && (id == f.left || id == f.right)) {
-				continue
-			}
-			if lo, hi := e.whole(sp); hi > lo {
-				cands = append(cands, cand{g, id, si})
-			}
-		}
-	}
-	wholeBytes := func(c cand) uint64 {
+	cands := e.payCandidates(f)
+	wholeBytes := func(c segRef) uint64 {
 		lo, hi := e.whole(c.g.span(c.id))
 		return uint64(hi - lo)
 	}
-	sort.SliceStable(cands, func(a, b int) bool { return wholeBytes(cands[a]) > wholeBytes(cands[b]) })
 	var pays []segPay
-	var later []cand // s's own free spans still in use, largest first
+	var later []segRef // s's own free spans still in use, largest first
 	paid := uint64(len(e.spare)) * e.gran
 	for _, c := range cands {
 		if paid >= f.need {
@@ -984,21 +991,12 @@ lend:
 	// From here on the driver is called; each failure leaves the state
 	// consistent and gives back what was unmapped to pay.
 	if newSeg {
-		size := max(e.segVA, f.need)
-		base, err := e.drv.ReserveVA(size)
+		g, err := e.newSegment(s, max(e.segVA, f.need))
 		if err != nil {
 			unpay()
 			return 0, err
 		}
-		st := e.streams[s]
-		if st == nil {
-			st = &segStream{}
-			e.streams[s] = st
-		}
-		g := &vmmSegment{stream: s, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
-		e.segs = append(e.segs, g)
-		st.segs = append(st.segs, g)
-		f.g, f.start, f.run = g, base, base
+		f.g, f.start, f.run = g, g.base, g.base
 	}
 	for _, p := range pays {
 		if p.drain {
@@ -1044,13 +1042,78 @@ lend:
 		unpay()
 		return 0, errors.Join(err, e.unmapRun(g, f.run, f.need, nb), e.releaseSpare())
 	}
-	// Commit: the borrowed tails drain, and the region's spans become one
-	// live span.
+	return e.commit(f, n, pays), nil
+}
+
+// payCandidates is what may pay for f's new granules (step 3): the free
+// spans with whole granules, but for those f itself joins, the largest
+// first (in creation order of their segments, then address, on a tie).
+// Only segments with a free span are walked, so segments of streams that
+// hold only live memory cost nothing here.
+func (e *vmmSegments) payCandidates(f fill) []segRef {
+	var cands []segRef
+	for _, g := range e.segs {
+		if g.nfree == 0 {
+			continue
+		}
+		for id := g.first; id != noSpan; id = g.next(id) {
+			sp := g.span(id)
+			if sp.state != spanFree || (g == f.g && (id == f.left || id == f.right)) {
+				continue
+			}
+			if lo, hi := e.whole(sp); hi > lo {
+				cands = append(cands, segRef{g, id})
+			}
+		}
+	}
+	wholeBytes := func(c segRef) uint64 {
+		lo, hi := e.whole(c.g.span(c.id))
+		return uint64(hi - lo)
+	}
+	sort.SliceStable(cands, func(a, b int) bool { return wholeBytes(cands[a]) > wholeBytes(cands[b]) })
+	return cands
+}
+
+// newSegment reserves a segment of size bytes of VA for stream s, the
+// last of its stream's; the stream's share is made with its first.
+func (e *vmmSegments) newSegment(s Stream, size uint64) (*vmmSegment, error) {
+	base, err := e.drv.ReserveVA(size)
+	if err != nil {
+		return nil, err
+	}
+	st := e.streams[s]
+	if st == nil {
+		st = &segStream{}
+		e.streams[s] = st
+	}
+	g := &vmmSegment{stream: s, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
+	e.segs = append(e.segs, g)
+	st.segs = append(st.segs, g)
+	return g, nil
+}
+
+// commit ends a grow whose driver calls all succeeded: the borrowed tails
+// drain, the region's spans become one live span of n bytes, and a
+// segment that paid with its last granules gives its VA back.
+func (e *vmmSegments) commit(f fill, n uint64, pays []segPay) uintptr {
 	for _, p := range pays {
 		if p.drain {
 			e.drain(p)
 		}
 	}
+	e.placeLive(f, n)
+	for _, p := range pays {
+		// The request is served: a segment the driver would not free
+		// stays, empty, for the next Trim to try again.
+		_ = e.dropIfEmpty(p.g)
+	}
+	return f.start
+}
+
+// placeLive makes f's region one live span of n bytes: the free spans it
+// joins go into it, and what the new granules hold beyond it is free.
+func (e *vmmSegments) placeLive(f fill, n uint64) {
+	g := f.g
 	live := segSpan{base: f.start, size: n, state: spanLive}
 	// next: the span the live one goes before.
 	next := g.spanAt(f.start)
@@ -1085,7 +1148,6 @@ lend:
 	}
 	e.byBase.Put(f.start, segRef{g, at})
 	e.live += n
-	return f.start, nil
 }
 
 // drain makes the tail of the whole granules of p's free span draining:
@@ -1148,7 +1210,15 @@ func (e *vmmSegments) drainMapped(g *vmmSegment, sp *segSpan) bool {
 // their VA becomes a hole.
 func (e *vmmSegments) pollDraining() error {
 	var err error
-	e.draining, err = e.pollSpans(e.draining, e.unmapDraining)
+	e.draining, err = e.pollSpans(e.draining, func(g *vmmSegment, id spanID) error {
+		if err := e.unmapDraining(g, id); err != nil {
+			return err
+		}
+		// The drain over, g may hold nothing; if the driver would not
+		// free its VA, it stays, empty, for the next Trim to try again.
+		_ = e.dropIfEmpty(g)
+		return nil
+	})
 	return err
 }
 
@@ -1466,9 +1536,14 @@ func (e *vmmSegments) fenceEvent(g *vmmSegment, freeing bool) Event {
 	return ev
 }
 
-// fenceAll fences every segment with unrecorded spans.
+// fenceAll fences every segment with unrecorded spans. Only free spans
+// are unrecorded, so a segment with none has nothing to fence.
 func (e *vmmSegments) fenceAll() {
 	for _, g := range e.segs {
+		if g.nfree == 0 {
+			g.unfenced = 0
+			continue
+		}
 		e.fence(g, false)
 	}
 }
@@ -1482,6 +1557,9 @@ func (e *vmmSegments) syncMark() uint64 { return e.seq }
 // Only the unrecorded ones change here; recorded events say so when polled.
 func (e *vmmSegments) synchronized(mark uint64) {
 	for _, g := range e.segs {
+		if g.nfree == 0 {
+			continue // only free spans are unrecorded
+		}
 		for id := g.first; id != noSpan; id = g.next(id) {
 			if sp := g.span(id); sp.event == unrecorded && sp.seq <= mark {
 				sp.event, sp.seq = 0, 0
@@ -1519,6 +1597,9 @@ func (e *vmmSegments) Trim(keep uint64) error {
 	}
 	var free []segRef
 	for _, g := range e.segs {
+		if g.nfree == 0 {
+			continue
+		}
 		for id := g.first; id != noSpan; id = g.next(id) {
 			if g.span(id).state == spanFree {
 				free = append(free, segRef{g, id})
@@ -1551,7 +1632,65 @@ func (e *vmmSegments) Trim(keep uint64) error {
 			return err
 		}
 	}
+	return e.dropEmpty()
+}
+
+// dropEmpty gives back the VA of every segment that holds nothing.
+func (e *vmmSegments) dropEmpty() error {
+	var empty []*vmmSegment
+	for _, g := range e.segs {
+		if g.first == noSpan {
+			empty = append(empty, g)
+		}
+	}
+	for _, g := range empty {
+		if err := e.dropIfEmpty(g); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+// dropIfEmpty gives g's VA back once g holds nothing: no span, so nothing
+// mapped, live, pending or draining (see "VA and streams"). Its stream's
+// share goes with its last segment. A segment already dropped (order -1)
+// is left alone; one the driver would not free stays, as it was.
+func (e *vmmSegments) dropIfEmpty(g *vmmSegment) error {
+	if g.first != noSpan || g.order < 0 {
+		return nil
+	}
+	if err := e.drv.FreeVA(g.base, g.size); err != nil {
+		return err
+	}
+	i := slices.Index(e.segs, g)
+	e.segs = slices.Delete(e.segs, i, i+1)
+	st := e.streams[g.stream]
+	st.remove(g)
+	if len(st.segs) == 0 {
+		delete(e.streams, g.stream)
+		if e.last == st {
+			e.last = nil
+		}
+	}
+	return nil
+}
+
+// remove takes g, which has no free span, out of the stream's segments:
+// those after it move down one place, and so do their keys in the free
+// index, which keeps its order (every key at a place above g's drops by
+// one, and none is at g's).
+func (st *segStream) remove(g *vmmSegment) {
+	k := g.order
+	st.segs = slices.Delete(st.segs, int(k), int(k)+1)
+	for j := int(k); j < len(st.segs); j++ {
+		st.segs[j].order = int32(j)
+	}
+	for i := range st.free {
+		if st.free[i].order > k {
+			st.free[i].order--
+		}
+	}
+	g.order = -1
 }
 
 // Close unmaps and releases everything and gives the VA back. Live spans
@@ -1715,15 +1854,32 @@ func (e *vmmSegments) CheckInvariants() error {
 	// Each stream's free index is exactly its free spans, in step 1's order.
 	want := map[Stream]freeIndex{}
 	for _, g := range e.segs {
-		if st := e.streams[g.stream]; st == nil || int(g.order) >= len(st.segs) || st.segs[g.order] != g {
+		if st := e.streams[g.stream]; st == nil || g.order < 0 || int(g.order) >= len(st.segs) || st.segs[g.order] != g {
 			return fmt.Errorf("segment %#x is not at its place %d among its stream's", g.base, g.order)
 		}
 		spans, ids := g.ordered()
+		nfree := int32(0)
 		for i, sp := range spans {
 			if sp.state == spanFree {
 				want[g.stream] = append(want[g.stream], freeKey{size: sp.size, base: sp.base, order: g.order, id: ids[i]})
+				nfree++
 			}
 		}
+		if nfree != g.nfree {
+			return fmt.Errorf("segment %#x has %d free spans, counts %d", g.base, nfree, g.nfree)
+		}
+	}
+	// A stream's share lasts while it has a segment, and lists only
+	// segments of the placement.
+	nsegs := 0
+	for s, st := range e.streams {
+		if len(st.segs) == 0 {
+			return fmt.Errorf("stream %#x has a share and no segment", s)
+		}
+		nsegs += len(st.segs)
+	}
+	if nsegs != len(e.segs) {
+		return fmt.Errorf("streams list %d segments, the placement %d", nsegs, len(e.segs))
 	}
 	for s, st := range e.streams {
 		w := want[s]

@@ -1,6 +1,7 @@
 package arena
 
 import (
+	"math/rand"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -707,4 +708,104 @@ func TestSpanListLinksAndReusesNodes(t *testing.T) {
 	g.nodes[e].prev = b
 	g.unused = append(g.unused, e) // a span also listed unused
 	assert.ErrorContains(t, g.checkList(), "unused node")
+}
+
+// vmmSegmentsOf is the segments placement under a simulated VMM device.
+func vmmSegmentsOf(t *testing.T, d *SimVMM) *vmmSegments {
+	e, ok := d.src.eng.(*vmmSegments)
+	require.True(t, ok, "the default placement is segments")
+	return e
+}
+
+// A segment reserves the device's memory size of VA, and a window of VA
+// holds few segments of a device that large: a segment that holds nothing
+// gives its VA back, and its stream's state goes with it, once Trim has
+// unmapped it (empty_cache), so streams come and go without end. Before,
+// the ninth stream's reservation found the window used up.
+func TestSegmentsGiveTheirVABackOnTrim(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<50)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = d.Close() })
+	e := vmmSegmentsOf(t, d)
+	for i := 0; i < 20; i++ {
+		s := Stream(0x100 + i)
+		p, err := d.Alloc(1000, s)
+		require.NoError(t, err, "stream %d", i)
+		require.NoError(t, d.Free(p, 1000, s))
+		require.NoError(t, d.Trim(0))
+		assert.Zero(t, d.Phys().ReservedVA(), "stream %d: a segment that holds nothing keeps no VA", i)
+		assert.Empty(t, e.segs)
+		assert.Empty(t, e.streams, "nor any state for its stream")
+		require.NoError(t, d.CheckInvariants())
+	}
+}
+
+// Without a Trim too: a segment whose last granule pays for another
+// stream's growth gives its VA back then, so what is reserved follows the
+// streams that hold memory, not the streams seen.
+func TestSegmentsGiveTheirVABackWhenTheirLastMemoryGoes(t *testing.T) {
+	d, err := NewSimVMM(0, 1<<50)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = d.Close() })
+	e := vmmSegmentsOf(t, d)
+	segVA := e.segVA
+	for i := 0; i < 20; i++ {
+		s := Stream(0x100 + i)
+		p, err := d.Alloc(1000, s)
+		require.NoError(t, err, "stream %d", i)
+		require.NoError(t, d.Free(p, 1000, s))
+		require.LessOrEqual(t, d.Phys().ReservedVA(), 2*segVA, "stream %d: the previous stream's segment is gone", i)
+		require.LessOrEqual(t, len(e.streams), 2)
+		require.EqualValues(t, e.gran, e.Held(), "one stream's freed memory paid for the next's")
+		require.NoError(t, d.CheckInvariants())
+	}
+}
+
+// A stream's segment dropped between two of its siblings takes its place
+// with it: those after it move down one place, with their free spans' keys,
+// so the free index keeps step 1's order. Random requests on a device too
+// small for its streams' memory make siblings (no hole fits) and drop them
+// (their last granules pay for others, or Trim); the invariants are
+// checked after every step, and the test sees at least one such drop.
+func TestSegmentsDropASiblingBetweenOthers(t *testing.T) {
+	middle := 0
+	for seed := int64(1); seed <= 20; seed++ {
+		rng := rand.New(rand.NewSource(seed))
+		e, _, _ := segmentsOnly(t, 32*mib, 0)
+		e.segVA = 8 * mib // a quarter of the device: a stream's memory spans siblings
+		live := map[uintptr]Stream{}
+		var order []uintptr // live allocations, oldest first
+		sizes := []uint64{512 << 10, mib, 3 * mib, 5 * mib}
+		for step := 0; step < 400; step++ {
+			before := map[*vmmSegment]int32{}
+			for _, g := range e.segs {
+				before[g] = g.order
+			}
+			switch r := rng.Intn(10); {
+			case r < 5:
+				s := Stream(1 + rng.Intn(4)/3) // stream 1 mostly
+				if p, err := e.Alloc(sizes[rng.Intn(len(sizes))], s); err == nil {
+					live[p] = s
+					order = append(order, p)
+				} else {
+					require.ErrorIs(t, err, ErrOutOfMemory)
+				}
+			case r < 9 && len(order) > 0:
+				k := rng.Intn(len(order))
+				p := order[k]
+				order = append(order[:k], order[k+1:]...)
+				require.NoError(t, e.Free(p, live[p], true))
+				delete(live, p)
+			default:
+				require.NoError(t, e.Trim(uint64(rng.Intn(16))*mib))
+			}
+			require.NoError(t, e.CheckInvariants(), "seed %d step %d", seed, step)
+			for g, k := range before {
+				if g.order < 0 && e.streams[g.stream] != nil && int(k) < len(e.streams[g.stream].segs) {
+					middle++ // a sibling after it took its place
+				}
+			}
+		}
+	}
+	assert.Positive(t, middle, "no sibling was dropped between others")
 }

@@ -130,7 +130,11 @@ func New(dev arena.Device, cfg Config) (*Allocator, error) {
 		cells:   new(statCells),
 	}
 	a.retained.lru = emptyList()
-	a.general = newGeneralPool(&a.retained, cfg)
+	var perStream uint64
+	if g, ok := dev.(arena.StreamGranular); ok {
+		perStream = g.StreamGranule()
+	}
+	a.general = newGeneralPool(&a.retained, cfg, perStream)
 	a.mu.watch(a.cells)
 	a.mu.drain = a.drainFront
 	a.events = streams.NewEventPool(dev)

@@ -39,9 +39,12 @@ type cachePool struct {
 }
 
 // newGeneralPool makes the general cache, which keeps its memory in kept
-// under the rule of cfg.
-func newGeneralPool(kept *retained, cfg Config) *cachePool {
-	p := &cachePool{retained: kept, rule: generalRetention{largeCache: cfg.LargeCache, missRelease: cfg.MissRelease}}
+// under the rule of cfg, on a device that holds at least perStream bytes
+// for a stream that holds anything (emptySegments.perStream).
+func newGeneralPool(kept *retained, cfg Config, perStream uint64) *cachePool {
+	rule := generalRetention{largeCache: cfg.LargeCache, missRelease: cfg.MissRelease, perStream: perStream}
+	kept.emptySegs.perStream = perStream
+	p := &cachePool{retained: kept, rule: rule}
 	p.limits = p.rule.limits()
 	return p
 }
@@ -120,6 +123,8 @@ type StreamFreeList struct {
 	// index is the list's position in pool.lists.
 	index int
 	small [numSmallClasses]segmentList
+	// emptyBytes is the bytes of its segments on its pool's emptySegs.
+	emptyBytes uint64
 	// buckets is sorted by size. Buckets may be empty; empty ones are pruned
 	// on the slow path when they outnumber the full ones.
 	buckets     []sizeBucket

@@ -268,6 +268,7 @@ func (a *Allocator) checkStreamRecords() error {
 	}
 	emptyBytes := map[*cachePool]uint64{}
 	emptyN := map[*cachePool]int{}
+	listEmpty := map[*StreamFreeList]uint64{}
 	for _, seg := range a.segments {
 		refs[seg.list]++
 		if seg.inEmpty != (seg.used == 0) {
@@ -276,7 +277,12 @@ func (a *Allocator) checkStreamRecords() error {
 		if seg.inEmpty {
 			emptyBytes[seg.list.pool] += seg.size
 			emptyN[seg.list.pool]++
+			listEmpty[seg.list] += seg.size
 		}
+	}
+	emptyHeld := map[*cachePool]uint64{}
+	for l, n := range listEmpty {
+		emptyHeld[l.pool] += l.pool.emptySegs.heldFor(n)
 	}
 	pools := append([]*cachePool{a.general}, a.privatePools()...)
 	for _, p := range pools {
@@ -290,6 +296,9 @@ func (a *Allocator) checkStreamRecords() error {
 		if n != emptyN[p] || emptyBytes[p] != p.emptySegs.bytes {
 			return fmt.Errorf("pool %v: %d empty segments (%d bytes), list holds %d (%d bytes)", p.id, emptyN[p], emptyBytes[p], n, p.emptySegs.bytes)
 		}
+		if emptyHeld[p] != p.emptySegs.held {
+			return fmt.Errorf("pool %v: the device holds %d for its empty segments, counted %d", p.id, emptyHeld[p], p.emptySegs.held)
+		}
 		if p.limits != p.rule.limits() {
 			return fmt.Errorf("pool %v: limits %+v, its rule says %+v", p.id, p.limits, p.rule.limits())
 		}
@@ -301,6 +310,9 @@ func (a *Allocator) checkStreamRecords() error {
 		for i, l := range p.lists {
 			if l.index != i || p.byStream[l.stream] != l || l.pool != p {
 				return fmt.Errorf("pool %v: list of stream %#x is misfiled", p.id, l.stream)
+			}
+			if l.emptyBytes != listEmpty[l] {
+				return fmt.Errorf("stream %#x: %d bytes of empty segments, counted %d", l.stream, listEmpty[l], l.emptyBytes)
 			}
 			if l.refs != refs[l] {
 				return fmt.Errorf("stream %#x holds %d blocks and segments, counted %d", l.stream, refs[l], l.refs)

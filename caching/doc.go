@@ -47,8 +47,10 @@
 //   - Small requests (most requests, little memory: the traces hold at most
 //     60 MiB of them live) take slots in 256-448 KiB segments, one driver call per
 //     segment. A segment that empties goes back to the pool, except one per
-//     stream and class kept against churn, 32 MiB of them at most over all
-//     streams (oldest first go back: their streams may be gone).
+//     stream and class kept against churn, for which the device holds 32
+//     MiB at most over all streams (oldest first go back: their streams may
+//     be gone; on vmm a stream's count a physical handle at least, see
+//     retention.go).
 //   - Large requests (little in number, nearly all the memory) are whole pool
 //     allocations. When freed they are cached by exact size, and served to a
 //     request of the same size, or up to LargeSlack smaller. The cache is
@@ -75,7 +77,10 @@
 // to the pool, or, for the stream in use, at the next switch of streams or
 // empty_cache. What is cached for a stream is bounded by the cache budgets
 // above, so neither memory nor the cost of an operation grows with the
-// streams ever seen (short-lived streams, one per request, are common).
+// streams ever seen (short-lived streams, one per request, are common). The
+// same holds under the cache: the VMM backend's segment of a stream gives
+// its VA back, and its record goes, once it holds nothing (arena's
+// vmm_segments.go, "VA and streams").
 //
 // The exception is record_stream: a block allocated on A and used on B may be
 // freed by the host while B still reads it. Then the free records an event on
@@ -138,10 +143,10 @@
 // and class, and the segment sizes from mksizeclasses.go. They were chosen
 // by replaying the shipped traces, on the simulated pool and on an H200
 // (BENCHMARKS.md has the figures and commands). The other constant,
-// emptySegmentBudget (32 MiB of empty segments over all streams), bounds
-// what idle streams keep; the shipped traces use one stream and never reach
-// it (their replays gave the same figures with and without it). What the
-// numbers taught:
+// emptySegmentBudget (what the device holds for empty segments, 32 MiB over
+// all streams), bounds what idle streams keep; the shipped traces use one
+// stream and never reach it (their replays gave the same figures with and
+// without it). What the numbers taught:
 //
 //   - A cache that keeps what it is given trades memory for hits at a bad
 //     rate: a 1 GiB bound without MissRelease held 1.12x (GPT-2) and 1.22x

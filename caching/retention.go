@@ -15,9 +15,10 @@ import (
 //   - The general cache (generalRetention) keeps cached large blocks within
 //     Config.LargeCache, the least recently freed going back first; keeps
 //     one empty small segment per stream and class, within
-//     emptySegmentBudget over all streams; and lets a large miss give back
-//     the cached block the device pool will reuse in place
-//     (Config.MissRelease). See doc.go, "Cache policy".
+//     emptySegmentBudget of what the device holds for them over all
+//     streams; and lets a large miss give back the cached block the device
+//     pool will reuse in place (Config.MissRelease). See doc.go, "Cache
+//     policy".
 //   - A graph's private pool (graphRetention) keeps everything until torch
 //     releases it, since the graph's replays use exactly the addresses the
 //     capture saw; once released, it keeps nothing. Its memory is taken
@@ -43,7 +44,8 @@ type retention interface {
 	overLarge(a *Allocator, p *cachePool, id blockID)
 	// overEmpty is called when the small segment seg of p became empty and
 	// p holds more empty segments of seg's stream and class (cl.empty) than
-	// maxEmptyPerClass, or more bytes of empty segments than maxEmptyBytes.
+	// maxEmptyPerClass, or the device holds more for p's empty segments
+	// than maxEmptyBytes.
 	overEmpty(a *Allocator, p *cachePool, seg *Segment, cl *segmentList)
 	// beforeMiss is called when a large request of n bytes on l found
 	// nothing cached, before the pool asks the memory stack: what the miss
@@ -60,7 +62,7 @@ type retention interface {
 type limits struct {
 	maxCachedLarge   uint64 // bytes of cached large blocks
 	maxEmptyPerClass int    // empty small segments of one stream and class
-	maxEmptyBytes    uint64 // bytes of empty small segments, all streams
+	maxEmptyBytes    uint64 // what the device holds for empty small segments, all streams (emptySegments.held)
 }
 
 // retained is what a cache pool keeps of the memory freed into it, with
@@ -86,10 +88,19 @@ func newRetained() *retained { return &retained{lru: emptyList()} }
 type generalRetention struct {
 	largeCache  uint64 // Config.LargeCache
 	missRelease bool   // Config.MissRelease
+	// perStream is the least the device holds for a stream that holds
+	// anything (emptySegments.perStream).
+	perStream uint64
 }
 
+// limits bound the empty segments by what the device holds for them
+// (emptySegments.held): on a device whose streams share no handle, a
+// stream's kept segments hold a handle at least, so emptySegmentBudget
+// keeps them for fewer streams. It admits one stream's handle at least:
+// below that no stream, not even the one at work, could keep an empty
+// segment, and each would go back to the device as it empties.
 func (r generalRetention) limits() limits {
-	return limits{maxCachedLarge: r.largeCache, maxEmptyPerClass: 1, maxEmptyBytes: emptySegmentBudget}
+	return limits{maxCachedLarge: r.largeCache, maxEmptyPerClass: 1, maxEmptyBytes: max(emptySegmentBudget, r.perStream)}
 }
 
 // overLarge gives back the least recently freed blocks until the cache is
@@ -103,14 +114,14 @@ func (generalRetention) overLarge(a *Allocator, p *cachePool, _ blockID) {
 }
 
 // overEmpty keeps one empty segment per stream and class as a buffer
-// against churn, within emptySegmentBudget over all streams (the oldest go
+// against churn, within its budget over all streams (the oldest go
 // first: their streams may be gone), and gives the others back to the
 // pool, where any size can use them.
 func (generalRetention) overEmpty(a *Allocator, p *cachePool, seg *Segment, cl *segmentList) {
 	if cl.empty > p.maxEmptyPerClass {
 		_ = a.releaseSegment(seg)
 	}
-	for p.emptySegs.bytes > p.maxEmptyBytes {
+	for p.emptySegs.held > p.maxEmptyBytes {
 		if a.releaseSegment(p.emptySegs.head) != nil {
 			break
 		}
@@ -129,12 +140,19 @@ func (generalRetention) alloc(mem arena.MemorySource, n uint64, s arena.Stream) 
 
 func (generalRetention) gaveBack(*Allocator, *cachePool) {}
 
-// emptySegmentBudget bounds the bytes of empty small segments the general
-// cache keeps. They are a buffer against churn, one per stream and class
-// (24 classes of 256-448 KiB: at most 6.6 MiB for a stream using all of
-// them), so a few active streams fit; memory kept for streams that are
-// gone goes back to the pool, oldest first, instead of growing with the
-// number of streams ever seen. The budget is its own, apart from
+// emptySegmentBudget bounds what the device holds for the empty small
+// segments the general cache keeps (emptySegments.held). They are a buffer
+// against churn, one per stream and class (24 classes of 256-448 KiB: at
+// most 6.6 MiB for a stream using all of them), so a few active streams
+// fit; memory kept for streams that are gone goes back to the pool, oldest
+// first, instead of growing with the number of streams ever seen. Where
+// streams share no physical handle (the VMM backend), the device holds a
+// handle at least for a stream that keeps anything, so a stream's kept
+// segments count a handle at least: counted by their bytes alone, the
+// budget kept a 256 KiB segment for each of 128 idle streams, and the
+// device held a handle for each. A single stream's count is the same
+// either way while its segments fill less than the budget, so it keeps
+// what it kept. The budget is its own, apart from
 // Config.LargeCache, so that large_cache keeps meaning what every figure
 // measured with it meant.
 const emptySegmentBudget = 32 << 20

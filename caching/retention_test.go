@@ -13,6 +13,13 @@ import (
 func TestRetentionRules(t *testing.T) {
 	general := generalRetention{largeCache: 256 << 20, missRelease: true}
 	assert.Equal(t, limits{maxCachedLarge: 256 << 20, maxEmptyPerClass: 1, maxEmptyBytes: emptySegmentBudget}, general.limits())
+	// Where streams share no handle, the empty segments' budget is what
+	// the device holds for them, and admits one stream's handle at least.
+	general.perStream = 16 << 20
+	assert.EqualValues(t, emptySegmentBudget, general.limits().maxEmptyBytes)
+	general.perStream = 64 << 20
+	assert.EqualValues(t, 64<<20, general.limits().maxEmptyBytes, "one stream may keep its empty segments")
+	general.perStream = 0
 
 	p := newGraphPool(PoolID{1, 2})
 	graph := p.rule.(graphRetention)

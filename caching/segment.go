@@ -106,12 +106,33 @@ func (l *segmentList) remove(seg *Segment) {
 }
 
 // emptySegments lists the empty small segments a cache pool keeps, least
-// recently emptied first, with their bytes; the pool's retention rule bounds
-// both (the general cache: one per stream and class, emptySegmentBudget in
-// all, since the streams they are kept for may be gone).
+// recently emptied first, with their bytes and what the device holds for
+// them; the pool's retention rule bounds the number and the latter (the
+// general cache: one per stream and class, emptySegmentBudget in all,
+// since the streams they are kept for may be gone).
 type emptySegments struct {
 	head, tail *Segment
 	bytes      uint64
+	// held is what the budget counts for the segments: per stream, its
+	// segments' bytes, or perStream where that is more, which is what the
+	// device holds for a stream that keeps nothing else (a stream at work
+	// may share those handles with its live memory, and then counts more
+	// than its segments cost). Invariant: it is that sum over the streams'
+	// emptyBytes.
+	held uint64
+	// perStream is the least the device holds for a stream that holds
+	// anything, where streams never share a physical handle (the VMM
+	// backend: arena.StreamGranular); 0 where they may (the stream-ordered
+	// pool packs every stream's memory in the same chunks).
+	perStream uint64
+}
+
+// heldFor is what held counts for n bytes of one stream's empty segments.
+func (l *emptySegments) heldFor(n uint64) uint64 {
+	if n == 0 {
+		return 0
+	}
+	return max(n, l.perStream)
 }
 
 func (l *emptySegments) pushBack(seg *Segment) {
@@ -122,6 +143,10 @@ func (l *emptySegments) pushBack(seg *Segment) {
 		l.head = seg
 	}
 	l.tail = seg
+	s := seg.list
+	l.held -= l.heldFor(s.emptyBytes)
+	s.emptyBytes += seg.size
+	l.held += l.heldFor(s.emptyBytes)
 	l.bytes += seg.size
 }
 
@@ -137,5 +162,9 @@ func (l *emptySegments) remove(seg *Segment) {
 		l.tail = seg.emptyPrev
 	}
 	seg.emptyPrev, seg.emptyNext, seg.inEmpty = nil, nil, false
+	s := seg.list
+	l.held -= l.heldFor(s.emptyBytes)
+	s.emptyBytes -= seg.size
+	l.held += l.heldFor(s.emptyBytes)
 	l.bytes -= seg.size
 }

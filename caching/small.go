@@ -118,7 +118,7 @@ func (a *Allocator) releaseSlot(seg *Segment, i int32) {
 	// what goes back (retention.go).
 	p := l.pool
 	p.emptySegs.pushBack(seg)
-	if cl.empty > p.maxEmptyPerClass || p.emptySegs.bytes > p.maxEmptyBytes {
+	if cl.empty > p.maxEmptyPerClass || p.emptySegs.held > p.maxEmptyBytes {
 		p.rule.overEmpty(a, p, seg, cl)
 	}
 }

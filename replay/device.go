@@ -45,6 +45,16 @@ type cappedCountingDevice struct{ *countingDevice }
 
 func (d cappedCountingDevice) SetCap(limit uint64) { d.Device.(arena.Capped).SetCap(limit) }
 
+// StreamGranule passes the device's own on (arena.StreamGranular), so that
+// the cache above keeps what it keeps in the library; 0, a device whose
+// streams may share handles, where the device has none.
+func (d cappedCountingDevice) StreamGranule() uint64 {
+	if g, ok := d.Device.(arena.StreamGranular); ok {
+		return g.StreamGranule()
+	}
+	return 0
+}
+
 func (d *countingDevice) readPool() {
 	u, err := d.Device.PoolUsage()
 	if err != nil {
