@@ -9,9 +9,9 @@ import (
 	"go.uber.org/atomic"
 )
 
-// ErrCaptureUnderway is the error of an event record refused because a
-// capture is underway on the device.
-var ErrCaptureUnderway = errors.New("arena: a CUDA graph capture is underway on the device, so no event is recorded")
+// ErrCaptureUnderway is the error of a driver call the gate refused
+// because a capture is underway on the device.
+var ErrCaptureUnderway = errors.New("arena: a CUDA graph capture is underway on the device")
 
 // CaptureAware is a device whose memory source records and polls events
 // of its own (the VMM devices, whose placement needs them to move memory
@@ -29,7 +29,7 @@ type CaptureAware interface {
 }
 
 // captureGate is a PhysDriver adaptor that keeps the placement away from
-// events while a capture is underway: a record is refused with
+// events (and from giving VA back) while a capture is underway: a record is refused with
 // ErrCaptureUnderway (the placement then leaves what it would have covered
 // unrecorded, as for any refused record), and a query answers "not done
 // yet", which is the truth as far as anyone may ask: what waits for an
@@ -44,6 +44,16 @@ func (g *captureGate) RecordEvent(e Event, s Stream) error {
 		return ErrCaptureUnderway
 	}
 	return g.PhysDriver.RecordEvent(e, s)
+}
+
+// FreeVA is refused too: whether the driver allows cuMemAddressFree during
+// a capture is not known here, and a segment that keeps its VA a while
+// costs nothing (it is tried again at the next Trim).
+func (g *captureGate) FreeVA(base uintptr, size uint64) error {
+	if g.underway.Load() {
+		return ErrCaptureUnderway
+	}
+	return g.PhysDriver.FreeVA(base, size)
 }
 
 func (g *captureGate) EventDone(e Event) (bool, error) {

@@ -385,6 +385,20 @@ func (d *Sim) Synchronize() error {
 	return nil
 }
 
+// forbiddenInCapture answers a call the simulation takes as forbidden while
+// a capture is underway (the fake VMM driver's cuMemAddressFree: whether
+// the real driver allows it is not known, so goalloc must not make it).
+func (d *Sim) forbiddenInCapture(what string) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, st := range d.capture {
+		if st == CaptureActive {
+			return d.breakCaptures(what + " while a stream is being captured")
+		}
+	}
+	return nil
+}
+
 // breakCaptures is the driver's answer to a call a capture forbids: the
 // error, and every capture underway invalidated. Called with d.mu held.
 func (d *Sim) breakCaptures(what string) error {

@@ -158,6 +158,11 @@ func (f *FakePhys) FreeVA(base uintptr, size uint64) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.Calls["cuMemAddressFree"]++
+	if c, ok := f.rt.(interface{ forbiddenInCapture(string) error }); ok {
+		if err := c.forbiddenInCapture("cuMemAddressFree"); err != nil {
+			return err
+		}
+	}
 	if f.res[base] != size {
 		return fmt.Errorf("fakephys: free of VA %#x+%d, not a reservation", base, size)
 	}

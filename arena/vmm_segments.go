@@ -1660,6 +1660,9 @@ func (e *vmmSegments) dropIfEmpty(g *vmmSegment) error {
 		return nil
 	}
 	if err := e.drv.FreeVA(g.base, g.size); err != nil {
+		if errors.Is(err, ErrCaptureUnderway) {
+			return nil // kept until a Trim after the capture
+		}
 		return err
 	}
 	i := slices.Index(e.segs, g)

@@ -300,3 +300,29 @@ func TestRecordedFreeInACaptureWaitsForTheCaptureToEnd(t *testing.T) {
 		}
 	})
 }
+
+// empty_cache during a capture gives physical memory back but keeps the
+// VA of emptied VMM segments (whether the driver allows cuMemAddressFree
+// during a capture is not known: the simulated device refuses it); the VA
+// goes at the next empty_cache after the capture.
+func TestEmptyCacheDuringACaptureKeepsVA(t *testing.T) {
+	dev, err := arena.NewSimVMM(0, 16<<30)
+	require.NoError(t, err)
+	a, err := New(dev, DefaultConfig())
+	require.NoError(t, err)
+	const X, C = arena.Stream(0x11), arena.Stream(0xc0)
+	p, err := a.Malloc(40<<20, X)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 40<<20, X))
+	require.NoError(t, a.BeginAllocateToPool(PoolID{5, 5}))
+	dev.SetCapture(C, arena.CaptureActive)
+	require.NoError(t, a.EmptyCache())
+	assert.Zero(t, dev.CaptureViolations)
+	assert.NotZero(t, dev.Phys().ReservedVA(), "X's segment keeps its VA during the capture")
+	dev.SetCapture(C, arena.CaptureNone)
+	require.NoError(t, a.EndAllocateToPool(PoolID{5, 5}))
+	require.NoError(t, a.EmptyCache())
+	assert.Zero(t, dev.Phys().ReservedVA(), "and gives it back after")
+	require.NoError(t, a.CheckInvariants())
+	require.NoError(t, dev.CheckInvariants())
+}
