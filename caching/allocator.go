@@ -32,6 +32,10 @@ type Allocator struct {
 	// cells keeps the statistics every call updates (stats.go).
 	cells   *statCells
 	history *history
+	// callCtx is the context id of the call in progress (MallocInCtx,
+	// FreeOwnedCtx, EmptyCacheCtx), 0 outside them and for calls without
+	// one; what it names is in history.go, "Context ids".
+	callCtx uint64
 	// general is the cache of ordinary allocations, and windows the CUDA
 	// graph captures in progress, innermost last (graphs.go).
 	general *cachePool
@@ -90,6 +94,13 @@ type Allocator struct {
 	retained
 
 	events *streams.EventPool
+	// labels are stamped on every history entry (SetTraceLabels); nil for
+	// none.
+	labels *TraceLabels
+	// pendingCtx holds the context ids of frees that wait for other
+	// streams, by pointer, for their free_completed entries; nil while
+	// empty. Only frees made with an id are in it.
+	pendingCtx map[uintptr]uint64
 	// stats is Stats as it stands but for its nine statistics by pool
 	// type and its cache hits and misses, which cells keeps (Stats()
 	// copies them in).

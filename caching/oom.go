@@ -82,7 +82,7 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 	a.stats.NumOOMs++
 	f := a.fragmentation()
 	if a.history != nil {
-		a.history.add(actionOOM, 0, size, 0)
+		a.history.add(actionOOM, 0, size, 0, a.callCtx)
 	}
 	held, _ := a.mu.held.get()
 	return &OOMError{

@@ -23,6 +23,25 @@ import (
 func (a *Allocator) MallocIn(id PoolID, size uint64, s arena.Stream) (uintptr, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.mallocInPool(id, size, s)
+}
+
+// MallocInCtx is MallocIn for a call whose context id is ctx (history.go,
+// "Context ids").
+func (a *Allocator) MallocInCtx(id PoolID, size uint64, s arena.Stream, ctx uint64) (uintptr, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.callCtx = ctx
+	defer a.endCall()
+	return a.mallocInPool(id, size, s)
+}
+
+// endCall ends a call with a context id: what the allocator does later
+// under another call is not this one's.
+func (a *Allocator) endCall() { a.callCtx = 0 }
+
+// mallocInPool is MallocIn with a.mu held.
+func (a *Allocator) mallocInPool(id PoolID, size uint64, s arena.Stream) (uintptr, error) {
 	if size > MaxRequest {
 		return 0, a.badInput("invalid_size", fmt.Sprintf("malloc of %d bytes on device %d: larger than any device (a negative size?)", size, a.dev.Ordinal()))
 	}
@@ -42,6 +61,16 @@ func (a *Allocator) MallocIn(id PoolID, size uint64, s arena.Stream) (uintptr, e
 func (a *Allocator) FreeOwned(ptr uintptr) (held bool, err error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.freeOwned(ptr)
+}
+
+// FreeOwnedCtx is FreeOwned for a call whose context id is ctx (history.go,
+// "Context ids").
+func (a *Allocator) FreeOwnedCtx(ptr uintptr, ctx uint64) (held bool, err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.callCtx = ctx
+	defer a.endCall()
 	return a.freeOwned(ptr)
 }
 
