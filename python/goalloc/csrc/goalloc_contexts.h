@@ -35,11 +35,14 @@
 // and not when skip_actions drops that entry, so every context in a ring
 // came with at least one entry of its device's history, written in the
 // same call; the contexts of the newest max_entries entries are therefore
-// among the newest max_entries in the ring, and older ones go. Two kinds of
-// entries can outlive their context: a free_completed that waited for
-// another stream (record_stream) and completed max_entries contexts later,
-// and an entry of a call that wrote only entries skip_actions drops the
-// first of. They then show no stack.
+// among the newest max_entries in the ring, and older ones go. An entry
+// shows no stack, though its call had one, in two cases: a free_completed
+// that waited for another stream (record_stream) and completed after
+// max_entries newer contexts were filed; and, with skip_actions, an entry
+// of a call whose always-written entry is skipped (an allocation's
+// segment_alloc when alloc is skipped), whose context is not filed. A call
+// that writes no entry at all (a request refused as bad input) files its
+// context all the same, which only makes older ones go sooner.
 //
 // Cost while nothing is recorded: on_malloc and on_free read one atomic
 // each, and take no lock.
