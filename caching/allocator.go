@@ -47,6 +47,14 @@ type Allocator struct {
 	// cells keeps the statistics every call updates (stats.go).
 	cells   *statCells
 	history *history
+	// callCtx is the context id of the call in progress (MallocInCtx,
+	// FreeOwnedCtx, EmptyCacheCtx), 0 outside them and for calls without
+	// one; what it names is in history.go, "Context ids".
+	callCtx uint64
+	// callBlock is the block size the caller of the call in progress
+	// rounded its request to (MallocInRounded: PyTorch's
+	// roundup_power2_divisions), 0 for goalloc's own rounding.
+	callBlock uint64
 	// general is the cache of ordinary allocations, and windows the CUDA
 	// graph captures in progress, innermost last (graphs.go).
 	general *cachePool
@@ -108,6 +116,13 @@ type Allocator struct {
 	retained
 
 	events *streams.EventPool
+	// labels are stamped on every history entry (SetTraceLabels); nil for
+	// none.
+	labels *TraceLabels
+	// pendingCtx holds the context ids of frees that wait for other
+	// streams, by pointer, for their free_completed entries; nil while
+	// empty. Only frees made with an id are in it.
+	pendingCtx map[uintptr]uint64
 	// stats is Stats as it stands but for its nine statistics by pool
 	// type and its cache hits and misses, which cells keeps (Stats()
 	// copies them in).
@@ -274,7 +289,7 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 	if l == nil || l.stream != s {
 		l = cp.list(s)
 	}
-	if size <= smallMax {
+	if size <= smallMax && a.callBlock <= smallMax {
 		c := sizeToClass[(size+classAlign-1)/classAlign]
 		if seg := l.small[c].head; seg != nil {
 			a.cells.hit()
@@ -282,7 +297,7 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 		}
 		return a.mallocSmallSlow(l, c, size)
 	}
-	n := units.RoundUp(size, classAlign)
+	n := units.RoundUp(max(size, a.callBlock), classAlign)
 	if id, bucket := a.findCached(l, n); id != noBlock {
 		a.cells.hit()
 		return a.takeBlock(id, bucket, size), nil

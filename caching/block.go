@@ -19,6 +19,11 @@ type Block struct {
 	// list is the StreamFreeList of stream in the block's cache pool.
 	list  *StreamFreeList
 	state blockState
+	// ctx is the context id of the call that allocated the block (set at
+	// every allocation, 0 for a call without one), and segCtx that of the
+	// call that took it from the pool: a block is its own segment
+	// (history.go, "Context ids").
+	ctx, segCtx uint64
 
 	// While cached: links in its size bucket and in its pool's LRU list.
 	sizePrev, sizeNext blockID

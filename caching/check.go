@@ -251,6 +251,14 @@ func (a *Allocator) CheckInvariants() error {
 			return fmt.Errorf("record_stream entry for %#x, which is not live", ptr)
 		}
 	}
+	for ptr, ctx := range a.pendingCtx {
+		if !a.isPending(ptr) || ctx == 0 {
+			return fmt.Errorf("context id %d kept for the deferred free of %#x, which is not pending", ctx, ptr)
+		}
+	}
+	if a.callCtx != 0 {
+		return fmt.Errorf("context id %d outlived its call", a.callCtx)
+	}
 	return nil
 }
 
@@ -339,6 +347,18 @@ func (a *Allocator) isLive(ptr uintptr) bool {
 	if seg := a.findSegment(ptr); seg != nil {
 		if i := seg.slotOf(ptr); i >= 0 {
 			return seg.state[i] == slotLive
+		}
+	}
+	return false
+}
+
+func (a *Allocator) isPending(ptr uintptr) bool {
+	if id, ok := a.largeByAddr.Get(ptr); ok {
+		return a.blocks[id].state == blockPending
+	}
+	if seg := a.findSegment(ptr); seg != nil {
+		if i := seg.slotOf(ptr); i >= 0 {
+			return seg.state[i] == slotPending
 		}
 	}
 	return false

@@ -233,7 +233,8 @@
 //	stats.go        Stats and Fragmentation, and the methods that read and reset them
 //	held.go         what the device holds for goalloc: memory_reserved()
 //	counters.go     the figures published lock-free at every Unlock
-//	history.go      the trace action names and the recorded history
+//	history.go      the trace action names and the recorded history, with the
+//	                callers' context ids and trace labels
 //	snapshot.go     Snapshot: segments, blocks and history in torch's form
 //	badinput.go     InputError and the checks of a free's size and stream
 //	check.go        CheckInvariants, for tests

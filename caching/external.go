@@ -81,7 +81,7 @@ func (a *Allocator) ExternalSegment(alloc bool, addr uintptr, size uint64, large
 		a.cells.add(t, statReservedBytes, n)
 		a.mu.held.addExternal(n)
 		if a.history != nil {
-			a.history.add(actionSegmentAlloc, addr, size, s)
+			a.history.add(actionSegmentAlloc, addr, size, s, 0)
 		}
 		return
 	}
@@ -93,7 +93,7 @@ func (a *Allocator) ExternalSegment(alloc bool, addr uintptr, size uint64, large
 	a.limited.Unclaim(size)
 	x.claimed -= size
 	if a.history != nil {
-		a.history.add(actionSegmentFree, addr, size, s)
+		a.history.add(actionSegmentFree, addr, size, s, 0)
 	}
 }
 
@@ -116,7 +116,7 @@ func (a *Allocator) ExternalBlock(alloc bool, addr uintptr, size, requested uint
 	if alloc {
 		a.countAlloc(t, int64(size), requested)
 		if a.history != nil {
-			a.history.add(actionAlloc, addr, size, s)
+			a.history.add(actionAlloc, addr, requested, s, 0)
 		}
 		return nil
 	}
@@ -124,8 +124,8 @@ func (a *Allocator) ExternalBlock(alloc bool, addr uintptr, size, requested uint
 	a.cells.sub(t, statActive, 1)
 	a.cells.sub(t, statActiveBytes, int64(size))
 	if a.history != nil {
-		a.history.add(actionFreeRequested, addr, size, s)
-		a.history.add(actionFreeCompleted, addr, size, s)
+		a.history.add(actionFreeRequested, addr, requested, s, 0)
+		a.history.add(actionFreeCompleted, addr, requested, s, 0)
 	}
 	return nil
 }

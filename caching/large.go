@@ -29,9 +29,10 @@ func (a *Allocator) takeBlock(id blockID, bucket *sizeBucket, size uint64) uintp
 	a.uncache(id, bucket)
 	b.state = blockLive
 	b.requested = size
+	b.ctx = a.callCtx
 	a.countAlloc(StatLarge, int64(b.size), size)
 	if a.history != nil {
-		a.history.add(actionAlloc, b.addr, b.size, b.stream)
+		a.history.add(actionAlloc, b.addr, size, b.stream, a.callCtx)
 	}
 	return b.addr
 }
@@ -52,6 +53,7 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	id := a.newBlock()
 	b := &a.blocks[id]
 	*b = Block{addr: p, size: n, requested: size, stream: l.stream, list: l, state: blockLive,
+		ctx: a.callCtx, segCtx: a.callCtx,
 		sizePrev: noBlock, sizeNext: noBlock, lruPrev: noBlock, lruNext: noBlock}
 	a.largeByAddr.Put(p, id)
 	l.refs++
@@ -59,11 +61,11 @@ func (a *Allocator) mallocLargeSlow(l *StreamFreeList, n, size uint64) (uintptr,
 	a.cells.add(StatLarge, statReservedBytes, int64(n))
 	l.pool.reserved += n
 	if a.history != nil {
-		a.history.add(actionSegmentAlloc, p, n, l.stream)
+		a.history.add(actionSegmentAlloc, p, n, l.stream, a.callCtx)
 	}
 	a.countAlloc(StatLarge, int64(n), size)
 	if a.history != nil {
-		a.history.add(actionAlloc, p, n, l.stream)
+		a.history.add(actionAlloc, p, size, l.stream, a.callCtx)
 	}
 	return p, nil
 }
@@ -85,7 +87,7 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 	}
 	a.countFree(StatLarge, int64(b.size), b.requested)
 	if a.history != nil {
-		a.history.add(actionFreeRequested, ptr, b.size, b.stream)
+		a.history.add(actionFreeRequested, ptr, b.requested, b.stream, a.callCtx)
 	}
 	warn := a.checkFree(ptr, size, b.requested, s, b.stream)
 	if a.deferIfRecorded(ptr, b.list) {
@@ -95,7 +97,7 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 	a.cells.sub(StatLarge, statActive, 1)
 	a.cells.sub(StatLarge, statActiveBytes, int64(b.size))
 	if a.history != nil {
-		a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+		a.history.add(actionFreeCompleted, ptr, b.requested, b.stream, a.callCtx)
 	}
 	a.cacheBlock(id)
 	return warn

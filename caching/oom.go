@@ -95,7 +95,7 @@ func (a *Allocator) outOfMemory(size uint64, cause error) error {
 	a.stats.NumOOMs++
 	f := a.fragmentation()
 	if a.history != nil {
-		a.history.add(actionOOM, 0, size, 0)
+		a.history.add(actionOOM, 0, size, 0, a.callCtx)
 	}
 	held, _ := a.mu.held.get()
 	free, _, err := a.dev.MemInfo()

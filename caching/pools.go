@@ -23,6 +23,44 @@ import (
 func (a *Allocator) MallocIn(id PoolID, size uint64, s arena.Stream) (uintptr, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.mallocInPool(id, size, s)
+}
+
+// MallocInCtx is MallocIn for a call whose context id is ctx (history.go,
+// "Context ids").
+func (a *Allocator) MallocInCtx(id PoolID, size uint64, s arena.Stream, ctx uint64) (uintptr, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.callCtx = ctx
+	defer a.endCall()
+	return a.mallocInPool(id, size, s)
+}
+
+// MallocInRounded is MallocInCtx for a request of size bytes that the
+// caller rounded to a block of block bytes (PyTorch's
+// roundup_power2_divisions, which goalloc's C++ class reads from torch's
+// settings): the block is at least that large, and requested_bytes counts
+// size. A block of 0, or one not above size, leaves the rounding to goalloc.
+func (a *Allocator) MallocInRounded(id PoolID, size, block uint64, s arena.Stream, ctx uint64) (uintptr, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if block > MaxRequest {
+		return 0, a.checkRequest(block)
+	}
+	a.callCtx = ctx
+	if block > size {
+		a.callBlock = block
+	}
+	defer a.endCall()
+	return a.mallocInPool(id, size, s)
+}
+
+// endCall ends a call with a context id or a rounding of its own: what the
+// allocator does later under another call is not this one's.
+func (a *Allocator) endCall() { a.callCtx, a.callBlock = 0, 0 }
+
+// mallocInPool is MallocIn with a.mu held.
+func (a *Allocator) mallocInPool(id PoolID, size uint64, s arena.Stream) (uintptr, error) {
 	if size > MaxRequest {
 		return 0, a.checkRequest(size)
 	}
@@ -42,6 +80,16 @@ func (a *Allocator) MallocIn(id PoolID, size uint64, s arena.Stream) (uintptr, e
 func (a *Allocator) FreeOwned(ptr uintptr) (held bool, err error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.freeOwned(ptr)
+}
+
+// FreeOwnedCtx is FreeOwned for a call whose context id is ctx (history.go,
+// "Context ids").
+func (a *Allocator) FreeOwnedCtx(ptr uintptr, ctx uint64) (held bool, err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.callCtx = ctx
+	defer a.endCall()
 	return a.freeOwned(ptr)
 }
 

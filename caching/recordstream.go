@@ -66,8 +66,27 @@ func (a *Allocator) deferIfRecorded(ptr uintptr, l *StreamFreeList) bool {
 	} else {
 		a.deferred.Add(ptr, used)
 	}
+	if a.callCtx != 0 {
+		if a.pendingCtx == nil {
+			a.pendingCtx = map[uintptr]uint64{}
+		}
+		a.pendingCtx[ptr] = a.callCtx
+	}
 	a.stats.DeferredFrees++
 	return true
+}
+
+// takePendingCtx is the context id of the deferred free of ptr, which is
+// completing (0 if it had none).
+func (a *Allocator) takePendingCtx(ptr uintptr) uint64 {
+	ctx, ok := a.pendingCtx[ptr]
+	if ok {
+		delete(a.pendingCtx, ptr)
+		if len(a.pendingCtx) == 0 {
+			a.pendingCtx = nil
+		}
+	}
+	return ctx
 }
 
 // recordedFree is a free of ptr that must wait for the streams in used.
@@ -92,15 +111,16 @@ func (a *Allocator) completeFree(ptr uintptr) {
 		b := &a.blocks[id]
 		a.cells.sub(StatLarge, statActive, 1)
 		a.cells.sub(StatLarge, statActiveBytes, int64(b.size))
+		ctx := a.takePendingCtx(ptr)
 		if a.history != nil {
-			a.history.add(actionFreeCompleted, ptr, b.size, b.stream)
+			a.history.add(actionFreeCompleted, ptr, b.requested, b.stream, ctx)
 		}
 		a.cacheBlock(id)
 		return
 	}
 	if seg := a.findSegment(ptr); seg != nil {
 		if i := seg.slotOf(ptr); i >= 0 && seg.state[i] == slotPending {
-			a.releaseSlot(seg, i)
+			a.releaseSlot(seg, i, a.takePendingCtx(ptr))
 			return
 		}
 	}

@@ -22,7 +22,7 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	a.cells.sub(StatLarge, statSegment, 1)
 	a.cells.sub(StatLarge, statReservedBytes, int64(b.size))
 	if a.history != nil {
-		a.history.add(actionSegmentFree, b.addr, b.size, b.stream)
+		a.history.add(actionSegmentFree, b.addr, b.size, b.stream, a.segmentFreeCtx(b.segCtx))
 	}
 	a.largeByAddr.Delete(b.addr)
 	l := b.list
@@ -34,6 +34,16 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	p.dropIfUnused(l)
 	p.rule.gaveBack(a, p)
 	return nil
+}
+
+// segmentFreeCtx is the context id of a segment_free entry: the call's
+// that gives the segment back, else the segment's own (history.go,
+// "Context ids").
+func (a *Allocator) segmentFreeCtx(own uint64) uint64 {
+	if a.callCtx != 0 {
+		return a.callCtx
+	}
+	return own
 }
 
 func (a *Allocator) releaseSegment(seg *Segment) error {
@@ -54,7 +64,7 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	a.cells.sub(StatSmall, statSegment, 1)
 	a.cells.sub(StatSmall, statReservedBytes, int64(seg.size))
 	if a.history != nil {
-		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream)
+		a.history.add(actionSegmentFree, seg.addr, seg.size, seg.stream, a.segmentFreeCtx(seg.segCtx))
 	}
 	l.pool.reserved -= seg.size
 	l.refs--
@@ -161,9 +171,21 @@ func (a *Allocator) releaseAll() error {
 // byte not in use and trims the pool down to the pre-warmed reserve
 // (releaseAll). While a capture is underway it does not synchronise the
 // device, which would break the capture: it gives back what it can.
-func (a *Allocator) EmptyCache() error {
+func (a *Allocator) EmptyCache() error { return a.EmptyCacheCtx(0) }
+
+// EmptyCacheCtx is EmptyCache for a call whose context id is ctx
+// (history.go, "Context ids").
+func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.callCtx = ctx
+	defer a.endCall()
+	// The marker goes first, so that the entries of what empty_cache gives
+	// back follow it, and the last entry of a history that ends with an
+	// empty_cache is its last segment_free, as in PyTorch's.
+	if a.history != nil {
+		a.history.add(actionEmptyCache, 0, 0, 0, a.callCtx)
+	}
 	var err error
 	if a.capturing() {
 		a.reclaim(false)
@@ -175,9 +197,6 @@ func (a *Allocator) EmptyCache() error {
 	a.general.dropAllUnused()
 	for _, p := range a.private {
 		p.dropAllUnused()
-	}
-	if a.history != nil {
-		a.history.add(actionEmptyCache, 0, 0, 0)
 	}
 	return err
 }

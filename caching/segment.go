@@ -36,6 +36,12 @@ type Segment struct {
 
 	// requested[i] is the size the user asked for in live slot i.
 	requested []uint32
+	// ctx[i] is the context id of the call that allocated slot i; nil
+	// until a call brought one (setCtx), so that a caller that passes none
+	// pays no memory for it. segCtx is the id of the call that took the
+	// segment from the pool (history.go, "Context ids").
+	ctx    []uint64
+	segCtx uint64
 }
 
 type slotState uint8
@@ -70,6 +76,22 @@ func (seg *Segment) slotOf(ptr uintptr) int32 {
 		return -1
 	}
 	return int32(off / seg.slotSize)
+}
+
+// setCtx records ctx as the context id of slot i's allocation.
+func (seg *Segment) setCtx(i int32, ctx uint64) {
+	if seg.ctx == nil {
+		seg.ctx = make([]uint64, seg.nslots)
+	}
+	seg.ctx[i] = ctx
+}
+
+// slotCtx is the context id of slot i's allocation.
+func (seg *Segment) slotCtx(i int32) uint64 {
+	if seg.ctx == nil {
+		return 0
+	}
+	return seg.ctx[i]
 }
 
 func (seg *Segment) slotAddr(i int32) uintptr { return seg.addr + uintptr(uint64(i)*seg.slotSize) }

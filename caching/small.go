@@ -41,9 +41,12 @@ func (a *Allocator) liveSlot(l *StreamFreeList, seg *Segment, i int32, size uint
 		l.small[seg.class].remove(seg)
 	}
 	a.countAlloc(StatSmall, slot, size)
+	if seg.ctx != nil || a.callCtx != 0 {
+		seg.setCtx(i, a.callCtx)
+	}
 	p := seg.slotAddr(i)
 	if a.history != nil {
-		a.history.add(actionAlloc, p, uint64(slot), seg.stream)
+		a.history.add(actionAlloc, p, size, seg.stream, a.callCtx)
 	}
 	return p
 }
@@ -59,6 +62,7 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 		return 0, err
 	}
 	seg := newSegment(p, c, l)
+	seg.segCtx = a.callCtx
 	l.refs++
 	a.insertSegment(seg)
 	l.small[c].pushBack(seg)
@@ -67,7 +71,7 @@ func (a *Allocator) mallocSmallSlow(l *StreamFreeList, c uint8, size uint64) (ui
 	a.cells.add(StatSmall, statReservedBytes, int64(seg.size))
 	l.pool.reserved += seg.size
 	if a.history != nil {
-		a.history.add(actionSegmentAlloc, p, seg.size, l.stream)
+		a.history.add(actionSegmentAlloc, p, seg.size, l.stream, a.callCtx)
 	}
 	return a.takeSlot(l, seg, size), nil
 }
@@ -79,24 +83,25 @@ func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s 
 	req := uint64(seg.requested[i])
 	a.countFree(StatSmall, int64(seg.slotSize), req)
 	if a.history != nil {
-		a.history.add(actionFreeRequested, ptr, seg.slotSize, seg.stream)
+		a.history.add(actionFreeRequested, ptr, req, seg.stream, a.callCtx)
 	}
 	warn := a.checkFree(ptr, size, req, s, seg.stream)
 	if a.deferIfRecorded(ptr, seg.list) {
 		seg.state[i] = slotPending
 		return warn
 	}
-	a.releaseSlot(seg, i)
+	a.releaseSlot(seg, i, a.callCtx)
 	return warn
 }
 
-// releaseSlot makes slot i of seg free (its events, if any, completed).
-func (a *Allocator) releaseSlot(seg *Segment, i int32) {
+// releaseSlot makes slot i of seg free (its events, if any, completed);
+// ctx is its free's context id.
+func (a *Allocator) releaseSlot(seg *Segment, i int32, ctx uint64) {
 	slot := int64(seg.slotSize)
 	a.cells.sub(StatSmall, statActive, 1)
 	a.cells.sub(StatSmall, statActiveBytes, slot)
 	if a.history != nil {
-		a.history.add(actionFreeCompleted, seg.slotAddr(i), seg.slotSize, seg.stream)
+		a.history.add(actionFreeCompleted, seg.slotAddr(i), uint64(seg.requested[i]), seg.stream, ctx)
 	}
 	seg.state[i] = slotFree
 	seg.freeSlots = append(seg.freeSlots, i)

@@ -11,6 +11,9 @@ type SnapshotBlock struct {
 	// State is "active_allocated", "active_pending_free" or "inactive".
 	State  string `json:"state"`
 	Frames []any  `json:"frames"`
+	// Ctx is the context id of the allocation of an active block, absent
+	// when its call had none (history.go, "Context ids").
+	Ctx uint64 `json:"ctx,omitempty"`
 }
 
 // SnapshotSegment is one pool allocation goalloc holds, with the keys of a
@@ -28,17 +31,25 @@ type SnapshotSegment struct {
 	IsExpandable  bool            `json:"is_expandable"`
 	Frames        []any           `json:"frames"`
 	Blocks        []SnapshotBlock `json:"blocks"`
+	// Ctx is the context id of the call that took the segment from the
+	// pool, absent when it had none.
+	Ctx uint64 `json:"ctx,omitempty"`
 }
 
 // TraceJSON is one history entry with the keys of a device trace entry in
-// torch.cuda.memory._snapshot().
+// torch.cuda.memory._snapshot(), and its context id. The keys after frames
+// are absent when empty, so that a history recorded without ids or labels
+// reads as before (python/goalloc/_trace.py reads this layout).
 type TraceJSON struct {
-	Action string `json:"action"`
-	Addr   uint64 `json:"addr"`
-	Size   uint64 `json:"size"`
-	Stream uint64 `json:"stream"`
-	TimeUs int64  `json:"time_us"`
-	Frames []any  `json:"frames"`
+	Action         string `json:"action"`
+	Addr           uint64 `json:"addr"`
+	Size           uint64 `json:"size"`
+	Stream         uint64 `json:"stream"`
+	TimeUs         int64  `json:"time_us"`
+	Frames         []any  `json:"frames"`
+	Ctx            uint64 `json:"ctx,omitempty"`
+	CompileContext string `json:"compile_context,omitempty"`
+	UserMetadata   string `json:"user_metadata,omitempty"`
 }
 
 // Snapshot is the state of one device: its segments, sorted by address, and
@@ -67,29 +78,30 @@ func (a *Allocator) Snapshot() Snapshot {
 		blk := SnapshotBlock{Address: uint64(b.addr), Size: b.size, State: "inactive", Frames: []any{}}
 		switch b.state {
 		case blockLive:
-			blk.State, blk.RequestedSize = "active_allocated", b.requested
+			blk.State, blk.RequestedSize, blk.Ctx = "active_allocated", b.requested, b.ctx
 			seg.AllocatedSize, seg.ActiveSize, seg.RequestedSize = b.size, b.size, b.requested
 		case blockPending:
-			blk.State = "active_pending_free"
+			blk.State, blk.Ctx = "active_pending_free", b.ctx
 			seg.ActiveSize = b.size
 		}
+		seg.Ctx = b.segCtx
 		seg.Blocks = []SnapshotBlock{blk}
 		snap.Segments = append(snap.Segments, seg)
 	}
 	for _, s := range a.segments {
 		seg := SnapshotSegment{Device: dev, Address: uint64(s.addr), TotalSize: s.size,
-			Stream: uint64(s.stream), SegmentType: "small", SegmentPoolID: s.list.pool.id, Frames: []any{}}
+			Stream: uint64(s.stream), SegmentType: "small", SegmentPoolID: s.list.pool.id, Frames: []any{}, Ctx: s.segCtx}
 		for i := int32(0); i < s.nslots; i++ {
 			addr := uint64(s.slotAddr(i))
 			blk := SnapshotBlock{Address: addr, Size: s.slotSize, State: "inactive", Frames: []any{}}
 			switch s.state[i] {
 			case slotLive:
-				blk.State, blk.RequestedSize = "active_allocated", uint64(s.requested[i])
+				blk.State, blk.RequestedSize, blk.Ctx = "active_allocated", uint64(s.requested[i]), s.slotCtx(i)
 				seg.AllocatedSize += s.slotSize
 				seg.ActiveSize += s.slotSize
 				seg.RequestedSize += blk.RequestedSize
 			case slotPending:
-				blk.State = "active_pending_free"
+				blk.State, blk.Ctx = "active_pending_free", s.slotCtx(i)
 				seg.ActiveSize += s.slotSize
 			}
 			if n := len(seg.Blocks); n > 0 && blk.State == "inactive" && seg.Blocks[n-1].State == "inactive" {
@@ -111,8 +123,12 @@ func (a *Allocator) Snapshot() Snapshot {
 	}
 	sort.Slice(snap.Segments, func(i, j int) bool { return snap.Segments[i].Address < snap.Segments[j].Address })
 	for _, e := range a.history.entries() {
-		snap.Trace = append(snap.Trace, TraceJSON{Action: e.Action.String(), Addr: uint64(e.Addr), Size: e.Size,
-			Stream: uint64(e.Stream), TimeUs: e.TimeNs / 1000, Frames: []any{}})
+		t := TraceJSON{Action: e.Action.String(), Addr: uint64(e.Addr), Size: e.Size,
+			Stream: uint64(e.Stream), TimeUs: e.TimeNs / 1000, Frames: []any{}, Ctx: e.Ctx}
+		if e.Labels != nil {
+			t.CompileContext, t.UserMetadata = e.Labels.CompileContext, e.Labels.UserMetadata
+		}
+		snap.Trace = append(snap.Trace, t)
 	}
 	return snap
 }

@@ -107,7 +107,7 @@ func (l *library) configJSON() ([]byte, error) {
 		"device_count": l.count,
 		"limits":       limits,
 		"fractions":    fractions,
-		"history":      l.historyEntries,
+		"history":      l.history.MaxEntries,
 		"max_history":  caching.MaxHistoryEntries,
 		"error_kinds":  errorKindNames,
 		"keys":         caching.ConfigKeys(),

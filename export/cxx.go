@@ -8,6 +8,13 @@ package main
 //	                          unsigned long long id0, unsigned long long id1,
 //	                          int* oom, char** err);
 //	int   goalloc_free_ptr(void* ptr);
+//	void* goalloc_pool_malloc_ctx(size_t size, size_t block, int device, cudaStream_t stream,
+//	                              unsigned long long id0, unsigned long long id1,
+//	                              unsigned long long ctx, int* oom, char** err);
+//	int   goalloc_free_ptr_ctx(void* ptr, unsigned long long ctx, int* device);
+//	int   goalloc_empty_cache_ctx(unsigned long long ctx);
+//	int   goalloc_record_history_opts(int max_entries, const char* skip_actions, int clear);
+//	int   goalloc_set_trace_labels(int device, const char* compile_context, const char* user_metadata);
 //	int   goalloc_torch_device_stats(int device, long long* out, int n);
 //	long long goalloc_largest_cached_block(int device);
 //	int   goalloc_create_or_incref_pool(int device, unsigned long long id0, unsigned long long id1);
@@ -22,6 +29,11 @@ package main
 //	int   goalloc_external_segment(int device, int alloc, void* addr, size_t size, int large, cudaStream_t stream);
 //	int   goalloc_external_block(int device, int alloc, void* addr, size_t size, size_t requested,
 //	                             int large, cudaStream_t stream);
+//
+// The _ctx calls name the call with the class's context id, which goalloc
+// keeps in its history and gives back in the snapshot (caching/history.go,
+// "Context ids"); the class keeps what the ids stand for (PyTorch's stack
+// traces; python/goalloc/csrc/goalloc_contexts.h).
 //
 // The class evaluates PyTorch's pool filters itself and names the pool of
 // each allocation (caching/pools.go); a failed allocation hands back its
@@ -43,6 +55,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -54,7 +67,17 @@ import (
 //export goalloc_pool_malloc
 func goalloc_pool_malloc(size C.size_t, device C.int, stream C.cudaStream_t, id0, id1 C.ulonglong,
 	oom *C.int, errOut **C.char) unsafe.Pointer {
-	p, err := lib.mallocIn(uint64(size), int(device), uintptr(stream), caching.PoolID{uint64(id0), uint64(id1)})
+	return goalloc_pool_malloc_ctx(size, 0, device, stream, id0, id1, 0, oom, errOut)
+}
+
+// goalloc_pool_malloc_ctx is goalloc_pool_malloc for a call whose context
+// id is ctx (0: none), of a request the caller rounded to a block of block
+// bytes (PyTorch's roundup_power2_divisions; 0: goalloc rounds it).
+//
+//export goalloc_pool_malloc_ctx
+func goalloc_pool_malloc_ctx(size, block C.size_t, device C.int, stream C.cudaStream_t, id0, id1, ctx C.ulonglong,
+	oom *C.int, errOut **C.char) unsafe.Pointer {
+	p, err := lib.mallocInCtx(uint64(size), uint64(block), int(device), uintptr(stream), caching.PoolID{uint64(id0), uint64(id1)}, uint64(ctx))
 	if err != nil {
 		var o *caching.OOMError
 		if oom != nil && errors.As(err, &o) {
@@ -70,6 +93,60 @@ func goalloc_pool_malloc(size C.size_t, device C.int, stream C.cudaStream_t, id0
 
 //export goalloc_free_ptr
 func goalloc_free_ptr(ptr unsafe.Pointer) C.int { return status(lib.freeOwned(uintptr(ptr))) }
+
+// goalloc_free_ptr_ctx is goalloc_free_ptr for a call whose context id is
+// ctx (0: none). It writes the device the block was on to *device (may be
+// NULL; -1 for a NULL ptr, which frees nothing, and on failure), so that
+// the caller can file the id with that device's history.
+//
+//export goalloc_free_ptr_ctx
+func goalloc_free_ptr_ctx(ptr unsafe.Pointer, ctx C.ulonglong, device *C.int) C.int {
+	d, err := lib.freeOwnedCtx(uintptr(ptr), uint64(ctx))
+	if device != nil {
+		*device = C.int(d)
+	}
+	return status(err)
+}
+
+// goalloc_empty_cache_ctx is goalloc_empty_cache for a call whose context
+// id is ctx: 0, or -1 when a device failed (goalloc_last_error says why).
+//
+//export goalloc_empty_cache_ctx
+func goalloc_empty_cache_ctx(ctx C.ulonglong) C.int { return status(lib.emptyCacheCtx(uint64(ctx))) }
+
+// goalloc_record_history_opts turns history recording on, keeping the last
+// maxEntries entries, or off (0), on every device, present and future, as
+// torch's _record_memory_history does: skipActions names the actions not
+// to record, comma-separated (NULL or empty: none; an unknown name is
+// refused); clear drops what was recorded, which recording on again
+// otherwise keeps (turning it off always drops it).
+//
+//export goalloc_record_history_opts
+func goalloc_record_history_opts(maxEntries C.int, skipActions *C.char, clear C.int) C.int {
+	var skip []string
+	if skipActions != nil {
+		if s := C.GoString(skipActions); s != "" {
+			skip = strings.Split(s, ",")
+		}
+	}
+	return status(lib.recordHistoryWith(int(maxEntries), skip, clear != 0))
+}
+
+// goalloc_set_trace_labels sets the labels of device's history entries
+// from now on, torch's compile_context and user_metadata (NULL: empty); a
+// device not used yet gets them when it is.
+//
+//export goalloc_set_trace_labels
+func goalloc_set_trace_labels(device C.int, compileContext, userMetadata *C.char) C.int {
+	var l caching.TraceLabels
+	if compileContext != nil {
+		l.CompileContext = C.GoString(compileContext)
+	}
+	if userMetadata != nil {
+		l.UserMetadata = C.GoString(userMetadata)
+	}
+	return status(lib.setTraceLabels(int(device), l))
+}
 
 // torchStatFigures is how many numbers goalloc_torch_device_stats writes:
 // c10's DeviceStats in its declaration order, nine StatArrays of (all,
@@ -254,11 +331,24 @@ func pinFront(f *caching.FrontLog) {
 
 // mallocIn allocates from the pool id (the general cache for the zero id).
 func (l *library) mallocIn(size uint64, d int, s uintptr, id caching.PoolID) (uintptr, error) {
+	return l.mallocInCtx(size, 0, d, s, id, 0)
+}
+
+// mallocInCtx is mallocIn for a call whose context id is ctx (0: none).
+func (l *library) mallocInCtx(size, block uint64, d int, s uintptr, id caching.PoolID, ctx uint64) (uintptr, error) {
 	a, err := l.device(d)
 	if err != nil {
 		return 0, err
 	}
-	p, err := a.MallocIn(id, size, arena.Stream(s))
+	var p uintptr
+	switch {
+	case block > size:
+		p, err = a.MallocInRounded(id, size, block, arena.Stream(s), ctx)
+	case ctx == 0:
+		p, err = a.MallocIn(id, size, arena.Stream(s))
+	default:
+		p, err = a.MallocInCtx(id, size, arena.Stream(s), ctx)
+	}
 	if err != nil {
 		var oom *caching.OOMError
 		if errors.As(err, &oom) {
@@ -278,13 +368,20 @@ var lastFreeDevice atomic.Int32
 
 // freeOwned frees ptr on whichever device holds it.
 func (l *library) freeOwned(p uintptr) error {
+	_, err := l.freeOwnedCtx(p, 0)
+	return err
+}
+
+// freeOwnedCtx is freeOwned for a call whose context id is ctx (0: none),
+// and says which device held p (-1: none, and for NULL).
+func (l *library) freeOwnedCtx(p uintptr, ctx uint64) (int, error) {
 	if p == 0 {
-		return nil // torch's deleter of an empty tensor
+		return -1, nil // torch's deleter of an empty tensor
 	}
 	first := int(lastFreeDevice.Load())
 	if a := l.devices[first].Load(); a != nil {
-		if held, err := a.FreeOwned(p); held {
-			return l.reportErr(err)
+		if held, err := freeOn(a, p, ctx); held {
+			return first, l.reportErr(err)
 		}
 	}
 	for d := range l.devices {
@@ -292,12 +389,20 @@ func (l *library) freeOwned(p uintptr) error {
 		if d == first || a == nil {
 			continue
 		}
-		if held, err := a.FreeOwned(p); held {
+		if held, err := freeOn(a, p, ctx); held {
 			lastFreeDevice.Store(int32(d))
-			return l.reportErr(err)
+			return d, l.reportErr(err)
 		}
 	}
-	return l.bad("unknown_pointer", fmt.Sprintf("goalloc: free of %#x, which goalloc did not allocate on any device", p))
+	return -1, l.bad("unknown_pointer", fmt.Sprintf("goalloc: free of %#x, which goalloc did not allocate on any device", p))
+}
+
+// freeOn frees p on a if a holds it, under the context id ctx.
+func freeOn(a *caching.Allocator, p uintptr, ctx uint64) (held bool, err error) {
+	if ctx == 0 {
+		return a.FreeOwned(p)
+	}
+	return a.FreeOwnedCtx(p, ctx)
 }
 
 // stats is device d's statistics, zero for a device not used yet.

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"encoding/json"
+	"fmt"
 	"testing"
 
 	"github.com/goalloc/goalloc/caching"
@@ -82,4 +84,122 @@ func TestMallocInReturnsTheError(t *testing.T) {
 	assert.NotErrorAs(t, err, &oom)
 	_, err = l.mallocIn(64, 5, 0, caching.PoolID{})
 	require.ErrorContains(t, err, "device 5 does not exist")
+}
+
+// snapshotOf is device d's snapshot as goalloc_snapshot_json writes it.
+func snapshotOf(t *testing.T, l *library, d int) caching.Snapshot {
+	t.Helper()
+	b, err := l.snapshotJSON(d)
+	require.NoError(t, err)
+	var out []struct {
+		Device int `json:"device"`
+		caching.Snapshot
+	}
+	require.NoError(t, json.Unmarshal(b, &out))
+	require.Len(t, out, 1)
+	return out[0].Snapshot
+}
+
+// The C++ class's calls name themselves with context ids: the library
+// passes them to the device's allocator, says which device a free was on,
+// and the snapshot JSON gives the ids back on entries and blocks.
+func TestContextIDsThroughTheLibrary(t *testing.T) {
+	l := simLibrary(t, "2")
+	require.NoError(t, l.recordHistoryWith(100, nil, false))
+	p, err := l.mallocInCtx(1000, 0, 1, 0x10, caching.PoolID{}, 7)
+	require.NoError(t, err)
+	q, err := l.mallocInCtx(3_000_000, 0, 1, 0x10, caching.PoolID{}, 8)
+	require.NoError(t, err)
+	d, err := l.freeOwnedCtx(p, 9)
+	require.NoError(t, err)
+	assert.Equal(t, 1, d, "the device the block was on")
+	d, err = l.freeOwnedCtx(0, 9)
+	assert.NoError(t, err, "an empty tensor's deleter")
+	assert.Equal(t, -1, d)
+	d, err = l.freeOwnedCtx(0xdead000, 9)
+	assert.Error(t, err)
+	assert.Equal(t, -1, d)
+	require.NoError(t, l.emptyCacheCtx(10))
+
+	snap := snapshotOf(t, l, 1)
+	var got []string
+	for _, e := range snap.Trace {
+		got = append(got, fmt.Sprintf("%s %d %d", e.Action, e.Size, e.Ctx))
+	}
+	assert.Equal(t, []string{
+		"segment_alloc 262144 7", "alloc 1000 7", "segment_alloc 3000320 8", "alloc 3000000 8",
+		"free_requested 1000 9", "free_completed 1000 9", "snapshot 0 10", "segment_free 262144 10",
+	}, got)
+	var live []string
+	for _, s := range snap.Segments {
+		for _, b := range s.Blocks {
+			if b.State == "active_allocated" {
+				live = append(live, fmt.Sprintf("%#x %d %d", b.Address, b.Ctx, s.Ctx))
+			}
+		}
+	}
+	assert.Equal(t, []string{fmt.Sprintf("%#x 8 8", q)}, live)
+	b, err := l.snapshotJSON(1)
+	require.NoError(t, err)
+	assert.Contains(t, string(b), `"frames":[],"ctx":7}`, "the id after frames")
+
+	// Without an id nothing is added: the JSON reads as before.
+	require.NoError(t, l.recordHistory(100))
+	r, err := l.mallocIn(1000, 0, 0, caching.PoolID{})
+	require.NoError(t, err)
+	require.NoError(t, l.freeOwned(r))
+	b, err = l.snapshotJSON(0)
+	require.NoError(t, err)
+	assert.NotContains(t, string(b), `"ctx"`)
+	assert.NotContains(t, string(b), `"user_metadata"`)
+}
+
+// skip_actions and clear_history reach every device, present and future;
+// an unknown action is refused as bad input and changes nothing.
+func TestRecordHistoryOptions(t *testing.T) {
+	l := simLibrary(t, "2")
+	require.NoError(t, l.recordHistoryWith(100, []string{"free_requested"}, false))
+	p := l.malloc(1000, 0, 0)
+	l.free(p, 1000, 0, 0)
+	q := l.malloc(1000, 1, 0) // made after the call
+	l.free(q, 1000, 1, 0)
+	for d := range 2 {
+		var acts []string
+		for _, e := range snapshotOf(t, l, d).Trace {
+			acts = append(acts, e.Action)
+		}
+		assert.Equal(t, []string{"segment_alloc", "alloc", "free_completed"}, acts, "device %d", d)
+	}
+	err := l.recordHistoryWith(100, []string{"alloc", "frees"}, false)
+	require.ErrorContains(t, err, `skip_actions: unknown trace action "frees"`)
+	assert.Equal(t, errBadArgument, l.lastErrorKind())
+	assert.Len(t, snapshotOf(t, l, 0).Trace, 3, "a refused call changes nothing")
+	require.NoError(t, l.recordHistoryWith(100, nil, false))
+	assert.Len(t, snapshotOf(t, l, 0).Trace, 3, "on again keeps the history")
+	require.NoError(t, l.recordHistoryWith(100, nil, true))
+	assert.Empty(t, snapshotOf(t, l, 0).Trace, "clear_history")
+	assert.Error(t, l.recordHistoryWith(-1, nil, false))
+}
+
+// Trace labels are per device, kept for a device not made yet, and
+// stamped on the entries made while they are in force.
+func TestTraceLabelsPerDevice(t *testing.T) {
+	l := simLibrary(t, "2")
+	require.NoError(t, l.setTraceLabels(1, caching.TraceLabels{CompileContext: "region", UserMetadata: "meta"}))
+	assert.Nil(t, l.existingDevice(1), "setting labels makes no device")
+	require.NoError(t, l.recordHistory(100))
+	p := l.malloc(1000, 1, 0)
+	q := l.malloc(1000, 0, 0)
+	for _, e := range snapshotOf(t, l, 1).Trace {
+		assert.Equal(t, [2]string{"region", "meta"}, [2]string{e.CompileContext, e.UserMetadata})
+	}
+	for _, e := range snapshotOf(t, l, 0).Trace {
+		assert.Equal(t, [2]string{"", ""}, [2]string{e.CompileContext, e.UserMetadata}, "device 0 has none")
+	}
+	require.NoError(t, l.setTraceLabels(1, caching.TraceLabels{}))
+	l.free(p, 1000, 1, 0)
+	tr := snapshotOf(t, l, 1).Trace
+	assert.Empty(t, tr[len(tr)-1].UserMetadata)
+	l.free(q, 1000, 0, 0)
+	assert.Error(t, l.setTraceLabels(5, caching.TraceLabels{}), "no device 5")
 }

@@ -47,8 +47,13 @@ type library struct {
 	// set_memory_fraction, applied when the device is made if it was not
 	// made yet, and shown by config.
 	fractions map[int]float64
-	// historyEntries is the history size for devices made from now on.
-	historyEntries int
+	// history is how devices made from now on record history; its
+	// MaxEntries is 0 while recording is off.
+	history caching.HistoryOptions
+	// labels holds the trace labels set for each device
+	// (setTraceLabels), applied when the device is made if it was not made
+	// yet.
+	labels map[int]caching.TraceLabels
 
 	// warned says which kinds of bad input have printed their one warning.
 	warned map[string]bool
@@ -66,7 +71,7 @@ type library struct {
 }
 
 func newLibrary() *library {
-	l := &library{fractions: map[int]float64{}, warned: map[string]bool{}, badInput: map[string]int64{}}
+	l := &library{fractions: map[int]float64{}, labels: map[int]caching.TraceLabels{}, warned: map[string]bool{}, badInput: map[string]int64{}}
 	// Callers hold l.mu or are alone.
 	l.setLastError = func(kind errorKind, msg string) { l.lastKind, l.lastErr = kind, msg }
 	return l
@@ -218,8 +223,11 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	if f, ok := l.fractions[d]; ok {
 		_ = a.SetFraction(f)
 	}
-	if l.historyEntries > 0 {
-		a.RecordHistory(l.historyEntries)
+	if lb, ok := l.labels[d]; ok {
+		a.SetTraceLabels(lb)
+	}
+	if l.history.MaxEntries > 0 {
+		a.RecordHistoryWith(l.history)
 	}
 	l.devices[d].Store(a)
 	return a, nil
@@ -343,10 +351,13 @@ func (l *library) recordStream(p uintptr, s uintptr) error {
 }
 
 // emptyCache is goalloc_empty_cache: every device made so far.
-func (l *library) emptyCache() error {
+func (l *library) emptyCache() error { return l.emptyCacheCtx(0) }
+
+// emptyCacheCtx is emptyCache for a call whose context id is ctx (0: none).
+func (l *library) emptyCacheCtx(ctx uint64) error {
 	var errs []error
 	for _, a := range l.existing() {
-		errs = append(errs, a.EmptyCache())
+		errs = append(errs, a.EmptyCacheCtx(ctx))
 	}
 	return l.fail(errors.Join(errs...))
 }
@@ -375,16 +386,46 @@ func (l *library) setFraction(f float64, d int) error {
 }
 
 // recordHistory turns history recording on (entries > 0) or off on every
-// device, present and future.
+// device, present and future, starting afresh.
 func (l *library) recordHistory(entries int) error {
+	return l.recordHistoryWith(entries, nil, true)
+}
+
+// recordHistoryWith turns history recording on (entries > 0) or off on
+// every device, present and future, not recording the actions named in
+// skip, and dropping what was recorded if clear (caching.HistoryOptions).
+func (l *library) recordHistoryWith(entries int, skip []string, clear bool) error {
 	if entries < 0 || entries > caching.MaxHistoryEntries {
 		return l.bad("invalid_argument", fmt.Sprintf("goalloc: history of %d entries (max_entries); give 0 (off) to %d", entries, caching.MaxHistoryEntries))
 	}
+	set, err := caching.ParseActions(skip)
+	if err != nil {
+		return l.bad("invalid_argument", "goalloc: skip_actions: "+err.Error())
+	}
+	o := caching.HistoryOptions{MaxEntries: entries, Skip: set, Clear: clear}
 	l.mu.Lock()
-	l.historyEntries = entries
-	l.mu.Unlock()
+	defer l.mu.Unlock()
+	l.history = o
 	for _, a := range l.existing() {
-		a.RecordHistory(entries)
+		a.RecordHistoryWith(o)
+	}
+	return nil
+}
+
+// setTraceLabels sets device d's trace labels, now if the device is made,
+// else when it is.
+func (l *library) setTraceLabels(d int, lb caching.TraceLabels) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.initLocked(0); err != nil {
+		return err
+	}
+	if err := l.noDeviceLocked(d); err != nil {
+		return err
+	}
+	l.labels[d] = lb
+	if a := l.devices[d].Load(); a != nil {
+		a.SetTraceLabels(lb)
 	}
 	return nil
 }

@@ -299,10 +299,9 @@ type segment struct {
 // active_pending_free: a pending block waits for its free_completed), or
 // one the history frees without allocating it.
 type liveBlock struct {
+	// size is the request, as the history's alloc events record it (torch's,
+	// and goalloc's since its history records requests too).
 	addr, size, stream uint64
-	// held is the block's size in the snapshot, where size is the request
-	// it recorded; 0 for a block known from the history only.
-	held uint64
 }
 
 func (s *snapshotReader) trace(opt ReadOptions) (*Trace, error) {
@@ -454,14 +453,15 @@ func (s *snapshotReader) segments() ([]*segment, error) {
 			if lb.addr, err = uintField(bd, addrKey, bwhat); err != nil {
 				return nil, err
 			}
-			if lb.held, err = uintField(bd, "size", bwhat); err != nil {
+			held, err := uintField(bd, "size", bwhat)
+			if err != nil {
 				return nil, err
 			}
 			if rs, ok := bd.get("requested_size"); ok {
 				lb.size, _ = asUint(rs)
 			}
 			if lb.size == 0 {
-				lb.size = lb.held
+				lb.size = held
 			}
 			sg.live = append(sg.live, lb)
 		}
@@ -616,11 +616,11 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 				mismatch = append(mismatch, fmt.Sprintf("block %#x is live in the segments but %s freed it", b.addr, where(last)))
 				continue
 			}
-			if s.info.Recorder != "pytorch" {
-				// goalloc's alloc events record the slot or block it handed
-				// out, which is the block's size; torch's, the request.
-				b.size = b.held
-			}
+			// Replayed as its request, what the alloc events record.
+			// (goalloc's history recorded the slot or block it handed out
+			// before it recorded requests, as torch's does; such a
+			// snapshot's initial blocks replay a little smaller than its
+			// events would have them.)
 			initial = append(initial, b)
 		}
 	}
@@ -738,11 +738,11 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 	}
 	switch in.Recorder {
 	case "goalloc":
-		s.note("recorded by goalloc (through its allocator class in torch, settings %s): its alloc sizes are the slots and blocks goalloc handed out, "+
-			"not the requests, and its peak reserved, %s, is goalloc's", preview(strings.TrimPrefix(in.AllocConf, "goalloc ")), fmtBytes(in.RecordedPeakReservedBytes))
+		s.note("recorded by goalloc (through its allocator class in torch, settings %s): its peak reserved, %s, is goalloc's",
+			preview(strings.TrimPrefix(in.AllocConf, "goalloc ")), fmtBytes(in.RecordedPeakReservedBytes))
 	case "unknown":
 		s.note("no allocator_settings: not written by PyTorch's caching allocator (goalloc's snapshots have none). Its alloc sizes are what that allocator recorded "+
-			"(goalloc records the slot or block it handed out, not the request), and its peak reserved, %s, is that allocator's", fmtBytes(in.RecordedPeakReservedBytes))
+			"(goalloc, like torch, records the requests), and its peak reserved, %s, is that allocator's", fmtBytes(in.RecordedPeakReservedBytes))
 	}
 }
 

@@ -516,9 +516,9 @@ func TestSnapshotInitialState(t *testing.T) {
 	require.Contains(t, notes, "disagree with the end of its history in 2 blocks")
 	require.Contains(t, notes, "block 0x1000 is live in the segments but device_traces[0][2] freed it")
 
-	// An initial block from the segments replays as its request for torch
-	// (what torch's alloc events record), and as its size for another
-	// allocator (goalloc records what it handed out).
+	// An initial block from the segments replays as its request, what the
+	// alloc events record, whoever recorded it (goalloc records requests
+	// too); as its size where it has no request.
 	b := blk(0x3000, 0x1000, "active_allocated")
 	b["requested_size"] = 0x800
 	snap["segments"] = []any{seg(0x0, 20*MiB, b)}
@@ -527,6 +527,10 @@ func TestSnapshotInitialState(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, uint64(0x800), tr.Snapshot.InitialBlockBytes)
 	delete(snap, "allocator_settings")
+	tr, err = openPickled(t, snap)
+	require.NoError(t, err)
+	require.Equal(t, uint64(0x800), tr.Snapshot.InitialBlockBytes)
+	delete(b, "requested_size")
 	tr, err = openPickled(t, snap)
 	require.NoError(t, err)
 	require.Equal(t, uint64(0x1000), tr.Snapshot.InitialBlockBytes)

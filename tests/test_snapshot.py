@@ -76,16 +76,18 @@ def test_device_trace_records_the_sequence(recorded):
     for e in trace:
         assert set(e) == TRACE_KEYS
     got = [(e["action"], e["addr"], e["size"]) for e in trace]
+    # An alloc or free carries the size asked for, as torch's; a segment
+    # event the segment's.
     assert got == [
         ("segment_alloc", small, 256 * 1024),
-        ("alloc", small, 1024),
+        ("alloc", small, SMALL),
         ("segment_alloc", large, BLOCK),
-        ("alloc", large, BLOCK),
-        ("free_requested", large, BLOCK),
-        ("free_completed", large, BLOCK),
+        ("alloc", large, LARGE),
+        ("free_requested", large, LARGE),
+        ("free_completed", large, LARGE),
+        ("snapshot", 0, 0),  # goalloc's marker of an empty_cache, before what it gives back
         ("segment_free", large, BLOCK),
-        ("snapshot", 0, 0),  # goalloc's marker of an empty_cache
-        ("alloc", small + 1024, 1024),
+        ("alloc", small + 1024, SMALL),
     ]
     times = [e["time_us"] for e in trace]
     assert times == sorted(times)

@@ -21,8 +21,10 @@ import goalloc
 from goalloc_testing import OTHER_STREAM, STREAM
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL, SLOT = 1000, 1024  # a small request and the slot goalloc hands out for it
-LARGE, BLOCK = 3_000_000, 3_000_320  # a large request and its block
+# The requests, which the history's events carry as torch's do; a large
+# request's block, which its segment events carry.
+SMALL = 1000
+LARGE, BLOCK = 3_000_000, 3_000_320
 
 
 @pytest.fixture(scope="session")
@@ -75,18 +77,18 @@ def test_record_trace_from_the_middle_of_a_run(raw, device, tmp_path, goalloc_to
     assert header["allocator"] == "goalloc"
     assert header["device"] == device
     assert header["events"] == len(events) == rec.events
-    assert header["goalloc_max_allocated"] == BLOCK + SLOT + BLOCK + SLOT
+    assert header["goalloc_max_requested"] == LARGE + SMALL + LARGE + SMALL  # the sizes asked for, as torch's
     assert "max_reserved" not in header  # that is the native allocator's figure
     assert {e["a"] for e in events} <= {"segment_alloc", "alloc", "free_requested", "free_completed"}
     # The live blocks come first, in address order, at the recording's start.
     firsts = [e for e in events if e["a"] == "alloc"][:2]
-    assert sorted([(e["addr"], e["size"]) for e in firsts]) == sorted([(params, BLOCK), (old, SLOT)])
+    assert sorted([(e["addr"], e["size"]) for e in firsts]) == sorted([(params, LARGE), (old, SMALL)])
     assert events[0]["t"] <= events[-1]["t"]
     assert {e["stream"] for e in events} >= {STREAM, OTHER_STREAM}
 
     result, stderr = replay(goalloc_tool, path)
     assert result["events"] == len(events)
-    assert result["peak_live_bytes"] == BLOCK + SLOT + BLOCK + SLOT
+    assert result["peak_live_bytes"] == LARGE + SMALL + LARGE + SMALL
     assert "snapshot" not in result
     assert stderr == ""
 
@@ -103,7 +105,7 @@ def test_record_trace_plain_and_restores_history(raw, device, tmp_path, goalloc_
         assert f.read(1) == b"{"  # not gzipped
     result, _ = replay(goalloc_tool, path)
     assert result["events_replayed"] == 2
-    assert result["peak_live_bytes"] == SLOT
+    assert result["peak_live_bytes"] == SMALL
 
     goalloc.record_history(True, max_entries=50)
     try:
@@ -121,7 +123,7 @@ def test_record_trace_writes_when_the_block_raises(raw, device, tmp_path, goallo
             raw.must_malloc(LARGE, device)
             raise KeyError("boom")
     result, _ = replay(goalloc_tool, path)
-    assert result["peak_live_bytes"] == BLOCK
+    assert result["peak_live_bytes"] == LARGE
     assert goalloc.config()["history"] == 0
 
 
@@ -137,7 +139,7 @@ def test_record_trace_wrapped_ring(raw, device, tmp_path, goalloc_tool):
     # The ring kept the last 8 events; the trace still replays, from the
     # state they imply.
     result, _ = replay(goalloc_tool, path)
-    assert result["peak_live_bytes"] >= 2 * BLOCK
+    assert result["peak_live_bytes"] >= 2 * LARGE
     for p in keep[1:]:
         raw.free(p, LARGE, device)
 
@@ -180,7 +182,7 @@ def test_replay_reads_goallocs_snapshot(raw, device, tmp_path, goalloc_tool, his
     assert snap["device"] == device
     assert snap["recorder"] == "unknown"
     assert snap["actions"]["alloc"] == 2
-    assert result["peak_live_bytes"] == BLOCK + SLOT
+    assert result["peak_live_bytes"] == LARGE + SMALL
     assert snap["recorded_peak_reserved_bytes"] == BLOCK + 256 * 1024  # the block and the 1024-byte class's segment
     assert "no allocator_settings" in proc.stderr
     assert os.path.getsize(path) < 1 << 20
@@ -196,15 +198,19 @@ def test_history_reader_takes_any_json_layout():
                  {"action": "segment_alloc", "addr": 4096, "size": 262144, "stream": 7, "time_us": 5, "frames": []},
                  {"action": "alloc", "addr": 4096, "size": 1024, "stream": 7, "time_us": 6, "frames": []},
                  {"action": "oom", "addr": 0, "size": 1 << 40, "stream": 0, "time_us": 7, "frames": []},
+                 # What the C++ class adds: a context id and torch's labels.
+                 {"action": "alloc", "addr": 8192, "size": 100, "stream": 7, "time_us": 8, "frames": [], "ctx": 3,
+                  "compile_context": "Torch-Compiled Region: 0/0", "user_metadata": "a \"quoted\" }"},
              ]}]
     compact = _trace.History(json.dumps(snap, separators=(",", ":")))
     spaced = _trace.History(json.dumps(snap, indent=1))
     assert compact._list is None and spaced._list is not None  # the two paths
-    want = [("segment_alloc", 4096, 262144, 7, 5), ("alloc", 4096, 1024, 7, 6), ("oom", 0, 1 << 40, 0, 7)]
+    want = [("segment_alloc", 4096, 262144, 7, 5), ("alloc", 4096, 1024, 7, 6), ("oom", 0, 1 << 40, 0, 7),
+            ("alloc", 8192, 100, 7, 8)]
     for h in (compact, spaced):
         assert list(h.entries()) == want
-        assert h.count == 3
+        assert h.count == 4
         assert h.segments == snap[0]["segments"]
         start = h.scan()
-        assert start.lines == 2 and start.blocks == {} and start.segments == {}
-        assert (start.peak_reserved, start.peak_allocated) == (262144, 1024)
+        assert start.lines == 3 and start.blocks == {} and start.segments == {}
+        assert (start.peak_reserved, start.peak_requested) == (262144, 1124)

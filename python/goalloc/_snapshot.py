@@ -5,24 +5,29 @@ per device; PyTorch's snapshot is one dict with every device's segments in a
 single list (each segment names its device) and device_traces indexed by
 device. PyTorch's memory visualiser (torch.cuda._memory_viz, and the
 MemoryViz.js page it writes) reads that shape, so this module produces it and
-nothing more: no stack frames are recorded (every "frames" list is empty).
+nothing more: the library records no stack frames (every "frames" list is
+empty; torch's own _snapshot() has them when goalloc's C++ class records
+them). The context ids the library gives for the class ("ctx") name
+nothing here and are left out.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Keys of a trace entry in torch's snapshot. An "oom" entry has device_free
+# Keys of a trace entry in torch's snapshot, the last two only when the
+# entry has them (the C++ class's labels). An "oom" entry has device_free
 # where the others have addr.
-_TRACE_KEYS = ("action", "addr", "size", "stream", "time_us", "frames")
+_TRACE_KEYS = ("action", "addr", "size", "stream", "time_us", "frames", "compile_context", "user_metadata")
 
 
 def _segment(seg: dict[str, Any]) -> dict[str, Any]:
-    out = dict(seg)
+    out = {k: v for k, v in seg.items() if k != "ctx"}
     # torch gives the pool id as a tuple; JSON can only say list.
     out["segment_pool_id"] = tuple(seg.get("segment_pool_id") or (0, 0))
     out["frames"] = list(seg.get("frames") or [])
-    out["blocks"] = [dict(b, frames=list(b.get("frames") or [])) for b in seg.get("blocks") or []]
+    out["blocks"] = [{**{k: v for k, v in b.items() if k != "ctx"}, "frames": list(b.get("frames") or [])}
+                     for b in seg.get("blocks") or []]
     return out
 
 

@@ -94,10 +94,11 @@ class TraceRecorder:
         header = {
             "workload": self.workload, "torch": _torch_version(), "gpu": _gpu_name(self.device),
             "allocator": "goalloc", "device": self.device, "events": start.lines, "seconds": seconds,
-            # goalloc's own peaks over the recording. The trace format's
+            # goalloc's own peaks over the recording: reserved bytes, and the
+            # bytes its live requests asked for. The trace format's
             # max_reserved / max_allocated are PyTorch's native allocator's
             # figures, which a goalloc run does not have.
-            "goalloc_max_reserved": start.peak_reserved, "goalloc_max_allocated": start.peak_allocated,
+            "goalloc_max_reserved": start.peak_reserved, "goalloc_max_requested": start.peak_requested,
         }
         opener = gzip.open if self.path.endswith(".gz") else open
         with opener(self.path, "wt", encoding="utf-8") as f:  # type: ignore[operator]
@@ -119,8 +120,10 @@ def _line(action: str, addr: int, size: int, stream: int, t: int) -> str:
 
 
 #: One history entry as goalloc_snapshot_json writes it (encoding/json, the
-#: fields of caching.TraceJSON in order).
-_ENTRY = re.compile(r'\{"action":"([a-z_]+)","addr":(\d+),"size":(\d+),"stream":(\d+),"time_us":(-?\d+),"frames":\[\]\}')
+#: fields of caching.TraceJSON in order; those after frames only when set,
+#: by goalloc's C++ class).
+_ENTRY = re.compile(r'\{"action":"([a-z_]+)","addr":(\d+),"size":(\d+),"stream":(\d+),"time_us":(-?\d+),"frames":\[\]'
+                    r'(?:,"ctx":\d+)?(?:,"compile_context":"(?:[^"\\]|\\.)*")?(?:,"user_metadata":"(?:[^"\\]|\\.)*")?\}')
 
 Entry = tuple[str, int, int, int, int]  # action, addr, size, stream, time_us
 
@@ -175,7 +178,8 @@ class Start:
     """What one pass over a history finds: the segments and blocks live
     before its first event, each {address: (size, stream)}: those it frees
     without taking them, and those the segments (at the end) show live that
-    it never names; and goalloc's peaks over it. Raises GoallocError for a
+    it never names; and goalloc's peaks over it. A block's size is the size
+    asked for, as in the history's events. Raises GoallocError for a
     history that contradicts itself."""
 
     def __init__(self, entries: Iterator[Entry], segments: list[dict[str, Any]]) -> None:
@@ -185,8 +189,8 @@ class Start:
         segs: set[int] = set()
         seg_named: set[int] = set()
         self.segments: dict[int, tuple[int, int]] = {}
-        # Reserved and allocated bytes relative to the start, and their peaks.
-        reserved = allocated = top_reserved = top_allocated = 0
+        # Reserved and requested bytes relative to the start, and their peaks.
+        reserved = requested = top_reserved = top_requested = 0
         self.lines = 0
         self.first_time = 1 << 62
         for i, (action, addr, size, stream, t) in enumerate(entries):
@@ -198,7 +202,7 @@ class Start:
                     raise _lib.GoallocError(f"goalloc.record_trace: history entry {i} allocates {addr:#x}, which is live")
                 live.add(addr)
                 named.add(addr)
-                allocated += size
+                requested += size
             elif action in ("free_requested", "free_completed"):
                 if addr not in live:
                     if addr in named:
@@ -208,7 +212,7 @@ class Start:
                 named.add(addr)
                 if action == "free_completed":
                     live.discard(addr)
-                    allocated -= size  # goalloc frees the size it allocated
+                    requested -= size  # the free names the size its alloc did
             elif action == "segment_alloc":
                 segs.add(addr)
                 seg_named.add(addr)
@@ -219,18 +223,16 @@ class Start:
                 segs.discard(addr)
                 seg_named.add(addr)
                 reserved -= size
-            top_reserved, top_allocated = max(top_reserved, reserved), max(top_allocated, allocated)
+            top_reserved, top_requested = max(top_reserved, reserved), max(top_requested, requested)
         for seg in segments:
             if seg["address"] not in seg_named:
                 self.segments[seg["address"]] = (seg["total_size"], seg["stream"])
             for b in seg.get("blocks") or []:
                 if b["state"] in _LIVE_STATES and b["address"] not in named:
-                    # goalloc's alloc events record the slot or block handed
-                    # out; so does a block's size.
-                    self.blocks[b["address"]] = (b["size"], seg["stream"])
+                    self.blocks[b["address"]] = (b["requested_size"], seg["stream"])
         self.lines += len(self.segments) + len(self.blocks)
         self.peak_reserved = sum(s for s, _ in self.segments.values()) + top_reserved
-        self.peak_allocated = sum(s for s, _ in self.blocks.values()) + top_allocated
+        self.peak_requested = sum(s for s, _ in self.blocks.values()) + top_requested
 
 
 def _default_workload() -> str:

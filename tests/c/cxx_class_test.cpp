@@ -132,6 +132,59 @@ static void own_allocator_pools(GoallocAllocator& a) {
   a.setMemoryFraction(1.0, 1);
 }
 
+// A context recorder, as torch's gathers a Python traceback: each context
+// says where the test was when it was gathered.
+struct TestContext : c10::GatheredContext {
+  std::string where;
+};
+static std::string g_where;
+static int g_gathered = 0;
+static std::shared_ptr<c10::GatheredContext> gather_test_context() {
+  g_gathered++;
+  auto c = std::make_shared<TestContext>();
+  c->where = g_where;
+  return c;
+}
+static std::string where(const std::shared_ptr<c10::GatheredContext>& c) {
+  if (c == nullptr) return "-";
+  auto t = std::dynamic_pointer_cast<TestContext>(c);
+  return t != nullptr ? t->where : "?";
+}
+
+// The trace entries of device 0 as "action where" for the address p (0:
+// the entries without one, empty_cache's), and the block at p's context.
+static std::vector<std::string> entries_of(const CCA::SnapshotInfo& s, const void* p) {
+  std::vector<std::string> out;
+  for (const auto& te : s.device_traces.at(0))
+    if (te.addr_ == reinterpret_cast<uintptr_t>(p) || (p == nullptr && te.action_ == TraceEntry::SNAPSHOT))
+      out.push_back(std::string(te.action_ == TraceEntry::ALLOC            ? "alloc"
+                                : te.action_ == TraceEntry::FREE_REQUESTED ? "free_requested"
+                                : te.action_ == TraceEntry::FREE_COMPLETED ? "free_completed"
+                                : te.action_ == TraceEntry::SEGMENT_ALLOC  ? "segment_alloc"
+                                : te.action_ == TraceEntry::SEGMENT_FREE   ? "segment_free"
+                                : te.action_ == TraceEntry::SNAPSHOT       ? "snapshot"
+                                                                           : "other") +
+                    " " + where(te.context_));
+  return out;
+}
+static std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "" : ", ") + x;
+  return out;
+}
+// block_where is the context of the active block at p, and of its segment.
+static std::string block_where(const CCA::SnapshotInfo& s, const void* p) {
+  for (const auto& seg : s.segments) {
+    size_t addr = seg.address;
+    for (const auto& b : seg.blocks) {
+      if (b.active && addr == reinterpret_cast<uintptr_t>(p))
+        return where(b.context_when_allocated) + "/" + where(seg.context_when_allocated);
+      addr += b.size;
+    }
+  }
+  return "not live";
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]);
@@ -213,7 +266,7 @@ int main(int argc, char** argv) {
     EXPECT(after.allocated_bytes[all].current == before.allocated_bytes[all].current &&
                after.allocated_bytes[all].peak == before.allocated_bytes[all].peak,
            "allocated bytes unmoved");
-    a.recordHistory(true, nullptr, 100, CCA::RecordContext::ALL, false, {});
+    a.recordHistory(true, nullptr, 100, CCA::RecordContext::NEVER, false, {});
     raw_delete_fn(f2);
     EXPECT(log->n == 0, "history on: the free went to Go");
     a.recordHistory(false, nullptr, 0, CCA::RecordContext::NEVER, false, {});
@@ -237,9 +290,9 @@ int main(int argc, char** argv) {
   EXPECT(a.getMemoryFraction(1) == 1.0, "a refused fraction changes nothing");
 
   // History and snapshot through c10's structs.
-  a.recordHistory(true, nullptr, SIZE_MAX, CCA::RecordContext::ALL, false, {});  // torch's default: sys.maxsize
+  a.recordHistory(true, nullptr, SIZE_MAX, CCA::RecordContext::NEVER, false, {});  // torch's default: sys.maxsize
   EXPECT(a.isHistoryEnabled(), "history on, as long as the library allows");
-  a.recordHistory(true, nullptr, 100, CCA::RecordContext::ALL, false, {});
+  a.recordHistory(true, nullptr, 100, CCA::RecordContext::NEVER, false, {});
   EXPECT(a.isHistoryEnabled(), "history on");
   void* q = a.malloc(1000, 0, S);
   void* r = a.malloc(5 << 20, 0, S);
@@ -322,6 +375,193 @@ int main(int argc, char** argv) {
          "raw_delete of a stranger");
   a.emptyCache({0, 0});
   own_allocator_pools(a);
+
+  // roundup_power2_divisions, set at run time as
+  // torch.cuda.memory._set_allocator_settings does: an 84 MiB request is
+  // a 96 MiB block with 4 divisions (test_allocator_settings), its request
+  // still 84 MiB; a power of two stays; settings without it round no more.
+  {
+    const size_t MiB = size_t(1) << 20;
+    c10::CachingAllocator::setAllocatorSettings("roundup_power2_divisions:4");
+    DeviceStats s0 = a.getDeviceStats(1);
+    void* r84 = a.malloc(84 * MiB, 1, S);
+    void* r64 = a.malloc(64 * MiB, 1, S);
+    DeviceStats s1 = a.getDeviceStats(1);
+    EXPECT(s1.active_bytes[all].allocated - s0.active_bytes[all].allocated == int64_t(160 * MiB),
+           "96 + 64 MiB active: %lld", (long long)(s1.active_bytes[all].allocated - s0.active_bytes[all].allocated));
+    EXPECT(s1.requested_bytes[all].allocated - s0.requested_bytes[all].allocated == int64_t(148 * MiB),
+           "84 + 64 MiB requested");
+    raw_delete_fn(r84);
+    raw_delete_fn(r64);
+    c10::CachingAllocator::setAllocatorSettings("garbage_collection_threshold:0.5");
+    DeviceStats s2 = a.getDeviceStats(1);
+    void* r = a.malloc(84 * MiB, 1, S);
+    DeviceStats s3 = a.getDeviceStats(1);
+    EXPECT(s3.active_bytes[all].allocated - s2.active_bytes[all].allocated == int64_t(84 * MiB), "no rounding any more");
+    raw_delete_fn(r);
+    c10::CachingAllocator::setAllocatorSettings("");
+  }
+
+  // Stack traces, as torch's _record_memory_history records them: at
+  // every level from STATE the live blocks (and the segments they took from
+  // the pool) keep their allocation's context; from ALLOC the trace
+  // entries show it too, a free's entries the allocation's; at ALL a free
+  // and an empty_cache gather their own.
+  for (auto when : {CCA::RecordContext::STATE, CCA::RecordContext::ALLOC, CCA::RecordContext::ALL}) {
+    const int level = static_cast<int>(when);
+    a.emptyCache({0, 0});  // the blocks below are new segments
+    a.recordHistory(true, &gather_test_context, 100, when, true, {});
+    g_gathered = 0;
+    g_where = "alloc";
+    void* p = a.malloc(1000, 0, S);
+    void* q = a.malloc(5 << 20, 0, S);
+    CCA::SnapshotInfo s1 = a.snapshot({0, 0}, true);
+    EXPECT(block_where(s1, p) == "alloc/alloc" && block_where(s1, q) == "alloc/alloc", "level %d: %s %s", level,
+           block_where(s1, p).c_str(), block_where(s1, q).c_str());
+    std::string shown = when == CCA::RecordContext::STATE ? "-" : "alloc";
+    EXPECT(join(entries_of(s1, p)) == "segment_alloc " + shown + ", alloc " + shown, "level %d: %s", level,
+           join(entries_of(s1, p)).c_str());
+    g_where = "free";
+    raw_delete_fn(p);
+    g_where = "empty";
+    a.emptyCache({0, 0});
+    CCA::SnapshotInfo s2 = a.snapshot({0, 0}, true);
+    std::string freed = when == CCA::RecordContext::ALL ? "free" : shown;
+    std::string emptied = when == CCA::RecordContext::ALL ? "empty" : shown;  // else the segment's own
+    EXPECT(join(entries_of(s2, p)) == "segment_alloc " + shown + ", alloc " + shown + ", free_requested " + freed +
+                                          ", free_completed " + freed + ", segment_free " + emptied,
+           "level %d: %s", level, join(entries_of(s2, p)).c_str());
+    std::string marker = when == CCA::RecordContext::ALL ? "empty" : "-";
+    EXPECT(join(entries_of(s2, nullptr)) == "snapshot " + marker, "level %d: %s", level,
+           join(entries_of(s2, nullptr)).c_str());
+    EXPECT(block_where(s2, q) == "alloc/alloc", "level %d: q keeps its context: %s", level, block_where(s2, q).c_str());
+    EXPECT(g_gathered == (when == CCA::RecordContext::ALL ? 4 : 2), "level %d: gathered %d", level, g_gathered);
+    raw_delete_fn(q);
+    EXPECT(contexts.live() == 0, "level %d: a freed block's context goes: %zu", level, contexts.live());
+  }
+  {
+    // NEVER: nothing is gathered; the history is recorded all the same.
+    a.recordHistory(true, &gather_test_context, 100, CCA::RecordContext::NEVER, true, {});
+    g_gathered = 0;
+    void* p = a.malloc(1000, 0, S);
+    raw_delete_fn(p);
+    CCA::SnapshotInfo s = a.snapshot({0, 0}, true);
+    EXPECT(join(entries_of(s, p)) == "segment_alloc -, alloc -, free_requested -, free_completed -", "never: %s",
+           join(entries_of(s, p)).c_str());
+    EXPECT(g_gathered == 0 && contexts.live() == 0, "never gathers");
+    // A block's context outlives recording, as in PyTorch; its free ends it.
+    a.recordHistory(true, &gather_test_context, 100, CCA::RecordContext::STATE, true, {});
+    g_where = "kept";
+    p = a.malloc(1000, 0, S);
+    a.recordHistory(false, &gather_test_context, 100, CCA::RecordContext::STATE, false, {});
+    EXPECT(block_where(a.snapshot({0, 0}, true), p) == "kept/-", "kept after recording stops: %s",
+           block_where(a.snapshot({0, 0}, true), p).c_str());  // its segment was made at NEVER
+    raw_delete_fn(p);
+    EXPECT(contexts.live() == 0, "freed after recording stopped, when the front takes frees again");
+  }
+
+  // The trace entry's size is the request, as PyTorch's
+  // (test_cpp_memory_snapshot_pickle), labelled with the compile context
+  // and user metadata in force.
+  {
+    a.recordHistory(true, &gather_test_context, 10, CCA::RecordContext::ALLOC, true, {});
+    a.set_user_metadata(0, "metadata test");
+    EXPECT(a.user_metadata(0) == "metadata test", "%s", a.user_metadata(0).c_str());
+    a.push_compile_context(0, "Torch-Compiled Region: 0/0");
+    void* p = a.malloc(311 * 411 * 4, 0, S);
+    a.pop_compile_context(0);
+    a.pop_compile_context(0);  // one too many: ignored
+    a.set_user_metadata(0, "");
+    void* q = a.malloc(1000, 0, S);
+    CCA::SnapshotInfo s = a.snapshot({0, 0}, true);
+    const TraceEntry* last = s.device_traces[0].empty() ? nullptr : &s.device_traces[0].back();
+    EXPECT(last != nullptr && last->action_ == TraceEntry::ALLOC && last->addr_ == reinterpret_cast<uintptr_t>(q) &&
+               last->size_ == 1000 && last->compile_context_ == "N/A" && last->user_metadata_.empty(),
+           "the last entry: q's alloc, no labels");
+    bool found = false;
+    for (const auto& te : s.device_traces[0]) {
+      if (te.action_ != TraceEntry::ALLOC || te.addr_ != reinterpret_cast<uintptr_t>(p)) continue;
+      found = true;
+      EXPECT(te.size_ == 311 * 411 * 4, "requested size %zu", te.size_);
+      EXPECT(te.compile_context_ == "Torch-Compiled Region: 0/0" && te.user_metadata_ == "metadata test",
+             "labels %s / %s", te.compile_context_.c_str(), te.user_metadata_.c_str());
+    }
+    EXPECT(found, "p's alloc");
+    raw_delete_fn(p);
+    raw_delete_fn(q);
+    EXPECT(throws<c10::Error>([&] { a.set_user_metadata(70, "x"); }).find("device 70 is outside") != std::string::npos,
+           "a bad device");
+  }
+
+  // skip_actions: not recorded, and their contexts not kept; a name torch
+  // does not know is torch's error; stacks need a recorder.
+  {
+    a.recordHistory(true, &gather_test_context, 100, CCA::RecordContext::ALL, true, {"alloc", "segment_alloc"});
+    g_where = "skip";
+    void* p = a.malloc(1000, 0, S);
+    EXPECT(contexts.traced(0) == 0, "an alloc not recorded keeps no trace context: %zu", contexts.traced(0));
+    raw_delete_fn(p);
+    CCA::SnapshotInfo s = a.snapshot({0, 0}, true);
+    EXPECT(join(entries_of(s, p)) == "free_requested skip, free_completed skip", "skipped: %s",
+           join(entries_of(s, p)).c_str());
+    EXPECT(contexts.traced(0) == 1, "the free's: %zu", contexts.traced(0));
+    EXPECT(throws<c10::Error>([&] {
+             a.recordHistory(true, &gather_test_context, 100, CCA::RecordContext::ALL, false, {"free"});
+           }).find("Unknown TraceEntry action: free") != std::string::npos,
+           "unknown action");
+    EXPECT(throws<c10::Error>([&] { a.recordHistory(true, nullptr, 100, CCA::RecordContext::ALLOC, false, {}); })
+                   .find("needs a context recorder") != std::string::npos,
+           "no recorder");
+    EXPECT(a.snapshot({0, 0}, true).device_traces[0].size() == 2, "refused calls change nothing");
+
+    // clear_history: on again keeps the history and its contexts, unless
+    // cleared; off drops them.
+    a.recordHistory(true, &gather_test_context, 100, CCA::RecordContext::ALL, false, {});
+    s = a.snapshot({0, 0}, true);
+    EXPECT(join(entries_of(s, p)) == "free_requested skip, free_completed skip", "kept: %s",
+           join(entries_of(s, p)).c_str());
+    a.recordHistory(true, &gather_test_context, 100, CCA::RecordContext::ALL, true, {});
+    EXPECT(a.snapshot({0, 0}, true).device_traces[0].empty() && contexts.traced(0) == 0, "cleared");
+  }
+
+  // The ring: as many trace contexts per device as the history's entries,
+  // and every entry Go still has finds its context.
+  {
+    a.recordHistory(true, &gather_test_context, 10, CCA::RecordContext::ALL, true, {});
+    g_where = "keep";
+    void* keep = a.malloc(1000, 1, S);  // device 1's ring is its own
+    for (int i = 0; i < 50; i++) {
+      g_where = "pair " + std::to_string(i);
+      raw_delete_fn(a.malloc(1000, 0, S));
+    }
+    EXPECT(contexts.traced(0) == 10, "ring of device 0: %zu", contexts.traced(0));
+    EXPECT(contexts.traced(1) == 1, "ring of device 1: %zu", contexts.traced(1));
+    CCA::SnapshotInfo s = a.snapshot({0, 0}, true);
+    EXPECT(s.device_traces[0].size() == 10, "entries %zu", s.device_traces[0].size());
+    int with = 0;
+    for (const auto& te : s.device_traces[0]) with += where(te.context_).rfind("pair 4", 0) == 0;
+    EXPECT(with == 10, "all of the last entries have their pair's context: %d", with);
+    EXPECT(block_where(s, keep).rfind("keep/", 0) == 0, "device 1's block: %s", block_where(s, keep).c_str());
+    EXPECT(!s.device_traces.at(1).empty() && where(s.device_traces[1].back().context_) == "keep",
+           "device 1's entries find their context in its ring");
+    raw_delete_fn(keep);
+    EXPECT(contexts.traced(1) == 2, "the free on device 1 went to its ring: %zu", contexts.traced(1));
+    EXPECT(contexts.live() == 0, "no live contexts left");
+
+    // Annotations: kept while recording, in the same bound.
+    a.record_annotation(0, {{"name", "step 1"}});
+    s = a.snapshot({0, 0}, true);
+    EXPECT(s.external_annotations.size() == 1 && s.external_annotations[0].metadata_.at("name") == "step 1",
+           "annotation");
+    for (int i = 0; i < 20; i++) a.record_annotation(0, {{"name", "n"}});
+    EXPECT(a.snapshot({0, 0}, true).external_annotations.size() == 10, "annotations bounded");
+    EXPECT(a.snapshot({0, 0}, false).external_annotations.empty(), "no traces asked");
+    a.recordHistory(false, &gather_test_context, 0, CCA::RecordContext::ALL, false, {});
+    a.recordAnnotation({{"name", "off"}});  // not recorded: asks for no device
+    EXPECT(a.snapshot({0, 0}, true).external_annotations.empty(), "off drops the annotations");
+    a.pushCompileContext(g_where);  // off: ignored, asks for no device
+    a.popCompileContext();
+  }
 
   std::printf("cxx_class_test: %d failures\n", failures);
   return failures ? 1 : 0;

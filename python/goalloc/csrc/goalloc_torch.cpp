@@ -27,6 +27,7 @@
 // Every C++ exception is thrown here, after the Go call has returned: an
 // exception must never unwind through Go frames.
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -42,11 +43,13 @@
 #include <dlfcn.h>
 
 #include "goalloc_clock.h"
+#include "goalloc_contexts.h"
 #include "goalloc_front.h"
 #include "goalloc_sched.h"
 #include "goalloc_split.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -65,6 +68,7 @@ using c10::CachingDeviceAllocator::DeviceStats;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::BlockInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
+using c10::CachingDeviceAllocator::AnnotationEntry;
 
 // --- libgoalloc.so -----------------------------------------------------------
 
@@ -72,10 +76,10 @@ using ull = unsigned long long;
 
 // The functions of libgoalloc.so this class calls (export/main.go, export/cxx.go).
 struct Library {
-  void* (*pool_malloc)(size_t, int, cudaStream_t, ull, ull, int*, char**);
-  int (*free_ptr)(void*);
+  void* (*pool_malloc)(size_t, size_t, int, cudaStream_t, ull, ull, ull, int*, char**);
+  int (*free_ptr)(void*, ull, int*);
   void (*init)(int);
-  void (*empty_cache)(void);
+  int (*empty_cache)(ull);
   int (*set_fraction)(int, double);
   void (*record_stream)(void*, cudaStream_t);
   void (*begin_pool)(int, ull, ull, void*);
@@ -91,7 +95,8 @@ struct Library {
   int (*reset_accumulated)(int);
   char* (*snapshot_json)(int);
   char* (*config_json)(void);
-  int (*record_history)(int);
+  int (*record_history)(int, const char*, int);
+  int (*set_trace_labels)(int, const char*, const char*);
   char* (*last_error)(void);
   void (*string_free)(char*);
   void* (*front_log)(int);
@@ -121,10 +126,10 @@ void open_library(const std::string& path) {
     return f;
   };
 #define GOALLOC_SYM(field, name) lib.field = reinterpret_cast<decltype(lib.field)>(sym(name))
-  GOALLOC_SYM(pool_malloc, "goalloc_pool_malloc");
-  GOALLOC_SYM(free_ptr, "goalloc_free_ptr");
+  GOALLOC_SYM(pool_malloc, "goalloc_pool_malloc_ctx");
+  GOALLOC_SYM(free_ptr, "goalloc_free_ptr_ctx");
   GOALLOC_SYM(init, "goalloc_init");
-  GOALLOC_SYM(empty_cache, "goalloc_empty_cache");
+  GOALLOC_SYM(empty_cache, "goalloc_empty_cache_ctx");
   GOALLOC_SYM(set_fraction, "goalloc_set_fraction");
   GOALLOC_SYM(record_stream, "goalloc_record_stream");
   GOALLOC_SYM(begin_pool, "goalloc_begin_allocate_to_pool");
@@ -140,7 +145,8 @@ void open_library(const std::string& path) {
   GOALLOC_SYM(reset_accumulated, "goalloc_reset_accumulated_stats");
   GOALLOC_SYM(snapshot_json, "goalloc_snapshot_json");
   GOALLOC_SYM(config_json, "goalloc_config_json");
-  GOALLOC_SYM(record_history, "goalloc_record_history");
+  GOALLOC_SYM(record_history, "goalloc_record_history_opts");
+  GOALLOC_SYM(set_trace_labels, "goalloc_set_trace_labels");
   GOALLOC_SYM(last_error, "goalloc_last_error");
   GOALLOC_SYM(string_free, "goalloc_string_free");
   GOALLOC_SYM(front_log, "goalloc_front");
@@ -570,12 +576,24 @@ class OwnAllocatorPools {
 };
 OwnAllocatorPools& own_pools = *new OwnAllocatorPools();
 
+// The contexts of the memory history (goalloc_contexts.h): the stack
+// traces torch's context recorder gathers, named in Go by ids. Never
+// destroyed, like the front: frees made while the process exits pass
+// through it.
+goalloc_contexts::Contexts<c10::GatheredContext>& contexts =
+    *new goalloc_contexts::Contexts<c10::GatheredContext>();
+
 // free_block frees ptr through the front, or in Go when the front does not
-// take it: goalloc_free_ptr's status (0: freed).
+// take it, with its free's context while history is recorded (the front is
+// off then): goalloc_free_ptr_ctx's status (0: freed).
 int free_block(void* ptr) {
   if (ptr == nullptr || front.give(ptr) || uncached.free(ptr) || own_pools.free(ptr)) return 0;
+  auto ctx = contexts.on_free(ptr);
+  int device = -1;
   keeper.before_go_call();
-  return call_clock.time(goalloc_clock::kFree, [&] { return lib.free_ptr(ptr); });
+  int st = call_clock.time(goalloc_clock::kFree, [&] { return lib.free_ptr(ptr, ctx.id, &device); });
+  contexts.freed(ctx, device);
+  return st;
 }
 
 // A pool checkpoint: the live blocks of a private pool, as
@@ -612,21 +630,33 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     }
     ull id0 = 0, id1 = 0;
     uint64_t s = reinterpret_cast<uintptr_t>(stream);
-    if (open_windows_.load(std::memory_order_acquire) > 0) {
+    bool windows = open_windows_.load(std::memory_order_acquire) > 0;
+    if (windows) {
       pool_for(device, stream, &id0, &id1);
       if (id0 != 0 || id1 != 0) {
         if (auto own = own_pools.find(device, {id0, id1})) return malloc_own(*own, size, device, stream);
       }
-    } else if (void* p = front.take(device, s, size)) {
-      return p;
     }
+    // torch's roundup_power2_divisions (set in PYTORCH_CUDA_ALLOC_CONF or by
+    // torch.cuda.memory._set_allocator_settings) rounds a request's block
+    // as PyTorch's allocator does; such a block skips the front, which
+    // serves exact sizes.
+    size_t block = rounded_block(size);
+    if (block == 0 && !windows) {
+      if (void* p = front.take(device, s, size)) return p;
+    }
+    auto ctx = contexts.on_malloc();  // nothing unless history is recorded
     int oom = 0;
     char* err = nullptr;
     keeper.before_go_call();
     void* p = call_clock.time(goalloc_clock::kMalloc,
-                              [&] { return lib.pool_malloc(size, device, stream, id0, id1, &oom, &err); });
+                              [&] { return lib.pool_malloc(size, block, device, stream, id0, id1, ctx.id, &oom, &err); });
+    contexts.allocated(p, device, ctx);
     if (p != nullptr) {
-      if (id0 == 0 && id1 == 0) front.track(p, device, s, size);
+      // A block with a context is not the front's: its free must come to
+      // free_block's Go path, which ends the context, also once recording
+      // stopped and the front took frees again.
+      if (id0 == 0 && id1 == 0 && ctx.id == 0 && block == 0) front.track(p, device, s, size);
       return p;
     }
     std::string msg = err != nullptr ? std::string(err) : last_error();
@@ -637,6 +667,21 @@ class GoallocAllocator : public CCA::CUDAAllocator {
       TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
     }
     TORCH_CHECK(false, msg);
+  }
+
+  // rounded_block is the block PyTorch's allocator would round a request
+  // of size bytes to under torch's roundup_power2_divisions (its
+  // round_size), or 0 where that setting does not round it.
+  static size_t rounded_block(size_t size) {
+    constexpr size_t kMinBlock = 512;
+    size_t divisions = c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+    if (divisions <= 1 || size <= kMinBlock * divisions) return 0;
+    if ((size & (size - 1)) == 0) return 0;  // a power of two stays
+    size_t floor = size_t(1) << (63 - __builtin_clzll(size));
+    size_t division = floor >> (63 - __builtin_clzll(divisions));
+    if (division == 0) return floor << 1;
+    size_t low = size & ~(division - 1);
+    return low == size ? 0 : low + division;
   }
 
   // malloc_own carves a request from a pool with an allocator of its own.
@@ -703,7 +748,9 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     // this); one with an allocator of its own gives back its wholly free
     // segments here, and the global empty_cache those of released pools.
     if (mempool_id == c10::MempoolId_t{0, 0}) {
-      lib.empty_cache();
+      auto ctx = contexts.on_empty_cache();
+      (void)lib.empty_cache(ctx.id);
+      contexts.emptied(ctx);
       own_pools.empty_released();
       return;
     }
@@ -777,47 +824,61 @@ class GoallocAllocator : public CCA::CUDAAllocator {
 
   // --- snapshot and history ---------------------------------------------------
 
+  // The snapshot puts the contexts back where Go names their ids
+  // (goalloc_contexts.h): on live blocks, segments and trace entries.
   CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
     Json devices = parse(lib.snapshot_json(-1));
     CCA::SnapshotInfo info;
-    for (const Json& d : devices.items) {
-      auto device = static_cast<c10::DeviceIndex>(d["device"].sint());
-      for (const Json& s : d["segments"].items) {
-        c10::MempoolId_t owner{s["segment_pool_id"].items.size() == 2 ? s["segment_pool_id"].items[0].uint() : 0,
-                               s["segment_pool_id"].items.size() == 2 ? s["segment_pool_id"].items[1].uint() : 0};
-        if (mempool_id != c10::MempoolId_t{0, 0} && owner != mempool_id) continue;
-        SegmentInfo seg;
-        seg.device = device;
-        seg.address = s["address"].uint();
-        seg.total_size = s["total_size"].uint();
-        seg.requested_size = s["requested_size"].uint();
-        seg.allocated_size = s["allocated_size"].uint();
-        seg.active_size = s["active_size"].uint();
-        seg.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(s["stream"].uint()));
-        seg.is_large = s["segment_type"].str == "large";
-        seg.is_expandable = false;
-        seg.owner_private_pool_id = owner;
-        for (const Json& b : s["blocks"].items) {
-          BlockInfo blk;
-          blk.size = b["size"].uint();
-          blk.requested_size = b["requested_size"].uint();
-          const std::string& state = b["state"].str;
-          blk.allocated = state == "active_allocated";
-          blk.active = blk.allocated || state == "active_pending_free";
-          seg.blocks.push_back(std::move(blk));
+    contexts.with_view([&](const goalloc_contexts::Contexts<c10::GatheredContext>::View& ctx) {
+      for (const Json& d : devices.items) {
+        auto device = static_cast<c10::DeviceIndex>(d["device"].sint());
+        for (const Json& s : d["segments"].items) {
+          c10::MempoolId_t owner{s["segment_pool_id"].items.size() == 2 ? s["segment_pool_id"].items[0].uint() : 0,
+                                 s["segment_pool_id"].items.size() == 2 ? s["segment_pool_id"].items[1].uint() : 0};
+          if (mempool_id != c10::MempoolId_t{0, 0} && owner != mempool_id) continue;
+          SegmentInfo seg;
+          seg.device = device;
+          seg.address = s["address"].uint();
+          seg.total_size = s["total_size"].uint();
+          seg.requested_size = s["requested_size"].uint();
+          seg.allocated_size = s["allocated_size"].uint();
+          seg.active_size = s["active_size"].uint();
+          seg.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(s["stream"].uint()));
+          seg.is_large = s["segment_type"].str == "large";
+          seg.is_expandable = false;
+          seg.owner_private_pool_id = owner;
+          seg.context_when_allocated = ctx.segment(device, s["ctx"].uint());
+          for (const Json& b : s["blocks"].items) {
+            BlockInfo blk;
+            blk.size = b["size"].uint();
+            blk.requested_size = b["requested_size"].uint();
+            const std::string& state = b["state"].str;
+            blk.allocated = state == "active_allocated";
+            blk.active = blk.allocated || state == "active_pending_free";
+            if (blk.active) blk.context_when_allocated = ctx.block(b["address"].uint(), b["ctx"].uint());
+            seg.blocks.push_back(std::move(blk));
+          }
+          info.segments.push_back(std::move(seg));
         }
-        info.segments.push_back(std::move(seg));
-      }
-      std::vector<TraceEntry> trace;
-      if (include_traces) {
-        for (const Json& t : d["device_traces"].items) {
-          TraceEntry te(action(t["action"].str), device, t["addr"].uint(), t["size"].uint(),
-                        reinterpret_cast<void*>(static_cast<uintptr_t>(t["stream"].uint())), c10::MempoolId_t{0, 0}, 0);
-          te.time_.t_ = static_cast<time_t>(t["time_us"].sint());
-          trace.push_back(std::move(te));
+        std::vector<TraceEntry> trace;
+        if (include_traces) {
+          for (const Json& t : d["device_traces"].items) {
+            // PyTorch's compile_context when no torch.compile region runs.
+            const std::string& compile = t["compile_context"].str;
+            TraceEntry te(action(t["action"].str), device, t["addr"].uint(), t["size"].uint(),
+                          reinterpret_cast<void*>(static_cast<uintptr_t>(t["stream"].uint())), c10::MempoolId_t{0, 0},
+                          0, ctx.trace(device, t["ctx"].uint()), compile.empty() ? "N/A" : compile,
+                          t["user_metadata"].str);
+            te.time_.t_ = static_cast<time_t>(t["time_us"].sint());
+            trace.push_back(std::move(te));
+          }
         }
+        info.device_traces.push_back(std::move(trace));
       }
-      info.device_traces.push_back(std::move(trace));
+    });
+    if (include_traces) {
+      std::lock_guard<std::mutex> g(mu_);
+      annotations_.for_each([&](const AnnotationEntry& a) { info.external_annotations.push_back(a); });
     }
     for (auto& [key, segments] : own_pools.snapshot(mempool_id)) {
       for (const auto& v : segments) {
@@ -855,18 +916,90 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     return info;
   }
 
-  void recordHistory(bool enabled, CCA::CreateContextFn, size_t alloc_trace_max_entries, CCA::RecordContext,
-                     bool, const std::vector<std::string>&) override {
-    // goalloc records no stack traces: every entry's frames are empty.
-    // torch's default max_entries is sys.maxsize: keep the most the library
-    // takes (its config's max_history, where it says; else 2^26).
+  // recordHistory: Go records the events, this class the stack traces
+  // (goalloc_contexts.h) and the annotations, each in a ring of the same
+  // max_entries. torch's default max_entries is sys.maxsize: keep the most
+  // the library takes (its config's max_history).
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     CCA::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override {
+    TORCH_CHECK(when == CCA::RecordContext::NEVER || context_recorder != nullptr,
+                "goalloc: recordHistory: recording stack traces (RecordContext ", static_cast<int>(when),
+                ") needs a context recorder");
+    std::string skip;
+    for (const std::string& a : skip_actions) {
+      (void)c10::CachingDeviceAllocator::parseTraceEntryAction(a);  // torch's own error for a name it lacks
+      skip += (skip.empty() ? "" : ",") + a;
+    }
     int entries = 0;
     if (enabled) {
       long long most = parse(lib.config_json())["max_history"].sint();
-      if (most <= 0) most = 1 << 26;
+      TORCH_CHECK(most > 0, "goalloc: the library does not say how long a history it keeps (max_history)");
       entries = static_cast<int>(std::min<size_t>(std::max<size_t>(alloc_trace_max_entries, 1), static_cast<size_t>(most)));
     }
-    check(lib.record_history(entries));
+    check(lib.record_history(entries, skip.c_str(), clear_history ? 1 : 0));
+    contexts.record(enabled, context_recorder, static_cast<int>(when), static_cast<size_t>(entries), clear_history,
+                    skip_actions);
+    std::vector<AnnotationEntry> dropped;  // no Python in them: let go of under the lock
+    std::lock_guard<std::mutex> g(mu_);
+    if (!enabled || clear_history) annotations_.clear(dropped);
+    if (enabled) annotations_.set_capacity(static_cast<size_t>(entries), dropped);
+  }
+
+  // recordAnnotation keeps an annotation (torch's record_function, with
+  // global_record_annotations) in the snapshot's external_annotations,
+  // while history is recorded.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (contexts.recording()) record_annotation(current_device(), md);
+  }
+
+  // The compile context (the torch.compile region running) and the user
+  // metadata label every trace entry recorded on the device from now on;
+  // Go stamps them (caching.TraceLabels). As in PyTorch, compile contexts
+  // are kept only while history is recorded, the metadata always.
+  void pushCompileContext(std::string& md) override {
+    if (contexts.recording()) push_compile_context(current_device(), md);
+  }
+  void popCompileContext() override {
+    if (contexts.recording()) pop_compile_context(current_device());
+  }
+  void setUserMetadata(const std::string& metadata) override { set_user_metadata(current_device(), metadata); }
+  std::string getUserMetadata() override { return user_metadata(current_device()); }
+
+  // The same on a device given (tests/c/cxx_class_test.cpp has no device
+  // to be current).
+  void record_annotation(c10::DeviceIndex device, const std::vector<std::pair<std::string, std::string>>& md) {
+    AnnotationEntry ae(device, 0);
+    ae.time_.t_ = static_cast<time_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count());
+    for (const auto& kv : md) ae.recordUserMetadata(kv.first, kv.second);
+    std::lock_guard<std::mutex> g(mu_);
+    annotations_.push(std::move(ae), [](AnnotationEntry&&) {});
+  }
+  void push_compile_context(c10::DeviceIndex device, const std::string& md) {
+    check_device(device);
+    std::lock_guard<std::mutex> g(labels_mu_);
+    compile_contexts_[device].push_back(md);
+    set_labels(device);
+  }
+  void pop_compile_context(c10::DeviceIndex device) {
+    check_device(device);
+    std::lock_guard<std::mutex> g(labels_mu_);
+    if (compile_contexts_[device].empty()) return;
+    compile_contexts_[device].pop_back();
+    set_labels(device);
+  }
+  void set_user_metadata(c10::DeviceIndex device, const std::string& metadata) {
+    check_device(device);
+    std::lock_guard<std::mutex> g(labels_mu_);
+    user_metadata_[device] = metadata;
+    set_labels(device);
+  }
+  std::string user_metadata(c10::DeviceIndex device) {
+    check_device(device);
+    std::lock_guard<std::mutex> g(labels_mu_);
+    return user_metadata_[device];
   }
 
   // Asked of the library: goalloc.record_history() turns it on too.
@@ -1101,12 +1234,31 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     for (auto& o : observers) o(device, size, total, free);
   }
 
+  static c10::DeviceIndex current_device() {
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return device;
+  }
+
+  // set_labels tells Go device's labels. Called with labels_mu_ held, so
+  // that Go gets them in the order they were set.
+  void set_labels(c10::DeviceIndex device) {
+    const auto& stack = compile_contexts_[device];
+    check(lib.set_trace_labels(device, stack.empty() ? "" : stack.back().c_str(), user_metadata_[device].c_str()));
+  }
+
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
   std::atomic<int> open_windows_{0};
   std::mutex mu_;  // guards everything below
   std::vector<Window> windows_[kMaxDevices];
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
+  // The annotations of the history (recordAnnotation), as many as its
+  // entries.
+  goalloc_contexts::Ring<AnnotationEntry> annotations_;
+  std::mutex labels_mu_;  // guards the labels below, by device
+  std::vector<std::string> compile_contexts_[kMaxDevices];
+  std::string user_metadata_[kMaxDevices];
 
   static TraceEntry::Action action(const std::string& s) {
     if (s == "alloc") return TraceEntry::ALLOC;
