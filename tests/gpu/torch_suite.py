@@ -61,6 +61,7 @@ def child_env(allocator: str, log: Path) -> dict[str, str]:
     env["TORCH_SUITE_ALLOCATOR"] = allocator
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(HERE), str(ROOT / "python")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTORCH_PRINT_REPRO_ON_FAILURE"] = "0"  # the failure's own last lines, not how to rerun it
     return env
 
 
