@@ -233,3 +233,27 @@ func TestPoolCappedPassesWhatIdleMemoryHolds(t *testing.T) {
 	require.NoError(t, c.Free(r, 50<<20, 0))
 	require.NoError(t, c.Free(q, 1<<20, 0))
 }
+
+// capRecorder is a source that caps itself, recording the caps it is given.
+type capRecorder struct {
+	MemorySource
+	caps []uint64
+}
+
+func (c *capRecorder) SetCap(limit uint64) { c.caps = append(c.caps, limit) }
+
+// What Claim counts lies outside the source, so a source that caps itself
+// is given the cap less it: together they stay under the cap.
+func TestClaimsLowerTheSourcesCap(t *testing.T) {
+	src := &capRecorder{MemorySource: NewSim(0, 1<<30)}
+	l := NewLimited(src, 100<<20)
+	require.NoError(t, l.Claim(30<<20))
+	require.NoError(t, l.Claim(60<<20))
+	require.ErrorIs(t, l.Claim(20<<20), ErrCapReached)
+	l.Unclaim(60 << 20)
+	l.SetLimit(20 << 20)
+	l.Unclaim(30 << 20)
+	assert.Equal(t, []uint64{100 << 20, 70 << 20, 10 << 20, 70 << 20, 1, 20 << 20}, src.caps,
+		"less what was claimed, at least one byte (0 would mean no cap)")
+	assert.Zero(t, l.Held())
+}

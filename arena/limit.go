@@ -21,6 +21,10 @@ type Limited struct {
 	MemorySource
 	limit atomic.Uint64
 	held  atomic.Uint64
+	// claimed is the part of held that Claim counted: memory outside the
+	// source. A source that caps itself is given the cap less it, so that
+	// together they stay under the cap.
+	claimed atomic.Uint64
 }
 
 // ErrCapReached is the error of an allocation the cap refused.
@@ -42,9 +46,21 @@ func NewLimited(src MemorySource, limit uint64) *Limited {
 // cap stay held; only new allocations are refused.
 func (l *Limited) SetLimit(limit uint64) {
 	l.limit.Store(limit)
-	if c, ok := l.MemorySource.(Capped); ok {
-		c.SetCap(limit)
+	l.capSource()
+}
+
+// capSource gives a source that caps itself the cap less what Claim
+// counted outside it (at least one byte: a cap of 0 means none).
+func (l *Limited) capSource() {
+	c, ok := l.MemorySource.(Capped)
+	if !ok {
+		return
 	}
+	limit := l.limit.Load()
+	if limit > 0 {
+		limit = max(1, limit-min(limit, l.claimed.Load()))
+	}
+	c.SetCap(limit)
 }
 
 // Limit is the cap in bytes, 0 if none.
@@ -60,11 +76,17 @@ func (l *Limited) Claim(size uint64) error {
 	if !l.claim(size) {
 		return ErrCapReached
 	}
+	l.claimed.Add(size)
+	l.capSource()
 	return nil
 }
 
 // Unclaim gives back a Claim.
-func (l *Limited) Unclaim(size uint64) { l.held.Sub(size) }
+func (l *Limited) Unclaim(size uint64) {
+	l.held.Sub(size)
+	l.claimed.Sub(size)
+	l.capSource()
+}
 
 // claim takes size bytes under the cap, or says the cap refuses them.
 func (l *Limited) claim(size uint64) bool {

@@ -43,6 +43,40 @@ static std::string throws(F f) {
 
 static cudaStream_t stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// A stand-in for torch's profiler with profile_memory=True: what the
+// allocator reports.
+struct MemoryReports : c10::MemoryReportingInfoBase {
+  std::vector<std::pair<void*, int64_t>> seen;
+  int64_t last_allocated = -1;
+  void reportMemoryUsage(void* p, int64_t size, size_t allocated, size_t, c10::Device) override {
+    seen.emplace_back(p, size);
+    last_allocated = static_cast<int64_t>(allocated);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+};
+
+// Allocations and frees made while torch's profiler records memory are
+// reported to it, each with its size and the device's figures
+// (test_memory_profiler_viz builds its plot from them); none outside.
+static void profiler_reports(GoallocAllocator& a) {
+  const cudaStream_t S = stream(0x10);
+  auto reports = std::make_shared<MemoryReports>();
+  void* before = a.malloc(4096, 0, S);
+  void *p = nullptr, *q = nullptr;
+  {
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, reports);
+    p = a.malloc(1 << 20, 0, S);
+    q = a.malloc(1000, 0, S);
+    raw_delete_fn(p);
+    raw_delete_fn(before);  // allocated before the profiler: not reported
+  }
+  raw_delete_fn(q);  // the profiler is gone: nobody to tell
+  bool ok = reports->seen.size() == 3 && reports->seen[0] == std::make_pair(p, int64_t(1 << 20)) &&
+            reports->seen[1] == std::make_pair(q, int64_t(1000)) && reports->seen[2] == std::make_pair(p, -int64_t(1 << 20));
+  EXPECT(ok, "reports: %zu", reports->seen.size());
+  EXPECT(reports->last_allocated >= 0, "with the device's allocated figure");
+}
+
 // FakeSource stands in for the allocator of a torch.cuda.MemPool(allocator=...)
 // (torch's CUDAPluggableAllocator over ncclMemAlloc, say): fake addresses,
 // every call counted, live segments kept.
@@ -375,6 +409,7 @@ int main(int argc, char** argv) {
          "raw_delete of a stranger");
   a.emptyCache({0, 0});
   own_allocator_pools(a);
+  profiler_reports(a);
 
   // roundup_power2_divisions, set at run time as
   // torch.cuda.memory._set_allocator_settings does: an 84 MiB request is

@@ -48,6 +48,7 @@
 #include "goalloc_sched.h"
 #include "goalloc_split.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -58,6 +59,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -103,6 +105,7 @@ struct Library {
   int (*front_drain)(int);
   void (*sched_yield)();
   long long (*yield_every_ns)();
+  long long (*stat)(int, int);
   int (*external_claim)(int, size_t, char**);
   void (*external_unclaim)(int, size_t);
   int (*external_segment)(int, int, void*, size_t, int, cudaStream_t);
@@ -153,6 +156,7 @@ void open_library(const std::string& path) {
   GOALLOC_SYM(front_drain, "goalloc_front_drain");
   GOALLOC_SYM(sched_yield, "goalloc_sched_yield");
   GOALLOC_SYM(yield_every_ns, "goalloc_yield_every_ns");
+  GOALLOC_SYM(stat, "goalloc_stat");
   GOALLOC_SYM(external_claim, "goalloc_external_claim");
   GOALLOC_SYM(external_unclaim, "goalloc_external_unclaim");
   GOALLOC_SYM(external_segment, "goalloc_external_segment");
@@ -583,11 +587,58 @@ OwnAllocatorPools& own_pools = *new OwnAllocatorPools();
 goalloc_contexts::Contexts<c10::GatheredContext>& contexts =
     *new goalloc_contexts::Contexts<c10::GatheredContext>();
 
+// Profiled: while torch's profiler records memory (profile_memory=True),
+// every allocation and free is reported to it, as PyTorch's allocator
+// reports them, with the device's allocated and reserved figures; the
+// sizes of the allocations made meanwhile are kept to report their frees.
+// count lets every free outside profiling skip the map with one load.
+struct Profiled {
+  std::mutex mu;
+  std::unordered_map<void*, std::pair<size_t, c10::DeviceIndex>> live;
+  std::atomic<size_t> count{0};
+
+  static void report(void* p, int64_t delta, c10::DeviceIndex device) {
+    long long allocated = lib.stat(device, 0), reserved = lib.stat(device, 2);
+    c10::reportMemoryUsageToProfiler(p, delta, static_cast<size_t>(std::max(0LL, allocated)),
+                                     static_cast<size_t>(std::max(0LL, reserved)),
+                                     c10::Device(c10::DeviceType::CUDA, device));
+  }
+
+  void allocated(void* p, size_t size, c10::DeviceIndex device) {
+    if (p == nullptr) return;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      live[p] = {size, device};
+      count.store(live.size(), std::memory_order_release);
+    }
+    report(p, static_cast<int64_t>(size), device);
+  }
+
+  // freed reports the free of ptr, if it was allocated while profiling;
+  // called before the free, as the block's memory is still ptr's.
+  void freed(void* p) {
+    if (count.load(std::memory_order_acquire) == 0) return;
+    std::pair<size_t, c10::DeviceIndex> e;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      auto it = live.find(p);
+      if (it == live.end()) return;
+      e = it->second;
+      live.erase(it);
+      count.store(live.size(), std::memory_order_release);
+    }
+    report(p, -static_cast<int64_t>(e.first), e.second);
+  }
+};
+Profiled& profiled = *new Profiled();  // never destroyed, like the front
+
 // free_block frees ptr through the front, or in Go when the front does not
 // take it, with its free's context while history is recorded (the front is
 // off then): goalloc_free_ptr_ctx's status (0: freed).
 int free_block(void* ptr) {
-  if (ptr == nullptr || front.give(ptr) || uncached.free(ptr) || own_pools.free(ptr)) return 0;
+  if (ptr == nullptr) return 0;
+  profiled.freed(ptr);
+  if (front.give(ptr) || uncached.free(ptr) || own_pools.free(ptr)) return 0;
   auto ctx = contexts.on_free(ptr);
   int device = -1;
   keeper.before_go_call();
@@ -624,6 +675,13 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
 
   void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    void* p = malloc_block(size, device, stream);
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) profiled.allocated(p, size, device);
+    return p;
+  }
+
+  // malloc_block is malloc but for reports to torch's profiler.
+  void* malloc_block(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
     if (!enabled_.load(std::memory_order_relaxed)) {
       c10::cuda::CUDAGuard guard(device);
       return uncached.alloc(size);
