@@ -326,3 +326,39 @@ func TestEmptyCacheDuringACaptureKeepsVA(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 	require.NoError(t, dev.CheckInvariants())
 }
+
+// With PyTorch's graph_capture_record_stream_reuse, goalloc's C++ class
+// proves from the capture's graph that the streams that used a block freed
+// in the capture are done with it (they joined the allocating stream), and
+// completes the free then: the block is the capture's again at once
+// (test_graph_capture_reclaim_2_streams, "AFTER JOIN: now reuse is
+// allowed").
+func TestRecordedFreeCompletedDuringTheCapture(t *testing.T) {
+	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, sim *arena.Sim) {
+		const C1, C2 = arena.Stream(0xc1), arena.Stream(0xc2)
+		id := PoolID{3, 2}
+		require.NoError(t, a.BeginAllocateToPool(id))
+		sim.SetCapture(C1, arena.CaptureActive)
+		sim.SetCapture(C2, arena.CaptureActive)
+		for _, size := range []uint64{32, 2 << 20} {
+			data1, err := a.Malloc(size, C1)
+			require.NoError(t, err)
+			require.NoError(t, a.RecordStream(data1, C2))
+			require.NoError(t, a.Free(data1, size, C1))
+			assert.False(t, a.CompleteRecordedFree(data1+512), "no such free")
+			assert.True(t, a.CompleteRecordedFree(data1))
+			assert.False(t, a.CompleteRecordedFree(data1), "once")
+			data3, err := a.Malloc(size, C1)
+			require.NoError(t, err)
+			assert.Equal(t, data1, data3, "size %d: reused in the capture", size)
+			require.NoError(t, a.Free(data3, size, C1))
+			require.NoError(t, a.CheckInvariants())
+		}
+		sim.SetCapture(C1, arena.CaptureNone)
+		sim.SetCapture(C2, arena.CaptureNone)
+		require.NoError(t, a.EndAllocateToPool(id))
+		assert.Zero(t, sim.CaptureViolations)
+		require.NoError(t, a.ReleasePool(id))
+		require.NoError(t, a.CheckInvariants())
+	})
+}

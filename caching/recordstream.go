@@ -89,6 +89,26 @@ func (a *Allocator) takePendingCtx(ptr uintptr) uint64 {
 	return ctx
 }
 
+// CompleteRecordedFree completes now a free that waits for the end of the
+// captures (afterCapture): the caller has proven that every stream that
+// used ptr is done with it as far as any later captured work is concerned
+// (PyTorch's graph_capture_record_stream_reuse: the free's markers precede
+// every terminal node of the allocating stream's capture, a check of the
+// graph's topology that goalloc's C++ class makes). It says whether such a
+// free was waiting.
+func (a *Allocator) CompleteRecordedFree(ptr uintptr) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for i, f := range a.afterCapture {
+		if f.ptr == ptr {
+			a.afterCapture = append(a.afterCapture[:i], a.afterCapture[i+1:]...)
+			a.completeFree(ptr)
+			return true
+		}
+	}
+	return false
+}
+
 // recordedFree is a free of ptr that must wait for the streams in used.
 type recordedFree struct {
 	ptr  uintptr

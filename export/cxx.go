@@ -24,6 +24,7 @@ package main
 //	                           const unsigned long long* blocks, int n);
 //	void* goalloc_front(int device);
 //	int   goalloc_front_drain(int device);
+//	int   goalloc_complete_recorded_free(int device, void* ptr);
 //	int   goalloc_external_claim(int device, size_t size, char** err);
 //	void  goalloc_external_unclaim(int device, size_t size);
 //	int   goalloc_external_segment(int device, int alloc, void* addr, size_t size, int large, cudaStream_t stream);
@@ -458,4 +459,16 @@ func goalloc_external_block(device C.int, alloc C.int, addr unsafe.Pointer, size
 		return status(lib.bad("bad_device", fmt.Sprintf("goalloc: an own-allocator block on device %d, where goalloc holds nothing", int(device))))
 	}
 	return status(lib.reportErr(a.ExternalBlock(alloc != 0, uintptr(addr), uint64(size), uint64(requested), large != 0, arena.Stream(uintptr(stream)))))
+}
+
+// goalloc_complete_recorded_free completes a free made during a capture
+// that waits for other streams, once the caller proved them done
+// (caching.CompleteRecordedFree): 1 if one was waiting, 0 if not.
+//
+//export goalloc_complete_recorded_free
+func goalloc_complete_recorded_free(device C.int, ptr unsafe.Pointer) C.int {
+	if a := lib.existingDevice(int(device)); a != nil && a.CompleteRecordedFree(uintptr(ptr)) {
+		return 1
+	}
+	return 0
 }

@@ -47,7 +47,14 @@ NOT_RUN = "not run"
 # Tests that pass under PyTorch's allocator and may fail under goalloc by
 # design: the reason a PyTorch user would accept. At most five; each is in
 # the README's limitations too.
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "TestCuda::test_graph_memory_stats_and_use_result_after_destroy_graph":
+        "asserts PyTorch's own segment sizes (2 MiB small buffers, 20 MiB large buffers, 2 MiB rounding) in "
+        "memory_stats deltas; goalloc carves 256-448 KiB small segments and maps 16 MiB handles",
+    "TestCuda::test_graph_two_successive":
+        "asserts that sharing a graph pool saves exactly one of PyTorch's 2 MiB small-buffer segments of reserved "
+        "memory (the test marks the check as specific to PyTorch's allocator)",
+}
 
 
 def pytest_command(test_file: Path, args: list[str]) -> list[str]:
@@ -213,6 +220,12 @@ def run_allocator(args: argparse.Namespace, deadline: float, before: dict[str, s
     return {"outcomes": outcomes, "sequence": sequence, "messages": keep, "slowest": slowest}
 
 
+def commit() -> str:
+    """The commit of the working tree the runner is in, "" outside git."""
+    p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return p.stdout.strip() if p.returncode == 0 else ""
+
+
 def short(nodeid: str) -> str:
     return nodeid.split("::", 1)[1] if "::" in nodeid else nodeid
 
@@ -231,6 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "torch-suite.json")
     ap.add_argument("--merge", type=Path, help="an earlier results file: keep its other allocator's outcomes")
     ap.add_argument("--revision", default="", help="the PyTorch revision test_file comes from")
+    ap.add_argument("--commit", default="", help="goalloc's commit under test (default: git's HEAD, where there is git)")
     ap.add_argument("--classes", nargs="+", default=list(CLASSES))
     ap.add_argument("-k", default="", help="pytest -k expression, to run part of the classes")
     ap.add_argument("--select", choices=("all", "missing", "unpassed"), default="all",
@@ -271,6 +285,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     result[args.allocator + "_seconds"] = round(time.time() - started, 1)
     result[args.allocator + "_slowest"] = {short(t): s for t, s in got["slowest"].items()}
     result["exceptions"] = dict(EXCEPTIONS)
+    # Where each allocator's outcomes come from: every run merged into the
+    # file, with its commit and what it selected.
+    runs = result.get("runs", [])
+    runs.append({"allocator": args.allocator, "select": args.select, "commit": args.commit or commit(), "tests": len(ran),
+                 "seconds": round(time.time() - started, 1)})
+    result["runs"] = runs
     result["classes"] = args.classes
     passing, missing = compare(result["native"], result["goalloc"])
     excused = [t for t in missing if t in EXCEPTIONS]

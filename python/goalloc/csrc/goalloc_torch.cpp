@@ -28,6 +28,7 @@
 // exception must never unwind through Go frames.
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -106,6 +107,7 @@ struct Library {
   void (*sched_yield)();
   long long (*yield_every_ns)();
   long long (*stat)(int, int);
+  int (*complete_recorded_free)(int, void*);
   int (*external_claim)(int, size_t, char**);
   void (*external_unclaim)(int, size_t);
   int (*external_segment)(int, int, void*, size_t, int, cudaStream_t);
@@ -157,6 +159,7 @@ void open_library(const std::string& path) {
   GOALLOC_SYM(sched_yield, "goalloc_sched_yield");
   GOALLOC_SYM(yield_every_ns, "goalloc_yield_every_ns");
   GOALLOC_SYM(stat, "goalloc_stat");
+  GOALLOC_SYM(complete_recorded_free, "goalloc_complete_recorded_free");
   GOALLOC_SYM(external_claim, "goalloc_external_claim");
   GOALLOC_SYM(external_unclaim, "goalloc_external_unclaim");
   GOALLOC_SYM(external_segment, "goalloc_external_segment");
@@ -632,6 +635,158 @@ struct Profiled {
 };
 Profiled& profiled = *new Profiled();  // never destroyed, like the front
 
+// --- reuse within a capture (torch's graph_capture_record_stream_reuse) ---
+//
+// A block freed during a capture while other streams used it
+// (record_stream) waits for the end of the capture (caching.deferIfRecorded):
+// those streams' captured work may run after the free. With PyTorch's
+// graph_capture_record_stream_reuse setting it may be reused earlier, as
+// PyTorch's allocator does: at the free, the terminal nodes of the capture
+// graph on each stream that used it (its "free markers") are noted; a
+// later allocation on the block's stream during the capture walks the
+// graph back from that stream's terminal nodes, and when every marker is
+// among their ancestors, all work added from there on runs after the
+// block's last use, so the free completes then (Go's
+// CompleteRecordedFree). The graph's topology decides: no event is queried.
+class CaptureReuse {
+ public:
+  static bool enabled() {
+    return c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
+  }
+
+  // allocated notes the stream of a block allocated in a capture.
+  void allocated(void* p, cudaStream_t stream) {
+    std::lock_guard<std::mutex> g(mu_);
+    alloc_stream_[p] = stream;
+    any_.store(true, std::memory_order_release);
+  }
+
+  void used_on(void* p, cudaStream_t stream) {
+    std::lock_guard<std::mutex> g(mu_);
+    used_on_[p].push_back(stream);
+    any_.store(true, std::memory_order_release);
+  }
+
+  // freeing notes the free markers of p, freed during a capture after
+  // record_stream; with a stream not capturing, none (the free waits for
+  // the end of the capture).
+  void freeing(void* p) {
+    if (!any_.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> g(mu_);
+    auto used = used_on_.find(p);
+    auto own = alloc_stream_.find(p);
+    if (own == alloc_stream_.end()) {
+      if (used != used_on_.end()) used_on_.erase(used);
+      return;
+    }
+    cudaStream_t stream = own->second;
+    alloc_stream_.erase(own);
+    if (used == used_on_.end()) return;
+    std::vector<cudaStream_t> streams = std::move(used->second);
+    used_on_.erase(used);
+    streams.push_back(stream);
+    std::vector<cudaGraphNode_t> markers;
+    for (cudaStream_t s : streams) {
+      Capture c = capture_of(s);
+      if (!c.capturing) return;  // waits for the end of the capture
+      markers.insert(markers.end(), c.terminals, c.terminals + c.n);
+    }
+    deferred_[p] = Deferred{stream, std::move(markers)};
+  }
+
+  // reusable completes, in device's Go allocator, the deferred frees of
+  // stream's blocks whose markers all precede the stream's terminal nodes.
+  void reusable(c10::DeviceIndex device, cudaStream_t stream) {
+    if (!any_.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> g(mu_);
+    if (deferred_.empty()) return;
+    Capture c = capture_of(stream);
+    if (!c.capturing || c.n == 0) return;
+    std::unordered_set<cudaGraphNode_t> ancestors = walk_back(c);
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      bool done = it->second.stream == stream && !it->second.markers.empty();
+      for (cudaGraphNode_t m : it->second.markers) done = done && ancestors.count(m) != 0;
+      if (done) {
+        (void)lib.complete_recorded_free(device, it->first);
+        it = deferred_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // forget drops everything once no capture is underway: Go completes the
+  // frees that waited itself.
+  void forget() {
+    std::lock_guard<std::mutex> g(mu_);
+    alloc_stream_.clear();
+    used_on_.clear();
+    deferred_.clear();
+    any_.store(false, std::memory_order_release);
+  }
+
+ private:
+  struct Deferred {
+    cudaStream_t stream;
+    std::vector<cudaGraphNode_t> markers;
+  };
+  struct Capture {
+    bool capturing = false;
+    const cudaGraphNode_t* terminals = nullptr;
+    size_t n = 0;
+  };
+
+  // capture_of is the capture state of stream; errors read as "not
+  // capturing" (a free must not throw; it then waits for the end).
+  static Capture capture_of(cudaStream_t stream) {
+    Capture c;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+    cudaError_t err = cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &c.terminals, nullptr, &c.n);
+#else
+    cudaError_t err = cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, nullptr, &c.terminals, &c.n);
+#endif
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Capture{};
+    }
+    c.capturing = status == cudaStreamCaptureStatusActive;
+    return c;
+  }
+
+  // walk_back is every node from which c's terminal nodes are reached.
+  static std::unordered_set<cudaGraphNode_t> walk_back(const Capture& c) {
+    std::unordered_set<cudaGraphNode_t> seen;
+    std::vector<cudaGraphNode_t> todo(c.terminals, c.terminals + c.n);
+    std::vector<cudaGraphNode_t> deps;
+    while (!todo.empty()) {
+      cudaGraphNode_t v = todo.back();
+      todo.pop_back();
+      if (!seen.insert(v).second) continue;
+      size_t n = 0;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+      if (cudaGraphNodeGetDependencies(v, nullptr, nullptr, &n) != cudaSuccess) { (void)cudaGetLastError(); continue; }
+      deps.resize(n);
+      std::vector<cudaGraphEdgeData> edges(n);
+      if (n > 0 && cudaGraphNodeGetDependencies(v, deps.data(), edges.data(), &n) != cudaSuccess) { (void)cudaGetLastError(); continue; }
+#else
+      if (cudaGraphNodeGetDependencies(v, nullptr, &n) != cudaSuccess) { (void)cudaGetLastError(); continue; }
+      deps.resize(n);
+      if (n > 0 && cudaGraphNodeGetDependencies(v, deps.data(), &n) != cudaSuccess) { (void)cudaGetLastError(); continue; }
+#endif
+      todo.insert(todo.end(), deps.begin(), deps.begin() + static_cast<std::ptrdiff_t>(n));
+    }
+    return seen;
+  }
+
+  std::mutex mu_;  // guards everything below
+  std::atomic<bool> any_{false};
+  std::unordered_map<void*, cudaStream_t> alloc_stream_;
+  std::unordered_map<void*, std::vector<cudaStream_t>> used_on_;
+  std::unordered_map<void*, Deferred> deferred_;
+};
+CaptureReuse& capture_reuse = *new CaptureReuse();  // never destroyed, like the front
+
 // free_block frees ptr through the front, or in Go when the front does not
 // take it, with its free's context while history is recorded (the front is
 // off then): goalloc_free_ptr_ctx's status (0: freed).
@@ -639,6 +794,7 @@ int free_block(void* ptr) {
   if (ptr == nullptr) return 0;
   profiled.freed(ptr);
   if (front.give(ptr) || uncached.free(ptr) || own_pools.free(ptr)) return 0;
+  capture_reuse.freeing(ptr);
   auto ctx = contexts.on_free(ptr);
   int device = -1;
   keeper.before_go_call();
@@ -703,6 +859,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     if (block == 0 && !windows) {
       if (void* p = front.take(device, s, size)) return p;
     }
+    bool reuse = (id0 != 0 || id1 != 0) && CaptureReuse::enabled();
+    if (reuse) capture_reuse.reusable(device, stream);
     auto ctx = contexts.on_malloc();  // nothing unless history is recorded
     int oom = 0;
     char* err = nullptr;
@@ -710,6 +868,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     void* p = call_clock.time(goalloc_clock::kMalloc,
                               [&] { return lib.pool_malloc(size, block, device, stream, id0, id1, ctx.id, &oom, &err); });
     contexts.allocated(p, device, ctx);
+    if (p != nullptr && reuse) capture_reuse.allocated(p, stream);
     if (p != nullptr) {
       // A block with a context is not the front's: its free must come to
       // free_block's Go path, which ends the context, also once recording
@@ -833,6 +992,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     // tensor shared from another process) is not goalloc's to track.
     if (ptr.get() == nullptr || ptr.get_deleter() != &raw_delete_fn) return;
     if (own_pools.record_stream(ptr.get(), stream.stream())) return;
+    if (open_windows_.load(std::memory_order_acquire) > 0 && CaptureReuse::enabled())
+      capture_reuse.used_on(ptr.get(), stream.stream());
     front.forget(ptr.get());  // its free goes to Go, which waits for the other stream
     lib.record_stream(ptr.get(), stream.stream());
   }
@@ -1109,6 +1270,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
       }
       TORCH_CHECK(found, "goalloc: endAllocateToPool: not allocating to pool (", id.first, ", ", id.second, ")");
     }
+    if (open_windows_.load(std::memory_order_acquire) == 0) capture_reuse.forget();
     if (own_pools.find(device, id) != nullptr) return;
     lib.end_pool(device, id.first, id.second);
   }
