@@ -52,12 +52,20 @@ import os, signal, time, unittest
 
 import torch  # noqa: F401 - the plugin asks the stand-in whether CUDA works
 
+POISONED = False
+
 class TestCuda(unittest.TestCase):
     def test_a_ok1(self):
         pass
 
     def test_b_bad2(self):
+        global POISONED
+        POISONED = True  # state a failing test leaves behind (a memory cap, say)
         self.assertEqual(1, 2)
+
+    def test_bb_clean(self):
+        # A fresh process after the failure: its state is gone.
+        self.assertFalse(POISONED)
 
     def test_c_segv3(self):
         if os.environ.get("ALONE_MARK") and os.path.exists(os.environ["ALONE_MARK"]):
@@ -120,6 +128,8 @@ def test_each_test_gets_its_own_outcome(suite: tuple[Path, dict[str, str]], tmp_
     got = res["native"]
     assert got["TestCuda::test_a_ok1"] == "passed"
     assert got["TestCuda::test_b_bad2"] == "failed"
+    assert got["TestCuda::test_bb_clean"] == "passed", "the process after a failure is a fresh one"
+    assert "TestCuda::test_bb_clean" not in res["native_sequence"], "it passed the first time, not only alone"
     assert got["TestCuda::test_c_segv3"] == "crashed"
     assert got["TestCuda::test_d_after4"] == "passed"
     assert got["TestCuda::test_e_breaks5"] == "broke"

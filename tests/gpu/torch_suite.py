@@ -13,7 +13,9 @@ torch_suite_plugin.py loaded: it installs goalloc first (--allocator
 goalloc), logs each test's start and outcome, and ends the process when a
 test leaves CUDA unusable. When a process crashes, hangs (no test finished
 for --test-timeout seconds) or ends broken, the runner starts a new one at
-the next test, so one test cannot fail all that follow. Then every test that
+the next test, so one test cannot fail all that follow; so it does after a
+test that failed, which may have skipped its own clean-up (a memory cap, an
+allocator setting). Then every test that
 did not pass or skip is run again alone, in a fresh process: its outcome in
 the results is that one, and "sequence" keeps what it did in the first pass
 where that differs.
@@ -64,6 +66,7 @@ def pytest_command(test_file: Path, args: list[str]) -> list[str]:
 
 def child_env(allocator: str, log: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["TORCH_SUITE_RESTART"] = "1"
     env["TORCH_SUITE_LOG"] = str(log)
     env["TORCH_SUITE_ALLOCATOR"] = allocator
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(HERE), str(ROOT / "python")) if p)

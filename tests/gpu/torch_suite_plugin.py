@@ -10,6 +10,10 @@
 - After each test it checks that the process can still use the GPU (no
   capture left open, a kernel runs and completes); if not, the process
   exits at once, so that one broken test does not fail all that follow.
+- With TORCH_SUITE_RESTART=1 it also ends the process after a test that
+  failed: a test that fails midway skips its own clean-up (a memory cap
+  set with set_per_process_memory_fraction, allocator settings), which
+  would fail the tests after it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pytest
 
 _LOG = open(os.environ["TORCH_SUITE_LOG"], "a", buffering=1, encoding="utf-8")
 BROKEN_EXIT = 3  # the exit status that says: the last test left CUDA unusable
+FAILED_EXIT = 4  # the last test failed, and TORCH_SUITE_RESTART asks for a fresh process
 
 
 def _write(**event: Any) -> None:
@@ -93,9 +98,13 @@ def _cuda_broken() -> str:
 
 def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
     r = _reports.pop(nodeid, {"outcome": None, "message": ""})
-    _write(ev="done", test=nodeid, outcome=r["outcome"] or "error", message=r["message"])
+    outcome = r["outcome"] or "error"
+    _write(ev="done", test=nodeid, outcome=outcome, message=r["message"])
     why = _cuda_broken()
     if why:
         _write(ev="broken", test=nodeid, message=why)
         _LOG.close()
         os._exit(BROKEN_EXIT)
+    if outcome in ("failed", "error") and os.environ.get("TORCH_SUITE_RESTART") == "1":
+        _LOG.close()
+        os._exit(FAILED_EXIT)
