@@ -199,6 +199,15 @@ def test_select_runs_only_what_the_merged_file_lacks(suite: tuple[Path, dict[str
     p = run(test_file, env, out, "--allocator", "native", "--merge", str(out), "--select", "unpassed",
             "-k", "ok1 or bad2 or skip8")
     assert "0 tests (unpassed)" in p.stdout, p.stdout
+    # regressions: what did not pass under this allocator but passed under PyTorch's.
+    res = json.loads(out.read_text())
+    res["goalloc"] = {"TestCuda::test_a_ok1": "failed", "TestCuda::test_b_bad2": "failed"}
+    res["native"]["TestCuda::test_b_bad2"] = "failed"
+    out.write_text(json.dumps(res))
+    p = run(test_file, env, out, "--allocator", "goalloc", "--merge", str(out), "--select", "regressions",
+            "-k", "ok1 or bad2 or skip8")
+    assert "1 tests (regressions)" in p.stdout, p.stdout
+    assert json.loads(out.read_text())["goalloc"] == {"TestCuda::test_a_ok1": "passed", "TestCuda::test_b_bad2": "failed"}
     p = subprocess.run([sys.executable, str(RUNNER), str(test_file), "--allocator", "native", "--select", "missing"],
                        env=env, capture_output=True, text=True)
     assert p.returncode == 2 and "needs a --merge file" in p.stderr

@@ -185,18 +185,22 @@ class Run:
 PASSED = ("passed", "skipped", "xfailed")
 
 
-def selected(tests: list[str], select: str, before: dict[str, str]) -> list[str]:
+def selected(tests: list[str], select: str, before: dict[str, str], native: dict[str, str]) -> list[str]:
     """The tests to run: all, those without an outcome in before (missing),
-    or those that did not pass there (unpassed)."""
+    those that did not pass there (unpassed), or of those the ones that
+    passed under PyTorch's allocator (regressions)."""
     if select == "missing":
         return [t for t in tests if before.get(short(t), NOT_RUN) == NOT_RUN]
     if select == "unpassed":
         return [t for t in tests if before.get(short(t), NOT_RUN) not in PASSED]
+    if select == "regressions":
+        return [t for t in tests if before.get(short(t), NOT_RUN) not in PASSED and native.get(short(t)) == "passed"]
     return tests
 
 
-def run_allocator(args: argparse.Namespace, deadline: float, before: dict[str, str]) -> dict[str, Any]:
-    tests = selected(collect(args.test_file, args.allocator, args.classes, args.k), args.select, before)
+def run_allocator(args: argparse.Namespace, deadline: float, before: dict[str, str],
+                  native: dict[str, str]) -> dict[str, Any]:
+    tests = selected(collect(args.test_file, args.allocator, args.classes, args.k), args.select, before, native)
     print(f"{args.allocator}: {len(tests)} tests ({args.select})", flush=True)
     first = Run(args.test_file, args.allocator, args.test_timeout, deadline, True)
     first.run(tests)
@@ -250,9 +254,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--commit", default="", help="goalloc's commit under test (default: git's HEAD, where there is git)")
     ap.add_argument("--classes", nargs="+", default=list(CLASSES))
     ap.add_argument("-k", default="", help="pytest -k expression, to run part of the classes")
-    ap.add_argument("--select", choices=("all", "missing", "unpassed"), default="all",
-                    help="run all tests, or only those the --merge file has no outcome for (missing) or that did "
-                         "not pass there (unpassed) under this allocator; the others keep their outcome")
+    ap.add_argument("--select", choices=("all", "missing", "unpassed", "regressions"), default="all",
+                    help="run all tests, or only those the --merge file has no outcome for (missing), that did "
+                         "not pass there (unpassed) under this allocator, or of those the ones that passed under "
+                         "PyTorch's allocator (regressions); the others keep their outcome")
     ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
     ap.add_argument("--test-timeout", type=float, default=150, help="seconds one test may take (default 150)")
     args = ap.parse_args(argv)
@@ -274,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 result[k] = v
     elif args.select != "all":
         ap.error("--select missing or unpassed needs a --merge file")
-    got = run_allocator(args, deadline, old.get(args.allocator, {}))
+    got = run_allocator(args, deadline, old.get(args.allocator, {}), old.get("native", {}))
     ran = {short(t) for t in got["outcomes"]}
     keep = {} if args.select == "all" else old
 
