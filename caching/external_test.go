@@ -20,7 +20,7 @@ func TestExternalPoolsAreCountedAndCapped(t *testing.T) {
 		before := a.Stats()
 		require.NoError(t, a.ClaimExternal(60<<20))
 		const seg, blk = uintptr(0x7f0000000000), uintptr(0x7f0000000000)
-		a.ExternalSegment(true, seg, 60<<20, true, S)
+		require.NoError(t, a.ExternalSegment(true, seg, 60<<20, true, S))
 		require.NoError(t, a.ExternalBlock(true, blk, 40<<20, 40<<20-100, true, S))
 		require.NoError(t, a.CheckInvariants())
 		st := a.Stats()
@@ -40,7 +40,7 @@ func TestExternalPoolsAreCountedAndCapped(t *testing.T) {
 		require.NoError(t, a.CheckInvariants())
 
 		require.NoError(t, a.ExternalBlock(false, blk, 40<<20, 40<<20-100, true, S))
-		a.ExternalSegment(false, seg, 60<<20, true, S)
+		require.NoError(t, a.ExternalSegment(false, seg, 60<<20, true, S))
 		require.NoError(t, a.CheckInvariants())
 		p, err := a.Malloc(50<<20, S)
 		require.NoError(t, err, "the segment's claim went back")
@@ -48,7 +48,7 @@ func TestExternalPoolsAreCountedAndCapped(t *testing.T) {
 
 		// A claim whose segment the pool's allocator did not give goes back too.
 		require.NoError(t, a.ClaimExternal(90<<20))
-		a.UnclaimExternal(90 << 20)
+		require.NoError(t, a.UnclaimExternal(90<<20))
 		require.NoError(t, a.CheckInvariants())
 
 		var acts []string

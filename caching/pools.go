@@ -189,6 +189,14 @@ func (a *Allocator) RestorePool(id PoolID, checkpoint []LiveBlock) (freed []uint
 	if id == (PoolID{}) || p == nil || p.users == 0 {
 		return nil, a.badInput("invalid_pool", fmt.Sprintf("set_checkpoint_pool_state on device %d for pool (%d, %d), which is not in use", a.dev.Ordinal(), id[0], id[1]))
 	}
+	for _, b := range checkpoint {
+		// A row of PoolLive never asks more than its block holds: the
+		// statistics would count more requested than allocated, and a slot
+		// keeps its request in 32 bits. Refused before anything is freed.
+		if b.Requested > b.Size {
+			return nil, a.badInput("invalid_size", fmt.Sprintf("set_checkpoint_pool_state on device %d for pool (%d, %d): the block at %#x of %d bytes has %d requested", a.dev.Ordinal(), id[0], id[1], b.Addr, b.Size, b.Requested))
+		}
+	}
 	var errs []error
 	for _, b := range a.poolLive(id) {
 		freed = append(freed, b.Addr)

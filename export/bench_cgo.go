@@ -23,7 +23,7 @@ static void goalloc_bench_pairs(long n, ssize_t size) {
 	}
 }
 
-extern void *goalloc_pool_malloc_ctx(size_t size, int device, void *stream, unsigned long long id0,
+extern void *goalloc_pool_malloc_ctx(size_t size, size_t block, int device, void *stream, unsigned long long id0,
                                      unsigned long long id1, unsigned long long ctx, int *oom, char **err);
 extern int goalloc_free_ptr_ctx(void *ptr, unsigned long long ctx, int *device);
 
@@ -33,7 +33,7 @@ static void goalloc_bench_cxx_pairs(long n, size_t size) {
 	int oom = 0, device = 0;
 	char *err = NULL;
 	for (long i = 0; i < n; i++) {
-		void *p = goalloc_pool_malloc_ctx(size, 0, (void *)0, 0, 0, 0, &oom, &err);
+		void *p = goalloc_pool_malloc_ctx(size, 0, 0, (void *)0, 0, 0, 0, &oom, &err);
 		goalloc_free_ptr_ctx(p, 0, &device);
 	}
 }

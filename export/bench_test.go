@@ -4,9 +4,26 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"os"
 	"testing"
+
+	"github.com/stretchr/testify/assert"
 )
+
+// The rows of the benchmark's exports (bench_nop.go) in
+// TestEveryExportTakesNullNegativeAndHugeArguments, built with their tag.
+func init() {
+	abiBuildTags = append(abiBuildTags, "goalloc_bench")
+	abiRows["goalloc_bench_nop_malloc"] = func(t *testing.T) {
+		wantAccepted(t, func() { assert.Nil(t, goalloc_bench_nop_malloc(math.MinInt64, math.MaxInt32, nil)) })
+		benchNopCount--
+	}
+	abiRows["goalloc_bench_nop_free"] = func(t *testing.T) {
+		wantAccepted(t, func() { goalloc_bench_nop_free(nil, -1, math.MinInt32, nil) })
+		benchNopCount++
+	}
+}
 
 // BenchmarkCABIPair: a cache-hit malloc+free pair through the C ABI on the
 // simulated device (make bench; BENCHMARKS.md has the figures).

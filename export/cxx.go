@@ -65,6 +65,9 @@ import (
 	"github.com/goalloc/goalloc/caching"
 )
 
+// goalloc_pool_malloc is goalloc_pool_malloc_ctx with no context id, the
+// rounding left to goalloc.
+//
 //export goalloc_pool_malloc
 func goalloc_pool_malloc(size C.size_t, device C.int, stream C.cudaStream_t, id0, id1 C.ulonglong,
 	oom *C.int, errOut **C.char) unsafe.Pointer {
@@ -73,7 +76,10 @@ func goalloc_pool_malloc(size C.size_t, device C.int, stream C.cudaStream_t, id0
 
 // goalloc_pool_malloc_ctx is goalloc_pool_malloc for a call whose context
 // id is ctx (0: none), of a request the caller rounded to a block of block
-// bytes (PyTorch's roundup_power2_divisions; 0: goalloc rounds it).
+// bytes (PyTorch's roundup_power2_divisions; 0: goalloc rounds it). On
+// failure *oom is 1 for an out-of-memory (else untouched) and *err the
+// message; both are optional out-parameters (NULL: not wanted), and the
+// calling thread's last error says the same.
 //
 //export goalloc_pool_malloc_ctx
 func goalloc_pool_malloc_ctx(size, block C.size_t, device C.int, stream C.cudaStream_t, id0, id1, ctx C.ulonglong,
@@ -81,12 +87,10 @@ func goalloc_pool_malloc_ctx(size, block C.size_t, device C.int, stream C.cudaSt
 	p, err := lib.mallocInCtx(uint64(size), uint64(block), int(device), uintptr(stream), caching.PoolID{uint64(id0), uint64(id1)}, uint64(ctx))
 	if err != nil {
 		var o *caching.OOMError
-		if oom != nil && errors.As(err, &o) {
-			*oom = 1
+		if errors.As(err, &o) {
+			putOut(oom, 1)
 		}
-		if errOut != nil {
-			*errOut = C.CString(err.Error())
-		}
+		putMessage(errOut, err)
 		return nil
 	}
 	return devicePointer(p)
@@ -103,9 +107,7 @@ func goalloc_free_ptr(ptr unsafe.Pointer) C.int { return status(lib.freeOwned(ui
 //export goalloc_free_ptr_ctx
 func goalloc_free_ptr_ctx(ptr unsafe.Pointer, ctx C.ulonglong, device *C.int) C.int {
 	d, err := lib.freeOwnedCtx(uintptr(ptr), uint64(ctx))
-	if device != nil {
-		*device = C.int(d)
-	}
+	putOut(device, C.int(d))
 	return status(err)
 }
 
@@ -156,10 +158,17 @@ func goalloc_set_trace_labels(device C.int, compileContext, userMetadata *C.char
 // num_device_free.
 const torchStatFigures = 9*3*4 + 5
 
+// goalloc_torch_device_stats writes device's torchStatFigures figures into
+// out, which must hold n of them: n must be torchStatFigures, and out is
+// not NULL.
+//
 //export goalloc_torch_device_stats
 func goalloc_torch_device_stats(device C.int, out *C.longlong, n C.int) C.int {
 	if int(n) != torchStatFigures {
-		return status(lib.bad("invalid_argument", fmt.Sprintf("goalloc: device stats into %d figures; this library gives %d", n, torchStatFigures)))
+		return status(lib.bad("invalid_argument", fmt.Sprintf("goalloc: goalloc_torch_device_stats: n is %d; this library gives %d figures", n, torchStatFigures)))
+	}
+	if out == nil {
+		return status(lib.nullArg("goalloc_torch_device_stats", "out", fmt.Sprintf("give a buffer of %d figures", torchStatFigures)))
 	}
 	st, err := lib.stats(int(device))
 	if err != nil {
@@ -236,14 +245,19 @@ func goalloc_pool_live_blocks(device C.int, id0, id1 C.ulonglong) *C.char {
 }
 
 // goalloc_restore_pool sets a pool back to a checkpoint: blocks holds n
-// rows of goalloc_pool_live_blocks (4n numbers). It returns JSON,
-// {"freed": [addresses freed], "error": "" or what could not be restored},
-// or NULL when the pool or device does not exist.
+// rows of goalloc_pool_live_blocks (4n numbers; NULL when n is 0). It
+// returns JSON, {"freed": [addresses freed], "error": "" or what could not
+// be restored}, or NULL when the pool or device does not exist or the
+// arguments are refused.
 //
 //export goalloc_restore_pool
 func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.ulonglong, n C.int) *C.char {
-	if n < 0 || (n > 0 && blocks == nil) {
-		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: restore_pool with %d blocks at %p", n, blocks))
+	if n < 0 {
+		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: goalloc_restore_pool: n is %d; give the number of rows in blocks (0 or more)", n))
+		return nil
+	}
+	if n > 0 && blocks == nil {
+		_ = lib.nullArg("goalloc_restore_pool", "blocks", fmt.Sprintf("give the %d rows of the checkpoint (NULL only with n = 0)", n))
 		return nil
 	}
 	a := lib.existingDevice(int(device))
@@ -351,16 +365,26 @@ func (l *library) mallocInCtx(size, block uint64, d int, s uintptr, id caching.P
 		p, err = a.MallocInCtx(id, size, arena.Stream(s), ctx)
 	}
 	if err != nil {
-		var oom *caching.OOMError
-		if errors.As(err, &oom) {
-			// The class raises torch.OutOfMemoryError with this message,
-			// which is where PyTorch's allocator says it too: not on stderr.
-			return 0, l.fail(err)
-		}
-		l.report(err)
-		return 0, err
+		return 0, l.refused(err)
 	}
 	return p, nil
+}
+
+// refused records why the C++ class's request for memory (an allocation,
+// an own-allocator pool's claim) failed, and returns err. An out-of-memory
+// only becomes the calling thread's last error: the class raises
+// torch.OutOfMemoryError with its message, which is where PyTorch's
+// allocator says it too, not on stderr. Anything else is reported as usual.
+func (l *library) refused(err error) error {
+	if err == nil {
+		return nil
+	}
+	var oom *caching.OOMError
+	if errors.As(err, &oom) {
+		return l.fail(err)
+	}
+	l.report(err)
+	return err
 }
 
 // lastFreeDevice is the device whose block was freed last: a pointer
@@ -418,52 +442,85 @@ func (l *library) stats(d int) (caching.Stats, error) {
 }
 
 // Pools with an allocator of their own (caching/external.go): the class
-// carves them; these count what they hold, under the cap.
+// carves them; these count what they hold, under the cap. A size beyond
+// what the pools claimed or hold is refused by caching (invalid_size), so
+// that neither the cap's count nor the statistics wrap around.
 
+// goalloc_external_claim claims size bytes under device's cap for a
+// segment an own-allocator pool is about to take: 0, or -1 with *err the
+// message (an optional out-parameter: NULL, not wanted), which the calling
+// thread's last error says too.
+//
 //export goalloc_external_claim
 func goalloc_external_claim(device C.int, size C.size_t, errOut **C.char) C.int {
 	a, err := lib.device(int(device))
 	if err == nil {
-		err = a.ClaimExternal(uint64(size))
+		err = lib.refused(a.ClaimExternal(uint64(size)))
 	}
 	if err != nil {
-		if errOut != nil {
-			*errOut = C.CString(err.Error())
-		}
+		putMessage(errOut, err)
 		return -1
 	}
 	return 0
 }
 
+// goalloc_external_unclaim gives back a claim whose segment was not made;
+// a refusal (a device goalloc holds nothing on, more than was claimed)
+// changes nothing and sets the calling thread's last error.
+//
 //export goalloc_external_unclaim
 func goalloc_external_unclaim(device C.int, size C.size_t) {
-	if a := lib.existingDevice(int(device)); a != nil {
-		a.UnclaimExternal(uint64(size))
+	if a := externalDevice(device, "goalloc_external_unclaim"); a != nil {
+		_ = lib.reportErr(a.UnclaimExternal(uint64(size)))
 	}
 }
 
+// goalloc_external_segment counts a segment at addr (not NULL) made
+// (alloc) or freed: 0, or -1.
+//
 //export goalloc_external_segment
 func goalloc_external_segment(device C.int, alloc C.int, addr unsafe.Pointer, size C.size_t, large C.int, stream C.cudaStream_t) C.int {
-	a := lib.existingDevice(int(device))
-	if a == nil {
-		return status(lib.bad("bad_device", fmt.Sprintf("goalloc: an own-allocator segment on device %d, where goalloc holds nothing", int(device))))
+	if addr == nil {
+		return status(lib.nullArg("goalloc_external_segment", "addr", "give the address the pool's allocator gave"))
 	}
-	a.ExternalSegment(alloc != 0, uintptr(addr), uint64(size), large != 0, arena.Stream(uintptr(stream)))
-	return 0
+	a := externalDevice(device, "goalloc_external_segment")
+	if a == nil {
+		return -1
+	}
+	return status(lib.reportErr(a.ExternalSegment(alloc != 0, uintptr(addr), uint64(size), large != 0, arena.Stream(uintptr(stream)))))
 }
 
+// goalloc_external_block counts a block at addr (not NULL) carved from a
+// segment, handed out (alloc) or freed: 0, or -1.
+//
 //export goalloc_external_block
 func goalloc_external_block(device C.int, alloc C.int, addr unsafe.Pointer, size, requested C.size_t, large C.int, stream C.cudaStream_t) C.int {
-	a := lib.existingDevice(int(device))
+	if addr == nil {
+		return status(lib.nullArg("goalloc_external_block", "addr", "give the block's address in its segment"))
+	}
+	a := externalDevice(device, "goalloc_external_block")
 	if a == nil {
-		return status(lib.bad("bad_device", fmt.Sprintf("goalloc: an own-allocator block on device %d, where goalloc holds nothing", int(device))))
+		return -1
 	}
 	return status(lib.reportErr(a.ExternalBlock(alloc != 0, uintptr(addr), uint64(size), uint64(requested), large != 0, arena.Stream(uintptr(stream)))))
 }
 
+// externalDevice is the allocator of device for fn's own-allocator
+// bookkeeping, or nil, refused as bad_device, where goalloc holds nothing:
+// a segment is claimed (goalloc_external_claim) before anything is counted,
+// and the claim makes the device.
+func externalDevice(device C.int, fn string) *caching.Allocator {
+	a := lib.existingDevice(int(device))
+	if a == nil {
+		_ = lib.bad("bad_device", fmt.Sprintf("goalloc: %s on device %d, where goalloc holds nothing", fn, int(device)))
+	}
+	return a
+}
+
 // goalloc_complete_recorded_free completes a free made during a capture
 // that waits for other streams, once the caller proved them done
-// (caching.CompleteRecordedFree): 1 if one was waiting, 0 if not.
+// (caching.CompleteRecordedFree): 1 if one was waiting, 0 if not, as for
+// a NULL ptr or a device goalloc holds nothing on.
 //
 //export goalloc_complete_recorded_free
 func goalloc_complete_recorded_free(device C.int, ptr unsafe.Pointer) C.int {

@@ -39,7 +39,10 @@ typedef void *cudaStream_t;
 */
 import "C"
 
-import "unsafe"
+import (
+	"fmt"
+	"unsafe"
+)
 
 func main() {}
 
@@ -141,13 +144,55 @@ func cstring(b []byte, err error) *C.char {
 	return C.CString(string(b))
 }
 
+// NULL in the C ABI. A pointer argument is one of two things, and each
+// function's comment says which:
+//
+//   - an optional out-parameter (int* oom, char** err, int* device): NULL
+//     means the caller does not want that answer, and nothing is written
+//     (putOut, putMessage);
+//   - anything else (a string, a buffer, an address): NULL is refused before
+//     the call does anything, as bad input of kind null_pointer, -1 or NULL
+//     returned and goalloc_last_error naming the function and the argument
+//     (nullArg).
+//
+// Device pointers and streams are values, not C memory: my_free and
+// goalloc_record_stream refuse a NULL pointer as the same bad input
+// (registry.go); goalloc_free_ptr takes it as an empty tensor's deleter
+// and frees nothing, as free(3) does (and goalloc_string_free with a NULL
+// string); a NULL stream is the default stream.
+
+// putOut writes v to the optional out-parameter out, unless it is NULL.
+func putOut[T any](out *T, v T) {
+	if out != nil {
+		*out = v
+	}
+}
+
+// putMessage hands err's message to the optional out-parameter out, a
+// string the caller frees with goalloc_string_free; none is made when out
+// is NULL.
+func putMessage(out **C.char, err error) {
+	if out != nil {
+		*out = C.CString(err.Error())
+	}
+}
+
+// nullArg refuses a call of fn whose argument arg is NULL where it must
+// not be; need says what the argument must be.
+func (l *library) nullArg(fn, arg, need string) error {
+	return l.bad("null_pointer", fmt.Sprintf("goalloc: %s: %s is NULL; %s", fn, arg, need))
+}
+
+// goalloc_configure replaces GOALLOC_CONF with conf, before the first
+// allocation; "" is the defaults. NULL is refused (nullArg): taken as ""
+// it would drop the caps and settings of GOALLOC_CONF without a word.
+//
 //export goalloc_configure
 func goalloc_configure(conf *C.char) C.int {
-	s := ""
-	if conf != nil {
-		s = C.GoString(conf)
+	if conf == nil {
+		return status(lib.nullArg("goalloc_configure", "conf", `give a GOALLOC_CONF string ("" for the defaults)`))
 	}
-	return status(lib.configure(s))
+	return status(lib.configure(C.GoString(conf)))
 }
 
 //export goalloc_init_checked
@@ -224,5 +269,8 @@ func goalloc_last_error() *C.char { return threadError() }
 //export goalloc_last_error_kind
 func goalloc_last_error_kind() C.int { return C.int(threadErrorKind()) }
 
+// goalloc_string_free frees a string the library handed out; NULL, as
+// with free(3), is nothing to free.
+//
 //export goalloc_string_free
 func goalloc_string_free(s *C.char) { C.free(unsafe.Pointer(s)) }

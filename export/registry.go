@@ -100,18 +100,22 @@ func (l *library) configure(conf string) error {
 
 // init is goalloc_init: it reads the environment and finds the devices.
 // Called by torch with its device count; called lazily by the first
-// allocation if torch did not.
+// allocation if torch did not. A negative count is refused before and
+// after initialisation alike: afterwards it would change nothing, but
+// goalloc_init_checked must not answer it with success.
 func (l *library) init(torchCount int) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if torchCount < 0 {
+		return l.badLocked("invalid_argument", fmt.Sprintf("goalloc: init with a device count of %d; give torch's count, or 0 to use every device", torchCount))
+	}
 	return l.initLocked(torchCount)
 }
 
+// initLocked initialises the library once, with torch's device count
+// (0: every device); l.mu is held and torchCount is not negative.
 func (l *library) initLocked(torchCount int) error {
 	if !l.initialized {
-		if torchCount < 0 {
-			return l.badLocked("invalid_argument", fmt.Sprintf("goalloc: init with a device count of %d; give torch's count, or 0 to use every device", torchCount))
-		}
 		l.initialized = true
 		l.initErr = l.setup(torchCount)
 		if l.initErr != nil {

@@ -48,8 +48,12 @@ func goalloc_stat(device C.int, key C.int) C.longlong {
 
 //export goalloc_stat_scalars
 func goalloc_stat_scalars(device C.int, out *C.int64_t, n C.int) C.int {
-	if n < 0 || (n > 0 && out == nil) {
-		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: goalloc_stat_scalars into %d figures at %p; give a buffer of n >= 0 figures, or NULL and 0", int(n), out))
+	if n < 0 {
+		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: goalloc_stat_scalars: n is %d; give the size of out (0 or more)", int(n)))
+		return -1
+	}
+	if n > 0 && out == nil {
+		_ = lib.nullArg("goalloc_stat_scalars", "out", fmt.Sprintf("give a buffer of %d figures, or n = 0 to ask how many there are", int(n)))
 		return -1
 	}
 	var buf []int64

@@ -3,6 +3,9 @@
  * its message and whether it was an out-of-memory; goalloc_free_ptr frees by
  * pointer alone; the DeviceStats figures; a pool's users, live blocks and a
  * checkpoint set back. goalloc_malloc, the C entry point, returns NULL.
+ * NULL where a call needs a pointer is refused (export/main.go, "NULL in the
+ * C ABI"): goalloc_configure(NULL) leaves GOALLOC_CONF in force, and
+ * goalloc_torch_device_stats into NULL writes nothing.
  *
  *   cc tests/c/cxx_abi_test.c -o build/cxx_abi_test -ldl
  *   GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G build/cxx_abi_test build/libgoalloc.so
@@ -48,15 +51,22 @@ int main(int argc, char **argv) {
 	void (*sfree)(char *) = (void (*)(char *))dlsym(lib, "goalloc_string_free");
 	int (*capture)(int) = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
 	char *(*take)(void) = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
+	int (*configure)(const char *) = (int (*)(const char *))dlsym(lib, "goalloc_configure");
+	int (*kind)(void) = (int (*)(void))dlsym(lib, "goalloc_last_error_kind");
 	if (!init || !cmalloc || !pm || !fp || !dstats || !largest || !incref || !users || !begin || !end ||
-	    !release || !live || !restore || !sfree || !capture || !take) {
+	    !release || !live || !restore || !sfree || !capture || !take || !configure || !kind) {
 		fprintf(stderr, "cxx_abi_test: missing symbol\n");
 		return 1;
 	}
-	init(1);
-	void *const S = (void *)0x10;
 	/* The bad calls below warn: queued and checked at the end, not printed. */
 	capture(1);
+	/* goalloc_configure(NULL) is refused as a bad argument (kind 1), not
+	 * taken as "": GOALLOC_CONF, read at initialisation, keeps its cap of
+	 * 4 GiB of the 8 (checked below). */
+	setenv("GOALLOC_CONF", "fraction:0.5", 1);
+	EXPECT(configure(NULL) == -1 && kind() == 1, "configure(NULL): kind %d", kind());
+	init(1);
+	void *const S = (void *)0x10;
 
 	/* goalloc_malloc: NULL for a refusal, never an exception. */
 	EXPECT(cmalloc(-5, 0, S) == NULL, "negative size");
@@ -84,10 +94,15 @@ int main(int argc, char **argv) {
 	EXPECT(p != NULL, "malloc");
 	EXPECT(dstats(0, f, 113) == 0 && f[4 * 3 * 4] == 3000320, "allocated_bytes.all.current %lld", f[48]);
 	EXPECT(dstats(0, f, 112) == -1, "a wrong figure count is refused");
+	EXPECT(dstats(0, NULL, 113) == -1 && kind() == 1, "no buffer is refused: kind %d", kind());
 	EXPECT(fp(p) == 0, "free by pointer");
 	EXPECT(fp(p) == -1, "a double free is refused");
 	EXPECT(fp(NULL) == 0, "an empty tensor's deleter");
 	EXPECT(largest(0) >= 3000320, "the freed block is cached: %lld", largest(0));
+
+	/* GOALLOC_CONF's cap survived goalloc_configure(NULL). */
+	int oom = 0;
+	EXPECT(pm((size_t)5 << 30, 0, S, 0, 0, &oom, NULL) == NULL && oom == 1, "5 GiB over the cap of 4: oom %d", oom);
 
 	/* A pool: users, live blocks, a checkpoint set back. */
 	EXPECT(incref(0, 0, 7) == 0 && users(0, 0, 7) == 1, "made");
@@ -117,7 +132,8 @@ int main(int argc, char **argv) {
 	EXPECT(users(0, 0, 7) == 0, "released");
 
 	char *warned = take();
-	EXPECT(warned && strstr(warned, "\"kind\":\"double_free\"") && strstr(warned, "\"kind\":\"invalid_argument\""),
+	EXPECT(warned && strstr(warned, "\"kind\":\"double_free\"") && strstr(warned, "\"kind\":\"invalid_argument\"") &&
+	           strstr(warned, "\"kind\":\"null_pointer\""),
 	       "the expected warnings: %s", warned ? warned : "(none)");
 	sfree(warned);
 	capture(0);
