@@ -1028,7 +1028,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for i, names in drops.items():
         drop_runs(docs[i], names)
     doc = merge(docs, args.bench_json)
-    doc["lockstep"] = []
+    doc["lockstep"] = list(doc.get("lockstep") or [])  # a merged document may carry its own (bench/results/training.json)
     for path in args.lockstep:
         d = read_input(path, lambda d: isinstance(d, dict) and d.get("kind") == "lockstep",
                        "a bench/lockstep.py lockstep.json")

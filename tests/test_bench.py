@@ -1612,6 +1612,23 @@ def test_render_reads_lockstep_files_and_refuses_others(tmp_path: Path):
     assert p.returncode == 1 and "is not a bench/lockstep.py lockstep.json" in p.stderr
 
 
+def test_render_keeps_the_lockstep_runs_a_merged_document_carries(tmp_path: Path):
+    """bench/results/training.json is a merged document that carries its
+    lockstep runs: rendered alone it shows them, and --lockstep adds more."""
+    doc = suite_doc("0", 0, 3, ["llama"])
+    doc["lockstep"] = [lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01]) | {"path": "ab.json"}]
+    merged = tmp_path / "training.json"
+    merged.write_text(json.dumps(doc))
+    p = run_py(str(BENCH / "render.py"), str(merged))
+    assert p.returncode == 0, p.stderr
+    assert "Lockstep input 1: `ab.json`" in p.stdout and "In lockstep with native, goalloc-vmm 1.000×" in p.stdout
+    ls = tmp_path / "aa.json"
+    ls.write_text(json.dumps(lockstep_doc(["native", "native"], [1.0, 0.99, 1.02])))
+    p = run_py(str(BENCH / "render.py"), str(merged), "--lockstep", str(ls))
+    assert p.returncode == 0, p.stderr
+    assert f"Lockstep input 2: `{ls}`" in p.stdout and "native against native in lockstep, 1.000×" in p.stdout
+
+
 @pytest.mark.parametrize("extra", [["--workload", "micro"], ["--workload", "resnet50", "--smoke-cpu"]])
 def test_workloads_records_history_only_when_training_on_the_gpu(extra: list[str]):
     p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--out", "x.json", "--record-history", "h.pickle",
