@@ -1,16 +1,15 @@
 #!/usr/bin/env python3
-"""Turn a benchmark suite's bench.json into BENCHMARKS.md.
+"""Turn a benchmark suite's bench.json into markdown tables (BENCHMARKS.md quotes them).
 
     python3 bench/render.py OUTDIR/bench.json                 # markdown on stdout
-    python3 bench/render.py OUTDIR/bench.json --write         # replace ./BENCHMARKS.md
     python3 bench/render.py OUTDIR/bench.json --output F.md   # write F.md
-    python3 bench/render.py OUTDIR/bench.json --into BENCHMARKS.md   # replace its suite section
+    python3 bench/render.py OUTDIR/bench.json --into F.md     # replace F.md's bench:begin..end section
     python3 bench/render.py OUTDIR/bench.json --unpack DIR    # one JSON file per run
     python3 bench/render.py A/bench.json B/bench.json --keep bench/results/training.json
     python3 bench/render.py A/bench.json B/bench.json --write # several suites (GPUs, calls), merged
 
-This is the only thing that writes numbers into BENCHMARKS.md: every figure
-in it is computed here from the runs recorded in bench.json (medians over
+Every figure of the tables is computed here from the runs recorded in
+bench.json (medians over
 repeats, ratios of medians, goals met or missed and by how much). Old
 results are replaced, never appended. Standard library only.
 
