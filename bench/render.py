@@ -6,12 +6,11 @@
     python3 bench/render.py OUTDIR/bench.json --into F.md     # replace F.md's bench:begin..end section
     python3 bench/render.py OUTDIR/bench.json --unpack DIR    # one JSON file per run
     python3 bench/render.py A/bench.json B/bench.json --keep bench/results/training.json
-    python3 bench/render.py A/bench.json B/bench.json --write # several suites (GPUs, calls), merged
+    python3 bench/render.py A/bench.json B/bench.json         # several suites (GPUs, calls), merged
 
 Every figure of the tables is computed here from the runs recorded in
-bench.json (medians over
-repeats, ratios of medians, goals met or missed and by how much). Old
-results are replaced, never appended. Standard library only.
+bench.json (medians over repeats, ratios of medians, goals met or missed and
+by how much). Standard library only.
 
 Several bench.json files (suites run at once on different GPUs, or in
 several calls with --first-repeat) render as one: their runs are merged, a
@@ -1084,11 +1083,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the suite's bench.json; several (other GPUs, other calls) are merged, a run in two "
                          "of them taken from the later one")
     out = ap.add_mutually_exclusive_group()
-    out.add_argument("--write", action="store_true", help="replace BENCHMARKS.md at the repository root")
     out.add_argument("--output", help="write the markdown to this file instead of stdout")
     out.add_argument("--into", metavar="FILE",
                      help="replace the text between the bench:begin and bench:end markers of FILE "
-                          "(BENCHMARKS.md keeps other measurements around the suite's)")
+                          "(a document that keeps other text around the suite's)")
     ap.add_argument("--drop", action="append", default=[], metavar="FILE:NAME",
                     help="leave out the runs of NAME, a configuration or a workload, of the input FILE (as given "
                          "among the inputs): e.g. a configuration the library changed after FILE ran, or a "
@@ -1139,8 +1137,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (OSError, ValueError) as e:
             print(f"render: {path}: {e}", file=sys.stderr)
             return 1
-    if args.write or args.output or args.into:
-        path = Path(args.into or args.output or Path(__file__).resolve().parent.parent / "BENCHMARKS.md")
+    if args.output or args.into:
+        path = Path(args.into or args.output)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.write_text(text)
         os.replace(tmp, path)
