@@ -4,7 +4,7 @@
 ResNet-50 training is bound by the host (bench/steady.py: a step lasts as long
 as launching it), and every allocator that maps memory with CUDA's virtual
 memory calls trained it slower than native in the suite: expandable_segments
-0.942x, cudaMallocAsync 0.808x, goalloc-vmm 0.934x (BENCHMARKS.md, 3c).
+0.942x, cudaMallocAsync 0.808x, goalloc-vmm 0.934x (BENCHMARKS.md, "Training on one GPU").
 This script separates what an allocator's own calls cost from what the
 operations on its memory cost: in one process per configuration, on tensors
 too small for the GPU to be the limit, it times loops of

@@ -4,7 +4,8 @@ model-parallel run), the median over rounds of tokens/s and of peak device
 memory (mem_get_info above the process's idle use, sampled every step) against
 peak live (max_memory_allocated), and both as ratios to the native allocator.
 
-    python3 bench/multigpu_render.py bench/results/multigpu/multigpu.jsonl
+    python3 bench/multigpu_render.py OUT/multigpu.jsonl
+    python3 bench/multigpu_render.py bench/results/multigpu.json   # the kept results: {"records": [...]}
 """
 import collections
 import json
@@ -15,10 +16,21 @@ ORDER = ("native", "expandable", "goalloc")
 NAMES = {"ddp": "DDP, 2 ranks", "fsdp": "FSDP, 2 ranks", "mp": "model parallel, 2 GPUs in one process"}
 
 
+def records(path):
+    """The runs of a JSON lines file, or of a JSON document's "records"."""
+    text = open(path).read()
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("records"), list):
+        return doc["records"]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def rows(path):
     """One record per (workload, allocator, rank or device) and round."""
-    for line in open(path):
-        r = json.loads(line)
+    for r in records(path):
         if r["workload"] == "mp":
             for d in (0, 1):
                 yield (r["workload"], r["allocator"], d), r["round"], r["tokens_per_s"], \

@@ -1,17 +1,16 @@
 #!/usr/bin/env python3
-"""Turn a benchmark suite's bench.json into BENCHMARKS.md.
+"""Turn a benchmark suite's bench.json into markdown tables (BENCHMARKS.md quotes them).
 
     python3 bench/render.py OUTDIR/bench.json                 # markdown on stdout
-    python3 bench/render.py OUTDIR/bench.json --write         # replace ./BENCHMARKS.md
     python3 bench/render.py OUTDIR/bench.json --output F.md   # write F.md
-    python3 bench/render.py OUTDIR/bench.json --into BENCHMARKS.md   # replace its suite section
-    python3 bench/render.py OUTDIR/bench.json --unpack bench/results   # one JSON file per run
-    python3 bench/render.py A/bench.json B/bench.json --write # several suites (GPUs, calls), merged
+    python3 bench/render.py OUTDIR/bench.json --into F.md     # replace F.md's bench:begin..end section
+    python3 bench/render.py OUTDIR/bench.json --unpack DIR    # one JSON file per run
+    python3 bench/render.py A/bench.json B/bench.json --keep bench/results/training.json
+    python3 bench/render.py A/bench.json B/bench.json         # several suites (GPUs, calls), merged
 
-This is the only thing that writes numbers into BENCHMARKS.md: every figure
-in it is computed here from the runs recorded in bench.json (medians over
-repeats, ratios of medians, goals met or missed and by how much). Old
-results are replaced, never appended. Standard library only.
+Every figure of the tables is computed here from the runs recorded in
+bench.json (medians over repeats, ratios of medians, goals met or missed and
+by how much). Standard library only.
 
 Several bench.json files (suites run at once on different GPUs, or in
 several calls with --first-repeat) render as one: their runs are merged, a
@@ -22,6 +21,10 @@ files have the same run the later file's is kept (and stderr says so).
 runs made in lockstep: a table of them, and, where they paired native with
 goalloc's configuration on a workload, the throughput goal of that workload
 is judged by their median (the suite's own figure is given beside it).
+
+--keep FILE writes the merged runs and lockstep runs, pruned to the fields
+this renderer reads, as one JSON file that renders the same tables (what the
+repository keeps: bench/results/training.json, which renders alone).
 
 --notes FILE appends a hand-written closing note (the why of a missed goal,
 from a profile) under the computed goals; it should carry no numbers of its
@@ -961,6 +964,87 @@ def unpack(doc: dict[str, Any], folder: Path) -> list[Path]:
     return paths
 
 
+# What keep() leaves of a run: the fields the sections above read.
+KEEP_RUN = ("id", "name", "workload", "config", "repeat", "trace", "status", "reason", "command", "wall_s")
+KEEP_RESULT = ("unit", "warmup", "steps", "planned_shapes", "timed_seconds", "timed_units", "units_per_s",
+               "median_step_s", "losses_finite")
+KEEP_REPLAY = ("peak_live_bytes", "peak_reserved_bytes", "ratio", "native_ratio", "ns_per_op", "ooms", "policy", "trace")
+KEEP_ALLOCATOR = ("pool_reserved_max_read", "reserved_peak", "allocated_peak", "requested_peak", "device_alloc_ns",
+                  "backend")
+
+
+def pick(d: Any, keys: Iterable[str]) -> dict[str, Any]:
+    return {k: d[k] for k in keys if isinstance(d, dict) and k in d}
+
+
+def keep_result(workload: Any, res: Any) -> Any:
+    """A run's result, pruned to what render() reads (pairs and the
+    cross-stream loop of micro runs kept whole)."""
+    if not isinstance(res, dict):
+        return res
+    if workload == "replay":
+        return pick(res, KEEP_REPLAY)
+    if workload == "micro":
+        return pick(res, ("pairs", "cross_stream"))
+    out = pick(res, KEEP_RESULT)
+    a = res.get("allocator") or {}
+    out["allocator"] = pick(a, KEEP_ALLOCATOR)
+    own = (a.get("stats") or {}).get("goalloc.own_reserved_bytes.peak")
+    if own is not None:
+        out["allocator"]["stats"] = {"goalloc.own_reserved_bytes.peak": own}
+    out["device"] = pick(res.get("device"), ("peak_over_baseline", "baseline_used"))
+    log = res.get("step_log") or []
+    if any("goalloc_driver" in e for e in log):  # timed_driver's figures
+        out["step_log"] = [{"timed": e.get("timed"), "goalloc_driver": pick(e.get("goalloc_driver"), ("ns", "unmaps"))}
+                           for e in log]
+    return out
+
+
+def keep_lockstep(ls: dict[str, Any]) -> dict[str, Any]:
+    """A lockstep.json without the processes' allocator figures: the pairs'
+    comparisons and each side's steps, speed and CPU by thread
+    (bench/lockstep.py report's figures)."""
+    out = dict(ls, path=Path(str(ls.get("path", "?"))).name, pairs=[])
+    for p in ls.get("pairs", []):
+        q = pick(p, ("repeat", "status", "reason", "wall_s", "compare"))
+        q["sides"] = [pick(side, ("label", "config", "name", "status"))
+                      | ({"result": pick(side["result"], ("steps", "threads", "units_per_s", "median_step_s",
+                                                          "pinned_threads"))}
+                         if isinstance(side.get("result"), dict) else {})
+                      for side in p.get("sides", [])]
+        out["pairs"].append(q)
+    return out
+
+
+def keep(doc: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """doc (one suite or several merged, with its lockstep runs) pruned to
+    what render() reads: the same tables from a file a fraction of the size."""
+    def run(r: dict[str, Any]) -> dict[str, Any]:
+        return pick(r, KEEP_RUN) | {"result": keep_result(r.get("workload"), r.get("result"))}
+
+    def plan(p: dict[str, Any]) -> dict[str, Any]:
+        return pick(p, ("workload", "config", "repeat", "trace"))
+
+    inputs = doc.get("inputs") or [doc]
+    out: dict[str, Any] = {
+        "about": "bench/render.py --keep: the runs of the inputs below (each with the command that produced it), "
+                 "pruned to what bench/render.py reads; it renders the same tables alone.",
+        "produced_by": {"suites": [d.get("command") for d in inputs],
+                        "lockstep": [ls.get("command") for ls in doc.get("lockstep", [])],
+                        "kept": "python3 bench/render.py " + " ".join(argv)},
+    }
+    out |= {k: v for k, v in doc.items() if k not in ("runs", "plan", "inputs", "lockstep", "argv", "outdir")}
+    out["runs"] = [run(r) for r in doc.get("runs", [])]
+    out["plan"] = [plan(p) for p in doc.get("plan", [])]
+    if doc.get("inputs"):
+        out["inputs"] = [{k: v for k, v in d.items() if k not in ("runs", "plan", "argv", "outdir")}
+                         | {"path": Path(str(d.get("path", "?"))).name,
+                            "runs": [pick(r, ("name", "status")) for r in d.get("runs", [])],
+                            "plan": [plan(p) for p in d.get("plan", [])]} for d in doc["inputs"]]
+    out["lockstep"] = [keep_lockstep(ls) for ls in doc.get("lockstep", [])]
+    return out
+
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -999,11 +1083,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the suite's bench.json; several (other GPUs, other calls) are merged, a run in two "
                          "of them taken from the later one")
     out = ap.add_mutually_exclusive_group()
-    out.add_argument("--write", action="store_true", help="replace BENCHMARKS.md at the repository root")
     out.add_argument("--output", help="write the markdown to this file instead of stdout")
     out.add_argument("--into", metavar="FILE",
                      help="replace the text between the bench:begin and bench:end markers of FILE "
-                          "(BENCHMARKS.md keeps other measurements around the suite's)")
+                          "(a document that keeps other text around the suite's)")
     ap.add_argument("--drop", action="append", default=[], metavar="FILE:NAME",
                     help="leave out the runs of NAME, a configuration or a workload, of the input FILE (as given "
                          "among the inputs): e.g. a configuration the library changed after FILE ran, or a "
@@ -1012,6 +1095,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="a bench/lockstep.py lockstep.json: its table, and the throughput goal of its workload "
                          "where it paired native (A) with goalloc's configuration (B)")
     ap.add_argument("--notes", help="a hand-written closing note (markdown) to append")
+    ap.add_argument("--keep", metavar="FILE",
+                    help="also write the runs (merged, with the lockstep runs) pruned to what this renderer reads, "
+                         "as one JSON file that renders the same (bench/results/training.json)")
     ap.add_argument("--unpack", metavar="DIR", help="also write each run as DIR/NAME.json")
     args = ap.parse_args(argv)
     docs = []
@@ -1028,7 +1114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for i, names in drops.items():
         drop_runs(docs[i], names)
     doc = merge(docs, args.bench_json)
-    doc["lockstep"] = []
+    doc["lockstep"] = list(doc.get("lockstep") or [])  # a merged document may carry its own (bench/results/training.json)
     for path in args.lockstep:
         d = read_input(path, lambda d: isinstance(d, dict) and d.get("kind") == "lockstep",
                        "a bench/lockstep.py lockstep.json")
@@ -1037,6 +1123,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc["lockstep"].append(d | {"path": path})
     notes = Path(args.notes).read_text() if args.notes else None
     text = render(doc, notes)
+    if args.keep:
+        kept = keep(doc, argv if argv is not None else sys.argv[1:])
+        Path(args.keep).write_text(json.dumps(kept, separators=(",", ":")) + "\n")
+        print(f"render: kept {len(kept['runs'])} runs in {args.keep}", file=sys.stderr)
     if args.unpack:
         n = len(unpack(doc, Path(args.unpack)))
         print(f"render: wrote {n} run files under {args.unpack}", file=sys.stderr)
@@ -1047,8 +1137,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (OSError, ValueError) as e:
             print(f"render: {path}: {e}", file=sys.stderr)
             return 1
-    if args.write or args.output or args.into:
-        path = Path(args.into or args.output or Path(__file__).resolve().parent.parent / "BENCHMARKS.md")
+    if args.output or args.into:
+        path = Path(args.into or args.output)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         tmp.write_text(text)
         os.replace(tmp, path)

@@ -12,7 +12,10 @@
 #   bench.json       everything: environment, options, plan, every run's result
 #   BENCHMARKS.md    the rendered tables and goals (bench/render.py)
 #   console.log      this script's output
-#   results.tar.gz   results/NAME.json, one file per run (unpack into bench/)
+#   results.tar.gz   results/NAME.json, one file per run (raw: keep it under /results-raw/)
+#
+# What the repository keeps is one pruned file: bench/render.py OUTDIR/bench.json
+# --keep bench/results/training.json (bench/README.md, "Keeping the results").
 #
 # Two at once, one per GPU: give each its own OUTDIR, CUDA_VISIBLE_DEVICES and
 # --workloads, then render both: bench/render.py OUT0/bench.json OUT1/bench.json

@@ -39,8 +39,7 @@ over the second's and the median difference of their timed steps, then
 the median over the pairs: what the host was doing meanwhile weighs on
 both sides of each ratio.
 
-Standard library only; the figures in bench/notes.md that are not in the
-rendered tables come from here.
+Standard library only.
 """
 from __future__ import annotations
 

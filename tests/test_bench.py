@@ -1612,6 +1612,42 @@ def test_render_reads_lockstep_files_and_refuses_others(tmp_path: Path):
     assert p.returncode == 1 and "is not a bench/lockstep.py lockstep.json" in p.stderr
 
 
+def test_render_keeps_the_lockstep_runs_a_merged_document_carries(tmp_path: Path):
+    """bench/results/training.json is a merged document that carries its
+    lockstep runs: rendered alone it shows them, and --lockstep adds more."""
+    doc = suite_doc("0", 0, 3, ["llama"])
+    doc["lockstep"] = [lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01]) | {"path": "ab.json"}]
+    merged = tmp_path / "training.json"
+    merged.write_text(json.dumps(doc))
+    p = run_py(str(BENCH / "render.py"), str(merged))
+    assert p.returncode == 0, p.stderr
+    assert "Lockstep input 1: `ab.json`" in p.stdout and "In lockstep with native, goalloc-vmm 1.000×" in p.stdout
+    ls = tmp_path / "aa.json"
+    ls.write_text(json.dumps(lockstep_doc(["native", "native"], [1.0, 0.99, 1.02])))
+    p = run_py(str(BENCH / "render.py"), str(merged), "--lockstep", str(ls))
+    assert p.returncode == 0, p.stderr
+    assert f"Lockstep input 2: `{ls}`" in p.stdout and "native against native in lockstep, 1.000×" in p.stdout
+
+
+def test_keep_writes_a_file_that_renders_the_same_tables(tmp_path: Path):
+    """--keep: the merged runs and lockstep runs, pruned, render alone as the inputs did."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(fake_doc()))  # micro, training with step logs, replay
+    b.write_text(json.dumps(suite_doc("1", 3, 2, ["llama", "resnet50"])))
+    ls = tmp_path / "ls.json"
+    ls.write_text(json.dumps(lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01], workload="resnet50")))
+    kept = tmp_path / "kept.json"
+    p = run_py(str(BENCH / "render.py"), str(a), str(b), "--lockstep", str(ls), "--keep", str(kept))
+    assert p.returncode == 0, p.stderr
+    q = run_py(str(BENCH / "render.py"), str(kept))
+    assert q.returncode == 0, q.stderr
+    assert p.stdout.replace(f"{tmp_path}/", "") == q.stdout
+    doc = json.loads(kept.read_text())
+    assert doc["produced_by"]["kept"].startswith("python3 bench/render.py ") and "--keep" in doc["produced_by"]["kept"]
+    assert len(doc["produced_by"]["suites"]) == 2 and len(doc["lockstep"]) == 1
+    assert all(set(r) <= set(render.KEEP_RUN) | {"result"} for r in doc["runs"])
+
+
 @pytest.mark.parametrize("extra", [["--workload", "micro"], ["--workload", "resnet50", "--smoke-cpu"]])
 def test_workloads_records_history_only_when_training_on_the_gpu(extra: list[str]):
     p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--out", "x.json", "--record-history", "h.pickle",

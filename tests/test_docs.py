@@ -3,6 +3,7 @@ against the library, and it names nothing outside the repository."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import goalloc
+from goalloc_testing import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -80,3 +82,87 @@ def test_user_docs_speak_to_users(doc):
     found = [f"{doc}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
              if any(re.search(w, line, re.I) for w in words)]
     assert not found, "\n".join(found)
+
+
+# --- the documents people read stay short, and quote the kept results ----------------
+
+@pytest.mark.parametrize("doc,most", [("README.md", 300), ("BENCHMARKS.md", 400), ("TESTING.md", 250)])
+def test_documents_stay_short(doc, most):
+    n = len((REPO / doc).read_text().splitlines())
+    assert n <= most, f"{doc} has {n} lines; at most {most} (history lives in git)"
+
+
+def test_readme_names_no_commit():
+    hashes = re.findall(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", README)
+    assert not hashes, f"README.md names commits: {hashes}"
+
+
+RESULTS = ("bench/results", "tests/gpu/results")
+
+
+def test_results_in_git_are_one_compact_json_per_suite():
+    files = [p for p in _tracked_files() if str(p.relative_to(REPO)).startswith(RESULTS)]
+    assert files
+    assert sum(p.stat().st_size for p in files) <= 2 << 20, "the results kept in git exceed 2 MiB"
+    for p in files:
+        assert p.suffix == ".json", f"{p.relative_to(REPO)}: raw logs and archives stay out of git"
+        doc = json.loads(p.read_text())
+        if p.name != "torch-suite.json":  # torch_suite.py's own file: its runs say what ran
+            assert "produced_by" in doc or "command" in json.dumps(doc), f"{p.relative_to(REPO)} names no command"
+
+
+def _render_training() -> str:
+    return load_bench("render").render(json.loads((REPO / "bench" / "results" / "training.json").read_text()))
+
+
+def _rendered_rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """(workload, config) -> the cells of render.py's training tables."""
+    rows, workload = {}, None
+    for line in text.splitlines():
+        m = re.match(r"#+ 3[abc]\. Training: (GPT-2|LLaMA|ResNet-50)", line)
+        if m:
+            workload = m[1]
+        elif line.startswith("#"):
+            workload = None
+        elif workload and line.startswith("| ") and "GiB" in line:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault((workload, cells[0]), cells)
+    return rows
+
+
+def test_benchmarks_and_readme_quote_the_kept_training_results():
+    text = _render_training()
+    rows = _rendered_rows(text)
+    assert len(rows) == 15, sorted(rows)
+    bench = (REPO / "BENCHMARKS.md").read_text()
+    seen = 0
+    for line in bench.splitlines():
+        m = re.match(r"\| (GPT-2|LLaMA|ResNet-50) \| ([a-z-]+) \| ([\d,]+) .*?\| ([\d.]+) \| ([\d.]+ GiB) \| ([\d.]+) \| "
+                     r"([\d.]+ GiB) \| ([\d.]+ GiB) \|$", line)
+        if not m:
+            continue
+        r = rows[(m[1], m[2])]
+        assert [m[3], m[4] + "×", m[5], m[6] + "×", m[7], m[8]] == [r[1].split()[0], r[2], r[3], r[4], r[6], r[7]], line
+        seen += 1
+    assert seen == 15, "BENCHMARKS.md's training table lost rows"
+    lockstep = re.search(r"\| goalloc-vmm against native \| ([\d.]+)×", text)[1]
+    names = {"goalloc": "goalloc-vmm", "PyTorch default": "native", "`expandable_segments`": "expandable",
+             "`cudaMallocAsync`": "async"}
+    head = None
+    for line in README.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == "workload" and "goalloc" in cells:
+            head = cells
+            continue
+        m = head and re.match(r"(GPT-2|LLaMA|ResNet-50)", cells[0])
+        if not m:
+            continue
+        for name, cell in zip(head[1:], cells[1:]):
+            config = names[name]
+            memory, speed = [c.strip() for c in cell.split(",")]
+            r = rows[(m[1], config)]
+            assert memory == r[4].replace("×", "x"), (line, config)
+            want = lockstep if (m[1], config) == ("ResNet-50", "goalloc-vmm") else r[2].replace("×", "")
+            assert speed.rstrip("x") in (want, "1") and (speed != "1" or config == "native"), (line, config)
+            seen += 1
+    assert seen == 15 + 12, "README.md's results table lost cells"
