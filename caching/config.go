@@ -72,7 +72,15 @@ type Config struct {
 const maxYieldEvery = 10 * time.Millisecond
 
 // defaultBackend is Config.Backend with no GOALLOC_CONF (see Backend).
-const defaultBackend = "vmm"
+const defaultBackend = arena.BackendVMM
+
+// DeviceSpec is the device c asks for: kind (arena.KindSim or
+// arena.KindCUDA) with c's backend and VMM layout, and, for the simulated
+// device, simMemory bytes (0: arena.DefaultSimMemory). The library and the
+// replay tool make their devices with arena.NewDevice(c.DeviceSpec(...), d).
+func (c Config) DeviceSpec(kind string, simMemory uint64) arena.DeviceSpec {
+	return arena.DeviceSpec{Kind: kind, Backend: c.Backend, Layout: c.VMM, SimMemory: simMemory}
+}
 
 // DefaultConfig is the configuration with no GOALLOC_CONF.
 func DefaultConfig() Config {
@@ -161,7 +169,7 @@ func ParseConfig(s string) (Config, error) {
 		case "yield_every":
 			c.YieldEvery, err = parseYieldEvery(v)
 		case "backend":
-			if v != "async" && v != "vmm" {
+			if v != arena.BackendAsync && v != arena.BackendVMM {
 				err = fmt.Errorf("%q is neither async nor vmm", v)
 			} else {
 				c.Backend = v

@@ -193,31 +193,15 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	if a := l.devices[d].Load(); a != nil {
 		return a, nil
 	}
-	var dev arena.Device
-	if l.kind == "sim" && l.cfg.Backend == "vmm" {
-		sv, err := arena.NewSimVMMWith(d, l.simMemory, l.cfg.VMM)
-		if err != nil {
-			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
-		}
-		dev = sv
-	} else if l.kind == "sim" {
-		dev = arena.NewSim(d, l.simMemory)
-	} else if l.cfg.Backend == "vmm" {
-		vm, err := arena.NewVMMWith(d, l.cfg.VMM)
-		if err != nil {
-			return nil, l.failLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
-		}
-		dev = vm
-	} else {
-		cu, err := arena.NewCUDA(d, l.cfg.ReleaseThreshold)
-		if err != nil {
-			return nil, l.setupFailedLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
-		}
-		if _, err := cu.PeersGranted(); err != nil {
+	dev, err := arena.NewDevice(l.cfg.DeviceSpec(l.kind, l.simMemory), d)
+	if err != nil {
+		return nil, l.setupFailedLocked(fmt.Errorf("goalloc: device %d: %w", d, err))
+	}
+	if p, ok := dev.(interface{ PeersGranted() ([]int, error) }); ok {
+		if _, err := p.PeersGranted(); err != nil {
 			// The device works; only copies to and from peers will fail.
 			fmt.Fprintf(os.Stderr, "goalloc: warning: %v\n", err)
 		}
-		dev = cu
 	}
 	a, err := caching.New(dev, l.cfg)
 	if err != nil {

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay/reference"
 )
 
 // BenchmarkReplay replays each bundled trace on the simulated device with
@@ -136,7 +136,7 @@ func replayCold(b *testing.B, walk int, calls bool) {
 			b.Fatal(err)
 		}
 		cd := newCountingDevice(dev)
-		a, err := policies.New("goalloc", cd.asDevice(), "backend:vmm")
+		a, err := reference.New("goalloc", cd.asDevice(), "backend:vmm")
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -197,11 +197,11 @@ func replayCold(b *testing.B, walk int, calls bool) {
 // (--toggle-collect='*replay.coldMalloc', tests/misspath_compare.sh).
 //
 //go:noinline
-func coldMalloc(a policies.Allocator, size uint64, s arena.Stream) (uintptr, error) {
+func coldMalloc(a reference.Allocator, size uint64, s arena.Stream) (uintptr, error) {
 	return a.Malloc(size, s)
 }
 
 //go:noinline
-func coldFree(a policies.Allocator, p uintptr, size uint64, s arena.Stream) error {
+func coldFree(a reference.Allocator, p uintptr, size uint64, s arena.Stream) error {
 	return a.Free(p, size, s)
 }

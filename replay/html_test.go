@@ -11,7 +11,7 @@ import (
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay/reference"
 	"github.com/stretchr/testify/require"
 )
 
@@ -19,7 +19,7 @@ func TestWriteHTML(t *testing.T) {
 	tr := smallTrace(t)
 	tr.Header.Workload = `<script>alert("x")</script>`
 	var results []*Result
-	for _, name := range policies.Names {
+	for _, name := range reference.Names {
 		r, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: name})
 		require.NoError(t, err)
 		results = append(results, r)
@@ -71,7 +71,7 @@ func TestFormatting(t *testing.T) {
 func everyPolicy(t *testing.T) (*Trace, []*Result) {
 	tr := smallTrace(t)
 	var results []*Result
-	for _, name := range policies.Names {
+	for _, name := range reference.Names {
 		r, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: name})
 		require.NoError(t, err)
 		results = append(results, r)

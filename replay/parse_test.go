@@ -16,10 +16,10 @@ import (
 
 var bundled = []string{"../traces/gpt2-train.jsonl.gz", "../traces/resnet50-train.jsonl.gz"}
 
-// reference parses an event line with encoding/json alone, independently of
+// referenceParse parses an event line with encoding/json alone, independently of
 // parse.go, with the semantics the parser promises: exact field names, the
 // last of a repeated field winning, null as absent, integers only.
-func reference(line []byte) (rawEvent, error) {
+func referenceParse(line []byte) (rawEvent, error) {
 	var ev rawEvent
 	dec := json.NewDecoder(bytes.NewReader(line))
 	dec.UseNumber()
@@ -125,7 +125,7 @@ func TestParseMatchesEncodingJSON(t *testing.T) {
 	for _, path := range bundled {
 		lines := 0
 		eachLine(t, path, func(n int, line []byte) {
-			want, err := reference(line)
+			want, err := referenceParse(line)
 			require.NoError(t, err, "%s:%d", path, n)
 			require.NotZero(t, want.has&hasA, "%s:%d", path, n)
 
@@ -195,7 +195,7 @@ func FuzzParseEvent(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, line []byte) {
-		want, wantErr := reference(line)
+		want, wantErr := referenceParse(line)
 		var ev rawEvent
 		err := parseEvent(line, &ev)
 		if wantErr != nil {

@@ -7,12 +7,12 @@ import (
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/caching"
-	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay/reference"
 )
 
 // Options says what to replay a trace on.
 type Options struct {
-	// Policy names a policy of package policies; "" is goalloc.
+	// Policy names a policy of package reference (reference.Names); "" is goalloc.
 	Policy string
 	// Conf is a GOALLOC_CONF string for the goalloc policy.
 	Conf string
@@ -36,7 +36,7 @@ type Result struct {
 	// of memory do not count.
 	PeakLiveBytes uint64 `json:"peak_live_bytes"`
 	// PeakReservedBytes is the device pool's reserved high-water mark (for
-	// the cudaMalloc-style policies, policies.SegmentHolder, the most bytes
+	// the cudaMalloc-style policies, reference.SegmentHolder, the most bytes
 	// of segments they held, which is what cudaMalloc would have mapped)
 	// (PoolUsage().ReservedHigh): memory the driver really mapped, the same
 	// measure on the simulated pool and on a GPU.
@@ -56,7 +56,7 @@ type Result struct {
 	FragmentationAtPeak float64 `json:"fragmentation_at_peak"`
 	// Fragmentation is the policy's free memory right after the event at
 	// which live bytes first reach their peak in the trace (PeakEvent).
-	Fragmentation policies.Fragmentation `json:"fragmentation"`
+	Fragmentation reference.Fragmentation `json:"fragmentation"`
 	// PeakLiveEvent and PeakReservedEvent are the indexes of the replayed
 	// events after which live bytes, and the pool's reserved bytes, first
 	// reached their peaks.
@@ -173,7 +173,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		res.Conf = opt.Conf
 	}
 	cd := newCountingDevice(dev)
-	a, err := policies.New(name, cd.asDevice(), opt.Conf)
+	a, err := reference.New(name, cd.asDevice(), opt.Conf)
 	if err != nil {
 		dev.Close()
 		return nil, err
@@ -250,16 +250,16 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	}
 	res.PeakReservedBytes = u.ReservedHigh
 	res.PeakReservedEvent, _ = tl.PoolReserved.Peak()
-	if pr, ok := a.(policies.PeakReserver); ok {
+	if pr, ok := a.(reference.PeakReserver); ok {
 		res.AllocatorPeakReservedBytes = pr.PeakReserved()
 	} else {
 		_, res.AllocatorPeakReservedBytes = tl.AllocatorReserved.Peak()
 	}
-	if _, ok := a.(policies.SegmentHolder); ok {
+	if _, ok := a.(reference.SegmentHolder); ok {
 		// A cudaMalloc-style policy's segments are mapped one by one.
 		res.PeakReservedBytes = res.AllocatorPeakReservedBytes
 	}
-	if pa, ok := a.(policies.PeakAllocator); ok {
+	if pa, ok := a.(reference.PeakAllocator); ok {
 		res.AllocatorPeakAllocatedBytes = pa.PeakAllocated()
 	}
 	if peakLive > 0 {

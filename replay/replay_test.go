@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay/reference"
 	"github.com/stretchr/testify/require"
 )
 
@@ -36,7 +36,7 @@ func smallTrace(t *testing.T) *Trace {
 func TestReplayEveryPolicy(t *testing.T) {
 	tr := smallTrace(t)
 	require.Equal(t, 2, tr.PeakEvent)
-	for _, name := range policies.Names {
+	for _, name := range reference.Names {
 		r, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: name})
 		require.NoError(t, err, name)
 		require.Equal(t, name, r.Policy)
@@ -67,7 +67,7 @@ func TestReplayEveryPolicy(t *testing.T) {
 		// own high-water mark (the headline, but for cudaMalloc-style
 		// policies, whose headline is what they held).
 		_, pool := r.Timeline.PoolReserved.Peak()
-		if _, segments := mustPolicy(t, name).(policies.SegmentHolder); segments {
+		if _, segments := mustPolicy(t, name).(reference.SegmentHolder); segments {
 			require.Equal(t, held, r.PeakReservedBytes, name)
 		} else {
 			require.Equal(t, pool, r.PeakReservedBytes, name)
@@ -104,7 +104,7 @@ func TestReplayOOM(t *testing.T) {
 		ev("free_completed", 3, 1*MiB),
 	)))
 	require.NoError(t, err)
-	for _, name := range policies.Names {
+	for _, name := range reference.Names {
 		r, err := Replay(tr, arena.NewSim(0, 32*MiB), Options{Policy: name})
 		require.NoError(t, err, name)
 		require.Contains(t, r.OOMError, "line 3: ", name)
@@ -175,8 +175,8 @@ func TestCountingDevice(t *testing.T) {
 	require.Equal(t, uint64(2), d.counts.Frees(), "a failed free is not counted")
 }
 
-func mustPolicy(t *testing.T, name string) policies.Allocator {
-	a, err := policies.New(name, arena.NewSim(0, 0), "")
+func mustPolicy(t *testing.T, name string) reference.Allocator {
+	a, err := reference.New(name, arena.NewSim(0, 0), "")
 	require.NoError(t, err)
 	return a
 }
@@ -211,7 +211,7 @@ func TestReplayFreeOnAnotherStream(t *testing.T) {
 	)))
 	require.NoError(t, err)
 	var results []*Result
-	for _, name := range policies.Names {
+	for _, name := range reference.Names {
 		r, err := Replay(tr, arena.NewSim(0, 0), Options{Policy: name})
 		require.NoError(t, err, name)
 		results = append(results, r)

@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay/reference"
 	"github.com/stretchr/testify/require"
 )
 
@@ -30,7 +30,7 @@ func TestReportGolden(t *testing.T) {
 		trace    *Trace
 		policies []string
 	}{
-		{"report-jsonl.golden.html", lines, policies.Names},
+		{"report-jsonl.golden.html", lines, reference.Names},
 		{"report-snapshot.golden.html", snap, []string{"goalloc"}},
 	} {
 		t.Run(c.golden, func(t *testing.T) {

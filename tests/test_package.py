@@ -236,7 +236,7 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for needed in ["go.mod", "go.sum", "setup.py", "wheel_tag.py", "export/main.go",
                    "export/torch_malloc.cpp", "cmd/goalloc/main.go", "arena/cuda.go",
-                   "caching/allocator.go", "streams/streams.go", "policies/policies.go",
+                   "caching/allocator.go", "streams/streams.go", "replay/reference/reference.go",
                    "replay/replay.go", "replay/report.html.tmpl", "units/units.go",
                    "python/goalloc/__main__.py"]:
         assert needed in names, needed

@@ -9,8 +9,8 @@ import (
 )
 
 // The command reaches the allocator only through the replay side (replay,
-// policies): configuration is read by policies.Backend and
-// policies.ConfKeys, so a change of caching's API touches one package.
+// replay/reference): configuration is read by reference.DeviceSpec and
+// reference.ConfKeys, so a change of caching's API touches one package.
 func TestCommandDoesNotImportCaching(t *testing.T) {
 	files, err := filepath.Glob("*.go")
 	if err != nil {

@@ -23,15 +23,14 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/policies"
 	"github.com/goalloc/goalloc/replay"
+	"github.com/goalloc/goalloc/replay/reference"
 	"github.com/goalloc/goalloc/units"
 )
 
@@ -87,7 +86,7 @@ lack of memory (the results are printed all the same; --allow-oom makes it 0).
 `
 
 func replayUsage() string {
-	return fmt.Sprintf(replayUsageText, strings.Join(policies.Names, ", "), strings.Join(policies.ConfKeys(), ", "),
+	return fmt.Sprintf(replayUsageText, strings.Join(reference.Names, ", "), strings.Join(reference.ConfKeys(), ", "),
 		units.FormatBytes(arena.DefaultSimMemory), units.FormatBytes(replay.DefaultMaxInputBytes), units.FormatBytes(replay.DefaultMaxLineBytes))
 }
 
@@ -128,8 +127,9 @@ type replayFlags struct {
 	device    string
 	policy    string
 	conf      string
-	backend   string          // the memory backend conf names: async or vmm
-	layout    arena.VMMLayout // and how backend:vmm lays memory out
+	// spec is the device every policy runs on: --device, with the memory
+	// backend conf names and its layout (vmm_placement, vmm_handle).
+	spec arena.DeviceSpec
 	compare   bool
 	json      bool
 	html      string
@@ -209,8 +209,8 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	if f.deviceIndex < -1 {
 		return nil, usagef("--device-index %d: a device is 0 or more", f.deviceIndex)
 	}
-	if f.device != "sim" && f.device != "cuda" {
-		return nil, usagef("unknown device %q (want sim or cuda)", f.device)
+	if !slices.Contains(arena.DeviceKinds, f.device) {
+		return nil, usagef("unknown device %q (want %s)", f.device, strings.Join(arena.DeviceKinds, " or "))
 	}
 	if f.compare && f.policy != "" {
 		return nil, usagef("--compare replays every policy; it takes no --policy")
@@ -218,18 +218,12 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	if f.policy == "" {
 		f.policy = "goalloc"
 	}
-	if !slices.Contains(policies.Names, f.policy) {
-		return nil, usagef("unknown policy %q (known: %s)", f.policy, strings.Join(policies.Names, ", "))
+	if !slices.Contains(reference.Names, f.policy) {
+		return nil, usagef("unknown policy %q (known: %s)", f.policy, strings.Join(reference.Names, ", "))
 	}
 	if f.conf != "" && !f.compare && f.policy != "goalloc" {
 		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
 	}
-	backend, layout, err := policies.Backend(f.conf)
-	if err != nil {
-		return nil, usagef("--conf: %v", err)
-	}
-	f.backend, f.layout = backend, layout
-
 	for _, limit := range []struct {
 		flag  string
 		value string
@@ -270,6 +264,15 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		}
 		f.simMemory = n
 	}
+	var deviceMemory uint64 // a GPU's is its own
+	if f.device == arena.KindSim {
+		deviceMemory = f.simMemory
+	}
+	spec, err := reference.DeviceSpec(f.device, deviceMemory, f.conf)
+	if err != nil {
+		return nil, usagef("--conf: %v", err)
+	}
+	f.spec = spec
 	return f, nil
 }
 
@@ -305,7 +308,7 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 
 	names := []string{f.policy}
 	if f.compare {
-		names = policies.Names
+		names = reference.Names
 	}
 	var results []*replay.Result
 	for _, name := range names {
@@ -359,27 +362,16 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 // replay does not measure what the trace asked for.
 var errOOM = errors.New("allocations failed for lack of memory")
 
+// newDevice makes a fresh device for one policy, as the library makes its
+// devices (arena.NewDevice): the backend --conf names (backend:vmm, the
+// default, or the stream-ordered pool) serves every policy, laid out as
+// vmm_placement and vmm_handle say.
 func newDevice(f *replayFlags) (arena.Device, error) {
-	// The backend --conf names (backend:vmm; the stream-ordered pool
-	// otherwise) serves every policy, laid out as vmm_placement and vmm_handle say.
-	if f.device == "sim" && f.backend == "vmm" {
-		return arena.NewSimVMMWith(0, f.simMemory, f.layout)
-	}
-	if f.device == "sim" {
-		return arena.NewSim(0, f.simMemory), nil
-	}
-	if f.backend == "vmm" {
-		d, err := arena.NewVMMWith(0, f.layout)
-		if err != nil {
-			return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
-		}
-		return d, nil
-	}
-	d, err := arena.NewCUDA(0, math.MaxUint64)
-	if err != nil {
+	d, err := arena.NewDevice(f.spec, 0)
+	if err != nil && f.spec.Kind == arena.KindCUDA {
 		return nil, fmt.Errorf("--device cuda: %w (use --device sim to replay on the simulated device)", err)
 	}
-	return d, nil
+	return d, err
 }
 
 func writeHTML(path string, tr *replay.Trace, results []*replay.Result) error {

@@ -11,7 +11,7 @@ import (
 	"testing"
 
 	"github.com/goalloc/goalloc/arena"
-	"github.com/goalloc/goalloc/policies"
+	"github.com/goalloc/goalloc/replay/reference"
 	"github.com/stretchr/testify/require"
 )
 
@@ -120,9 +120,9 @@ func TestCompareJSON(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	var rs []map[string]any
 	require.NoError(t, json.Unmarshal([]byte(out), &rs), out)
-	require.Len(t, rs, len(policies.Names))
+	require.Len(t, rs, len(reference.Names))
 	for i, r := range rs {
-		require.Equal(t, policies.Names[i], r["policy"])
+		require.Equal(t, reference.Names[i], r["policy"])
 		for _, k := range resultKeys {
 			require.Contains(t, r, k, r["policy"])
 		}
@@ -149,7 +149,7 @@ func TestCompareTable(t *testing.T) {
 	for _, col := range []string{"peak live", "peak reserved", "ratio", "frag@peak", "dev allocs", "ns/op"} {
 		require.Contains(t, lines[header], col)
 	}
-	for i, name := range policies.Names {
+	for i, name := range reference.Names {
 		row := lines[header+1+i]
 		require.True(t, strings.HasPrefix(row, name+" "), row)
 		require.Len(t, row, len(lines[header]), "columns line up")
@@ -168,7 +168,7 @@ func TestReplayHTML(t *testing.T) {
 	html := string(page)
 	require.True(t, strings.HasPrefix(html, "<!DOCTYPE html>"))
 	require.Contains(t, html, "<svg ")
-	for _, name := range policies.Names {
+	for _, name := range reference.Names {
 		require.Contains(t, html, ">"+name+"<")
 	}
 	// Self-contained: no external resources, no script.
@@ -406,7 +406,7 @@ func TestReplayFreeOnAnotherStream(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	var results []map[string]any
 	require.NoError(t, json.Unmarshal([]byte(out), &results), out)
-	require.Len(t, results, len(policies.Names))
+	require.Len(t, results, len(reference.Names))
 	for _, r := range results {
 		want := 0.0
 		if r["policy"] == "goalloc" {

@@ -1,6 +1,10 @@
-// Package policies holds reference allocators over an arena.Device, so that
-// the replay tool can put measured numbers on classic strategies next to
-// goalloc's own on the same trace and the same simulated (or real) pool.
+// Package reference holds the allocators the replay tool (package replay,
+// `goalloc replay`) drives over an arena.Device: goalloc's own caching
+// allocator, as the library runs it, and reference allocators, classic
+// strategies that put measured numbers next to goalloc's on the same trace
+// and the same simulated (or real) pool. They are the replay's yardsticks,
+// not part of goalloc's allocator (that is package caching); the replay calls
+// each one a policy, and Names lists them.
 //
 // Each one takes memory from the device with Alloc and gives it back with
 // Free; what differs is what it keeps cached above the device and how it
@@ -41,7 +45,7 @@
 //
 // The policies are not safe for concurrent use: the replay drives them from
 // one goroutine. (caching.Allocator is, but need not be here.)
-package policies
+package reference
 
 import (
 	"errors"
@@ -138,16 +142,18 @@ func ConfKeys() []string {
 	return keys
 }
 
-// Backend checks conf, a GOALLOC_CONF string, and returns the memory
-// backend it names: "vmm" (the default) or "async", with the layout
-// backend:vmm uses (vmm_placement, vmm_handle). A replay reads them apart from the
-// goalloc policy because the backend serves every policy.
-func Backend(conf string) (backend string, layout arena.VMMLayout, err error) {
+// DeviceSpec checks conf, a GOALLOC_CONF string, and returns the device
+// a replay runs on: kind (arena.KindSim or arena.KindCUDA; simMemory bytes
+// for the simulated one, 0 for a GPU) with the memory backend conf names
+// and its layout, exactly as the library would make it
+// (caching.Config.DeviceSpec, for arena.NewDevice). A replay reads it
+// apart from the goalloc policy because the backend serves every policy.
+func DeviceSpec(kind string, simMemory uint64, conf string) (arena.DeviceSpec, error) {
 	cfg, err := caching.ParseConfig(conf)
 	if err != nil {
-		return "", arena.VMMLayout{}, err
+		return arena.DeviceSpec{}, err
 	}
-	return cfg.Backend, cfg.VMM, nil
+	return cfg.DeviceSpec(kind, simMemory), nil
 }
 
 // Goalloc is goalloc's caching allocator as a policy.

@@ -1,4 +1,4 @@
-package policies
+package reference
 
 import (
 	"errors"
@@ -451,22 +451,31 @@ func TestErrorsAreOOM(t *testing.T) {
 	require.ErrorIs(t, err, boom)
 }
 
-// The replay command reads the backend and the configuration keys here, so
+// The replay command reads its device and the configuration keys here, so
 // that it needs nothing of package caching.
-func TestBackendAndConfKeys(t *testing.T) {
-	b, pl, err := Backend("")
+func TestDeviceSpecAndConfKeys(t *testing.T) {
+	s, err := DeviceSpec(arena.KindSim, 0, "")
 	require.NoError(t, err)
-	require.Equal(t, "vmm", b, "the default backend")
-	require.Equal(t, arena.VMMSegments, pl.Placement, "the default placement")
-	b, pl, err = Backend("large_cache:1G,backend:vmm,vmm_placement:ranges")
+	require.Equal(t, arena.KindSim, s.Kind)
+	require.Equal(t, "vmm", s.Backend, "the default backend")
+	require.Equal(t, arena.VMMSegments, s.Layout.Placement, "the default placement")
+	s, err = DeviceSpec(arena.KindCUDA, 0, "large_cache:1G,backend:vmm,vmm_placement:ranges,vmm_handle:4M")
 	require.NoError(t, err)
-	require.Equal(t, "vmm", b)
-	require.Equal(t, arena.VMMRanges, pl.Placement)
-	_, _, err = Backend("backend:tape")
+	require.Equal(t, arena.DeviceSpec{Kind: arena.KindCUDA, Backend: "vmm",
+		Layout: arena.VMMLayout{Placement: arena.VMMRanges, Handle: 4 << 20}}, s)
+	s, err = DeviceSpec(arena.KindSim, 1<<30, "backend:async")
+	require.NoError(t, err)
+	require.Equal(t, "async", s.Backend)
+	require.Equal(t, uint64(1<<30), s.SimMemory)
+	dev, err := arena.NewDevice(s, 0)
+	require.NoError(t, err)
+	require.IsType(t, &arena.Sim{}, dev)
+	require.NoError(t, dev.Close())
+	_, err = DeviceSpec(arena.KindSim, 0, "backend:tape")
 	require.Error(t, err)
-	_, _, err = Backend("vmm_placement:tape")
+	_, err = DeviceSpec(arena.KindSim, 0, "vmm_placement:tape")
 	require.Error(t, err)
-	_, _, err = Backend("no_such_key:1")
+	_, err = DeviceSpec(arena.KindSim, 0, "no_such_key:1")
 	require.ErrorContains(t, err, "no_such_key")
 	keys := ConfKeys()
 	require.True(t, sort.StringsAreSorted(keys))

@@ -1,4 +1,4 @@
-package policies
+package reference
 
 // ordered is a set of two-field keys (k1, k2), ordered by k1 then k2, each
 // with a value. It is the index best fit needs: keyed by (size, address), the
