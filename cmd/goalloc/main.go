@@ -26,6 +26,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/goalloc/goalloc/arena"
@@ -38,6 +39,12 @@ func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
+// version is goalloc's version, written once as the Python package's
+// goalloc.__version__ (python/goalloc/__init__.py); the builds set it with
+// -ldflags "-X main.version=..." (setup.py, the Makefile). "devel" is a
+// build that did not.
+var version = "devel"
+
 const usageText = `goalloc is the command-line tool of goalloc, a CUDA memory allocator for PyTorch.
 
 Usage:
@@ -45,6 +52,7 @@ Usage:
 	goalloc replay [TRACE] [flags]      replay a trace through one allocation policy
 	goalloc replay --compare [TRACE]    replay it through every policy, side by side
 	goalloc help [replay]               show this help
+	goalloc --version                   print goalloc's version
 
 Run "goalloc help replay" for the replay flags.
 `
@@ -105,6 +113,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprint(stdout, usageText)
 		}
 		return 0
+	case "version", "-version", "--version":
+		fmt.Fprintf(stdout, "goalloc %s\n", version)
+		return 0
 	case "replay":
 		return runReplay(args[1:], stdout, stderr)
 	}
@@ -123,13 +134,13 @@ func usagef(format string, args ...any) error {
 
 // replayFlags is what the replay command line asked for.
 type replayFlags struct {
-	trace     string
-	device    string
-	policy    string
-	conf      string
+	trace  string
+	device string
+	policy string
+	conf   string
 	// spec is the device every policy runs on: --device, with the memory
 	// backend conf names and its layout (vmm_placement, vmm_handle).
-	spec arena.DeviceSpec
+	spec      arena.DeviceSpec
 	compare   bool
 	json      bool
 	html      string
@@ -172,7 +183,7 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	fs.SetOutput(io.Discard) // errors are reported once, by runReplay
 	fs.StringVar(&f.device, "device", "sim", "")
 	fs.StringVar(&f.policy, "policy", "", "")
-	fs.StringVar(&f.conf, "conf", os.Getenv("GOALLOC_CONF"), "")
+	fs.StringVar(&f.conf, "conf", "", "")
 	fs.BoolVar(&f.compare, "compare", false, "")
 	fs.BoolVar(&f.json, "json", false, "")
 	fs.StringVar(&f.html, "html", "", "")
@@ -190,13 +201,21 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 			if errors.Is(err, flag.ErrHelp) {
 				return nil, err
 			}
-			return nil, usagef("%v", err)
+			return nil, flagError(err, fs, args, fs.Args())
 		}
 		if fs.NArg() == 0 {
 			break
 		}
 		positional = append(positional, fs.Arg(0))
 		args = fs.Args()[1:]
+	}
+	// The configuration is named as it came: --conf, or GOALLOC_CONF from
+	// the environment, which --conf (even --conf "") replaces.
+	confSource := "GOALLOC_CONF"
+	if isSet(fs, "conf") {
+		confSource = "--conf"
+	} else {
+		f.conf = os.Getenv("GOALLOC_CONF")
 	}
 	switch len(positional) {
 	case 0:
@@ -222,6 +241,9 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		return nil, usagef("unknown policy %q (known: %s)", f.policy, strings.Join(reference.Names, ", "))
 	}
 	if f.conf != "" && !f.compare && f.policy != "goalloc" {
+		if confSource == "GOALLOC_CONF" {
+			return nil, usagef(`GOALLOC_CONF configures the goalloc policy; %s takes none (give --conf "" to replay %s without it)`, f.policy, f.policy)
+		}
 		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
 	}
 	for _, limit := range []struct {
@@ -270,10 +292,102 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	}
 	spec, err := reference.DeviceSpec(f.device, deviceMemory, f.conf)
 	if err != nil {
-		return nil, usagef("--conf: %v", err)
+		// The parser's errors open with "GOALLOC_CONF: ".
+		return nil, usagef("%s: %s", confSource, strings.TrimPrefix(err.Error(), "GOALLOC_CONF: "))
 	}
 	f.spec = spec
 	return f, nil
+}
+
+// isSet says whether the command line gave flag name.
+func isSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(fl *flag.Flag) { set = set || fl.Name == name })
+	return set
+}
+
+// flagError rewrites an error of package flag, which writes every flag
+// with one dash (-polcy for --polcy), so that it quotes the flag as the
+// user typed it. args are what fs.Parse was given, rest what it left.
+func flagError(err error, fs *flag.FlagSet, args, rest []string) error {
+	msg := err.Error()
+	consumed := args[:len(args)-len(rest)]
+	// typed is flag name as typed, up to any "=value": the last argument
+	// Parse took, or the one before it when that was the flag's value.
+	typed := func(name string) string {
+		for i := len(consumed) - 1; i >= 0 && i >= len(consumed)-2; i-- {
+			arg, _, _ := strings.Cut(consumed[i], "=")
+			bare := strings.TrimPrefix(arg, "-")
+			bare = strings.TrimPrefix(bare, "-")
+			if strings.HasPrefix(arg, "-") && bare == name {
+				return arg
+			}
+		}
+		return "-" + name
+	}
+	if name, ok := strings.CutPrefix(msg, "flag provided but not defined: -"); ok {
+		if near := nearestFlag(fs, name); near != "" {
+			return usagef("unknown flag %q (did you mean --%s?)", typed(name), near)
+		}
+		return usagef("unknown flag %q", typed(name))
+	}
+	if name, ok := strings.CutPrefix(msg, "flag needs an argument: -"); ok {
+		return usagef("flag %q needs a value", typed(name))
+	}
+	// invalid value "v" for flag -name: why; invalid boolean value "v" for -name: why
+	for _, prefix := range []string{"invalid value ", "invalid boolean value "} {
+		rest, ok := strings.CutPrefix(msg, prefix)
+		if !ok {
+			continue
+		}
+		value, err := strconv.QuotedPrefix(rest)
+		if err != nil {
+			break
+		}
+		rest = rest[len(value):]
+		rest, ok = strings.CutPrefix(rest, " for flag -")
+		if !ok {
+			rest, ok = strings.CutPrefix(rest, " for -")
+		}
+		name, why, found := strings.Cut(rest, ": ")
+		if !ok || !found {
+			break
+		}
+		return usagef("%s%s for flag %q: %s", prefix, value, typed(name), why)
+	}
+	return usagef("%s", msg) // bad flag syntax quotes the argument itself
+}
+
+// nearestFlag is the flag of fs closest to name, within two edits, or "".
+func nearestFlag(fs *flag.FlagSet, name string) string {
+	best, bestDist := "", 3
+	fs.VisitAll(func(fl *flag.Flag) {
+		if d := editDistance(name, fl.Name); d < bestDist && d < len(fl.Name) {
+			best, bestDist = fl.Name, d
+		}
+	})
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }
 
 // replayTrace runs what f asks for.

@@ -212,10 +212,10 @@ func TestReplayErrors(t *testing.T) {
 		{[]string{"replay", notGzip}, 1, "plain.jsonl.gz: unreadable gzip"},
 		{[]string{"replay", truncated}, 1, "truncated.jsonl.gz: unreadable gzip: the file is truncated"},
 		{[]string{"replay", "--policy", "slab", malformed}, 2, `unknown policy "slab" (known: goalloc, native, buddy, fixed, passthrough)`},
-		{[]string{"replay", "--frobnicate"}, 2, "flag provided but not defined: -frobnicate"},
+		{[]string{"replay", "--frobnicate"}, 2, `unknown flag "--frobnicate"`},
 		{[]string{"replay", "--device", "tpu"}, 2, `unknown device "tpu" (want sim or cuda)`},
 		{[]string{"replay", "--compare", "--policy", "native"}, 2, "--compare replays every policy; it takes no --policy"},
-		{[]string{"replay", "--conf", "colour:blue"}, 2, `--conf: GOALLOC_CONF: unknown key "colour"`},
+		{[]string{"replay", "--conf", "colour:blue"}, 2, `goalloc replay: --conf: unknown key "colour"`},
 		{[]string{"replay", "--policy", "buddy", "--conf", "large_cache:0"}, 2, "--conf configures the goalloc policy; buddy takes none"},
 		{[]string{"replay", "--sim-memory", "lots"}, 2, `--sim-memory: "lots" is not a byte size`},
 		{[]string{"replay", "--sim-memory", "0"}, 2, "--sim-memory: 0 bytes is outside [1 MiB, 1 PiB]"},
@@ -448,4 +448,71 @@ func TestInputLimitFlags(t *testing.T) {
 	_, out, _ := goalloc(t, "help", "replay")
 	require.Contains(t, out, "--max-input-bytes BYTES")
 	require.Contains(t, out, "(default 2.00 GiB)")
+}
+
+// A flag is quoted as the user typed it: Go's flag package writes every
+// flag with one dash (-polcy for --polcy).
+func TestMistypedFlagIsQuotedAsTyped(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"replay", "--polcy", "x", trace}, `unknown flag "--polcy" (did you mean --policy?)`},
+		{[]string{"replay", trace, "-polcy=x"}, `unknown flag "-polcy" (did you mean --policy?)`},
+		{[]string{"replay", "--frobnicate"}, `unknown flag "--frobnicate"`},
+		{[]string{"replay", trace, "--policy"}, `flag "--policy" needs a value`},
+		{[]string{"replay", "--device-index", "two", trace}, `invalid value "two" for flag "--device-index": parse error`},
+		{[]string{"replay", "-device-index=-x", trace}, `invalid value "-x" for flag "-device-index": parse error`},
+		{[]string{"replay", "--json=maybe", trace}, `invalid boolean value "maybe" for flag "--json": parse error`},
+		{[]string{"replay", "---json", trace}, `bad flag syntax: ---json`},
+	} {
+		code, out, errOut := goalloc(t, c.args...)
+		require.Equal(t, 2, code, "%v: %s", c.args, errOut)
+		require.Empty(t, out)
+		require.Contains(t, errOut, "goalloc replay: "+c.want+"\n", "%v", c.args)
+		require.Contains(t, errOut, `Run "goalloc help replay" for usage.`)
+	}
+	// No suggestion where nothing is close.
+	_, _, errOut := goalloc(t, "replay", "--frobnicate")
+	require.NotContains(t, errOut, "did you mean")
+}
+
+// The configuration is reported under the name it came by: GOALLOC_CONF
+// from the environment, --conf from the command line, which replaces it.
+func TestConfErrorsNameWhereTheConfCameFrom(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	t.Setenv("GOALLOC_CONF", "colour:blue")
+	code, out, errOut := goalloc(t, "replay", trace)
+	require.Equal(t, 2, code, errOut)
+	require.Empty(t, out)
+	require.Contains(t, errOut, `goalloc replay: GOALLOC_CONF: unknown key "colour"`)
+	require.NotContains(t, errOut, "--conf:")
+
+	code, _, errOut = goalloc(t, "replay", trace, "--conf", "large_slack:2")
+	require.Equal(t, 2, code, errOut)
+	require.Contains(t, errOut, "goalloc replay: --conf: large_slack: ")
+	require.NotContains(t, errOut, "GOALLOC_CONF")
+
+	code, _, errOut = goalloc(t, "replay", trace, "--conf", "", "--json")
+	require.Equal(t, 0, code, "--conf replaces GOALLOC_CONF: %s", errOut)
+
+	t.Setenv("GOALLOC_CONF", "large_cache:0")
+	code, _, errOut = goalloc(t, "replay", trace, "--policy", "buddy")
+	require.Equal(t, 2, code, errOut)
+	require.Contains(t, errOut, `goalloc replay: GOALLOC_CONF configures the goalloc policy; buddy takes none (give --conf "" to replay buddy without it)`)
+	code, _, errOut = goalloc(t, "replay", trace, "--policy", "buddy", "--conf", "")
+	require.Equal(t, 0, code, errOut)
+}
+
+func TestVersion(t *testing.T) {
+	for _, args := range [][]string{{"--version"}, {"-version"}, {"version"}} {
+		code, out, errOut := goalloc(t, args...)
+		require.Equal(t, 0, code, "%v: %s", args, errOut)
+		require.Equal(t, "goalloc "+version+"\n", out, args)
+	}
+	require.NotEmpty(t, version)
+	code, out, _ := goalloc(t, "help")
+	require.Equal(t, 0, code)
+	require.Contains(t, out, "goalloc --version")
 }
