@@ -13,10 +13,12 @@ lib: $(BUILD)/libgoalloc.so
 $(BUILD)/libgoalloc.so: $(GOFILES)
 	$(GO) build -buildmode=c-shared -o $@ ./export
 
-## tool: build/goalloc, the trace replay command
+## tool: build/goalloc, the trace replay command, with goalloc's version
+## (goalloc.__version__, the one place it is written) for `goalloc --version`
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' python/goalloc/__init__.py)
 tool: $(BUILD)/goalloc
-$(BUILD)/goalloc: $(GOFILES)
-	$(GO) build -o $@ ./cmd/goalloc
+$(BUILD)/goalloc: $(GOFILES) python/goalloc/__init__.py
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $@ ./cmd/goalloc
 
 ## gpubuild: what tests/gpu/run_gpu.sh needs on a GPU machine that has no Go:
 ## the library, the replay tool and the CUDA tests of arena/ (carry build/)

@@ -9,6 +9,14 @@ the package, so a user never runs `go build`. Where Go is not available (the
 GPU machine, a container), GOALLOC_LIBRARY=/path/to/libgoalloc.so and
 GOALLOC_TOOL=/path/to/goalloc ship files built elsewhere instead.
 
+The native files are stripped: the Go builds link with -s -w, and prebuilt
+copies (and a C++ class built here) go through `strip` where there is one.
+The tool also carries the package's version (`goalloc --version`).
+
+Everything is built in a scratch folder, never in ./build: that is the
+Makefile's, and what an earlier build left there (`make tool`, an older
+install) must not go into the wheel.
+
 The wheel is tagged py3-none-manylinux_2_X_<arch>, X read off the native
 files it carries (wheel_tag.py). Name and layout are in pyproject.toml; the
 version is goalloc.__version__.
@@ -16,7 +24,9 @@ version is goalloc.__version__.
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +45,34 @@ sys.path.insert(0, str(ROOT))
 import wheel_tag  # noqa: E402  (beside this file; the sdist carries it)
 
 
+# goalloc.__version__, read without importing the package (which needs its
+# library to do anything).
+VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "python" / "goalloc" / "__init__.py").read_text(),
+                    re.M).group(1)
+
+# setuptools builds under ./build unless told otherwise (build_base), and
+# ships whatever lies in its build_lib there: a tool an earlier build left
+# went into a wheel that was built without one. Each run of this script
+# builds in a folder of its own instead, removed when it ends. A
+# --build-base on the command line still wins.
+BUILD_BASE = tempfile.mkdtemp(prefix="goalloc-setup-")
+atexit.register(shutil.rmtree, BUILD_BASE, ignore_errors=True)
+
+
+def strip(path: Path) -> None:
+    """Strip path in place (its symbol table and debug sections; the
+    dynamic symbols ctypes and torch look up stay), as the Go builds are
+    (-s -w). Where there is no `strip` or it fails, the file is shipped as
+    it is, saying so: a larger wheel, not a broken one."""
+    tool = shutil.which(os.environ.get("STRIP", "strip"))
+    if tool is None:
+        print(f"goalloc: no `strip` on PATH: {path.name} is shipped unstripped")
+        return
+    r = subprocess.run([tool, "--strip-all", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"goalloc: `strip` failed on {path.name} ({r.stderr.strip()}); it is shipped unstripped")
+
+
 class GoallocBuildError(SetupError):
     """A native file could not be built or found; the message says what to do."""
 
@@ -50,6 +88,7 @@ class NativeFile:
     name: str  # path inside the goalloc package
     env: str  # the variable naming a prebuilt copy
     go_args: tuple[str, ...]  # go build's arguments before -o; the package last
+    ldflags: str  # the linker's flags (-s -w: no symbol table, no DWARF)
     make_target: str  # the Makefile target that builds it in a checkout
     # Whether an install without Go and without the prebuilt copy may go on
     # without it (the package then says how to get it when it is wanted).
@@ -71,6 +110,7 @@ class NativeFile:
             print(f"goalloc: shipping the prebuilt {src} ({self.env})")
             shutil.copyfile(src, dest)
             shutil.copymode(src, dest)
+            strip(dest)
             return True
 
         go = shutil.which(os.environ.get("GO", "go"))
@@ -95,7 +135,8 @@ class NativeFile:
         # header, which does not belong in the package.
         with tempfile.TemporaryDirectory(prefix="goalloc-build-") as tmp:
             out = Path(tmp) / Path(self.name).name
-            cmd = [go, "build", *self.go_args[:-1], "-trimpath", "-o", str(out), self.go_args[-1]]
+            cmd = [go, "build", *self.go_args[:-1], "-trimpath", f"-ldflags={self.ldflags}",
+                   "-o", str(out), self.go_args[-1]]
             print("goalloc: " + " ".join(cmd))
             env = dict(os.environ, CGO_ENABLED="1")
             try:
@@ -112,9 +153,10 @@ class NativeFile:
 
 
 NATIVE_FILES = [
-    NativeFile("libgoalloc.so", "GOALLOC_LIBRARY", ("-buildmode=c-shared", "./export"), "lib",
+    NativeFile("libgoalloc.so", "GOALLOC_LIBRARY", ("-buildmode=c-shared", "./export"), "-s -w", "lib",
                optional=False),
-    NativeFile("bin/goalloc", "GOALLOC_TOOL", ("./cmd/goalloc",), "tool", optional=True),
+    NativeFile("bin/goalloc", "GOALLOC_TOOL", ("./cmd/goalloc",), f"-s -w -X main.version={VERSION}", "tool",
+               optional=True),
 ]
 
 
@@ -133,7 +175,13 @@ class BuildPyWithNativeFiles(build_py):
             dest = self._package_dir() / native.name
             if native.build(dest):
                 self._built.append(str(dest))
-        build_cxx_class(self._package_dir())
+            elif dest.exists():
+                # Left by an earlier build (an editable install writes into
+                # python/goalloc): it would pass for this build's.
+                dest.unlink()
+        if build_cxx_class(self._package_dir()):
+            for so in sorted((self._package_dir() / "cxxbuild").glob("*/*.so")):
+                strip(so)
 
     def _package_dir(self) -> Path:
         if self.editable_mode:
@@ -205,4 +253,5 @@ class BdistWheelManylinux(bdist_wheel):
 setup(
     cmdclass={"build_py": BuildPyWithNativeFiles, "bdist_wheel": BdistWheelManylinux},
     distclass=BinaryDistribution,
+    options={"build": {"build_base": BUILD_BASE}},
 )

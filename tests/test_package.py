@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import venv
 import zipfile
@@ -173,6 +175,83 @@ def test_goalloc_tool_that_is_not_a_file_is_reported(tmp_path):
     assert "GOALLOC_TOOL=" in proc.stderr and "is not an executable file" in proc.stderr
 
 
+def test_goalloc_version_prints_the_package_version(tmp_path):
+    """`goalloc --version` answers with goalloc.__version__, from the
+    package, so also where the tool is missing."""
+    runs = [([sys.executable, "-m", "goalloc", "--version"], None, _tool_env())]
+    package = tmp_path / "goalloc"
+    shutil.copytree(Path(goalloc.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("bin", "__pycache__"))
+    runs.append(([sys.executable, "-m", "goalloc", "--version"], tmp_path,
+                 _tool_env(PYTHONPATH=str(tmp_path))))
+    for cmd, cwd, env in runs:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"goalloc {goalloc.__version__}\n", "")
+
+
+def _section_names(path: Path) -> set[str]:
+    """The section names of a 64-bit little-endian ELF file."""
+    data = Path(path).read_bytes()
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = headers[shstrndx][4]
+    return {data[strtab + h[0]:data.index(b"\0", strtab + h[0])].decode() for h in headers}
+
+
+def _unstripped(path: Path) -> set[str]:
+    """The sections of path a stripped file does not have."""
+    return {n for n in _section_names(path) if n == ".symtab" or n.startswith((".debug", ".zdebug"))}
+
+
+def test_a_wheel_build_writes_nothing_into_build_and_ships_no_stale_file(tmp_path):
+    """`pip install .` builds in a scratch folder, never in ./build, the
+    Makefile's, where files of an earlier build (`make tool`'s build/goalloc,
+    an older install's build/lib/goalloc/bin/goalloc) would go into the
+    wheel. Built here without Go, from a prebuilt library (GOALLOC_LIBRARY),
+    so the wheel has no tool, not a stale one, and its library is stripped."""
+    try:
+        from setuptools.command import bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+    except ImportError:
+        if os.environ.get("GOALLOC_EXPECT_INSTALLED"):
+            pytest.fail("`make pytest` installs setuptools>=70.1; it is missing")
+        pytest.skip("needs setuptools >= 70.1 where pytest runs")
+    src = tmp_path / "src"
+    for name in ["setup.py", "pyproject.toml", "wheel_tag.py", "README.md", "MANIFEST.in"]:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / name, src / name)
+    shutil.copytree(REPO / "python" / "goalloc", src / "python" / "goalloc",
+                    ignore=shutil.ignore_patterns("bin", "*.so", "*.h.gch", "cxxbuild", "__pycache__", "libgoalloc.h"))
+    platlib = f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"  # setuptools' build_lib
+    stale = {"build/goalloc": "#!/bin/sh\necho stale make tool\n",
+             f"build/{platlib}/goalloc/bin/goalloc": "#!/bin/sh\necho stale build_py output\n"}
+    for rel, text in stale.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+        (src / rel).chmod(0o755)
+    library = Path(goalloc.library_path())
+    env = {k: v for k, v in os.environ.items() if k not in ("GOALLOC_TOOL", "PYTHONPATH")}
+    env.update(GOALLOC_LIBRARY=str(library), GO=str(tmp_path / "no-go-here"), GOALLOC_CXX="0")
+    out = tmp_path / "wheels"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(out), str(src)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (wheel,) = out.glob("goalloc-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert "goalloc/libgoalloc.so" in names
+        assert not [n for n in names if "/bin/" in n], names
+        zf.extract("goalloc/libgoalloc.so", tmp_path / "unpacked")
+    after = {str(p.relative_to(src)) for p in (src / "build").rglob("*") if p.is_file()}
+    assert after == set(stale), "the build wrote into ./build"
+    for rel, text in stale.items():
+        assert (src / rel).read_text() == text
+    shipped = tmp_path / "unpacked" / "goalloc" / "libgoalloc.so"
+    if shutil.which("strip"):
+        assert _unstripped(shipped) == set(), "the prebuilt library is shipped stripped"
+    assert _unstripped(library), "the prebuilt library itself is left as it was"
+
+
 # --- the wheel's platform tag ---------------------------------------------------
 
 def _wheel_tag():
@@ -228,6 +307,9 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
     # Built from the sdist, not from the checkout.
     log = proc.stdout + proc.stderr
     assert "Building wheel from sdist" in log, log[-2000:]
+    # MANIFEST.in names only what exists: no wall of warnings.
+    manifest_warnings = re.findall(r"^.*no (?:previously-included )?(?:files|directories) found.*$", log, re.M)
+    assert not manifest_warnings, "\n".join(manifest_warnings)
     (sdist,) = dist.glob("goalloc-*.tar.gz")
     (wheel,) = dist.glob("goalloc-*.whl")
 
@@ -241,7 +323,8 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
                    "python/goalloc/__main__.py"]:
         assert needed in names, needed
     assert not [n for n in names if n.endswith("_test.go") or "testdata" in n
-                or n.startswith(("traces/", "bench/", "tests/"))]
+                or n.startswith(("traces/", "bench/", "tests/", "build/"))
+                or n.endswith((".so", "libgoalloc.h")) or "/bin/" in n]
 
     assert re.fullmatch(rf"goalloc-{re.escape(version)}-py3-none-manylinux_2_\d+_x86_64\.whl", wheel.name)
     with zipfile.ZipFile(wheel) as zf:
@@ -252,6 +335,10 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
         # every header it includes ship with it.
         for f in (_cxx_sources()):
             assert f"goalloc/csrc/{f}" in zf.namelist(), f
+        # The native files are stripped (go build -ldflags=-s -w).
+        for name in ["goalloc/libgoalloc.so", "goalloc/bin/goalloc"]:
+            path = Path(zf.extract(name, tmp_path / "unpacked"))
+            assert _unstripped(path) == set(), name
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
@@ -272,6 +359,11 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
     path, installed_version, allocated = json.loads(smoke.stdout)
     assert Path(path).is_relative_to(env_dir)
     assert (installed_version, allocated) == (version, 1 << 20)
+    # The tool carries the package's version (setup.py links it in), and the
+    # `goalloc` command answers with it.
+    for cmd in ([str(Path(path).parent / "bin" / "goalloc")], [str(env_dir / "bin" / "goalloc")]):
+        v = subprocess.run(cmd + ["--version"], cwd=away, env=env, capture_output=True, text=True, timeout=60)
+        assert (v.returncode, v.stdout) == (0, f"goalloc {version}\n"), (cmd, v.stderr)
 
     # A two-event trace, replayed by the installed tool.
     trace = away / "tiny.jsonl.gz"

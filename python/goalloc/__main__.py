@@ -4,6 +4,8 @@ The tool (`goalloc replay TRACE --compare --html out.html`, `goalloc help`)
 is a Go program; the wheel carries it as goalloc/bin/goalloc, built with the
 library. This module replaces the Python process with it, so arguments,
 standard streams, signals and the exit status are the tool's own.
+`goalloc --version` is answered here, with the package's version (the tool
+built with it says the same), so also where the tool is missing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import NoReturn, Optional, Sequence
 
 TOOL_ENV = "GOALLOC_TOOL"
 TOOL_NAME = "goalloc"
+VERSION_ARGS = ("--version", "-version", "version")  # the tool's own spellings
 
 
 def tool_path() -> str:
@@ -43,6 +46,11 @@ def tool_path() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
     """Run the tool with argv (default: this process's arguments)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] and args[0] in VERSION_ARGS:
+        from goalloc import __version__
+
+        print(f"{TOOL_NAME} {__version__}")
+        sys.exit(0)
     try:
         path = tool_path()
     except FileNotFoundError as e:
