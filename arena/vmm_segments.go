@@ -231,41 +231,13 @@ import (
 	"github.com/goalloc/goalloc/internal/addrmap"
 )
 
-// VMMPlacement names how the VMM backend places large requests.
-type VMMPlacement string
-
-const (
-	// VMMSegments: a segment per stream, grown and carved in place
-	// (vmm_segments.go).
-	VMMSegments VMMPlacement = "segments"
-	// VMMRanges: a fresh VA range per request, backed by whatever
-	// handles are free (vmm_placement.go).
-	VMMRanges VMMPlacement = "ranges"
-	// DefaultVMMPlacement is the placement when none is named.
-	DefaultVMMPlacement = VMMSegments
-)
-
-// ParseVMMPlacement is the one check of a placement's name.
-func ParseVMMPlacement(s string) (VMMPlacement, error) {
-	switch p := VMMPlacement(s); p {
-	case VMMSegments, VMMRanges:
-		return p, nil
-	case "":
-		return DefaultVMMPlacement, nil
-	}
-	return "", fmt.Errorf("VMM placement %q is neither segments nor ranges", s)
-}
-
-// VMMLayout is how a VMM device lays out physical memory: where large
-// requests go, and the size of the physical handles it maps.
+// VMMLayout is how a VMM device lays out physical memory: the size of the
+// physical handles it maps.
 type VMMLayout struct {
-	Placement VMMPlacement
 	// Handle is the bytes of each physical handle: the placement's
 	// granule, the unit in which it maps, moves and releases memory. A
 	// power of two, at least the device's own allocation granularity
-	// (raised to it where smaller). 0: the placement's default,
-	// DefaultVMMHandle for segments, the device's granularity for ranges
-	// (which rounds every request up to a handle).
+	// (raised to it where smaller). 0: DefaultVMMHandle.
 	Handle uint64
 }
 
@@ -283,9 +255,6 @@ const DefaultVMMHandle = 16 << 20
 
 // Check is the one check of a layout.
 func (l VMMLayout) Check() error {
-	if _, err := ParseVMMPlacement(string(l.Placement)); err != nil {
-		return err
-	}
 	if h := l.Handle; h&(h-1) != 0 {
 		return fmt.Errorf("VMM handle size %d is not a power of two", h)
 	}
@@ -302,7 +271,7 @@ func (l VMMLayout) granule(driver, mem uint64) (uint64, error) {
 		return 0, err
 	}
 	h := l.Handle
-	if h == 0 && l.Placement != VMMRanges {
+	if h == 0 {
 		h = DefaultVMMHandle
 		for h > driver && h > mem {
 			h /= 2
@@ -313,42 +282,6 @@ func (l VMMLayout) granule(driver, mem uint64) (uint64, error) {
 		return 0, fmt.Errorf("VMM handles of %d bytes are larger than the device's %d bytes of memory (vmm_handle)", h, mem)
 	}
 	return h, nil
-}
-
-// vmmPlacer is what vmmSource needs of a placement; the caller holds a
-// lock around it.
-type vmmPlacer interface {
-	// Alloc places size bytes (rounded up to the quantum) for stream s.
-	Alloc(size uint64, s Stream) (uintptr, error)
-	// Free gives back the live allocation at va, ordered on s; done says
-	// nothing can still use it.
-	Free(va uintptr, s Stream, done bool) error
-	// Owns says whether va is a live allocation, and its rounded size.
-	Owns(va uintptr) (uint64, bool)
-	// eachLive calls f for every live allocation.
-	eachLive(f func(va uintptr, size uint64))
-	Trim(keep uint64) error
-	SetCap(limit uint64)
-	Held() uint64
-	HeldHigh() uint64
-	Live() uint64
-	resetHigh()
-	// syncMark and synchronized: after a device-wide synchronisation that
-	// began after syncMark, synchronized(mark) learns that the frees up to
-	// the mark have completed.
-	syncMark() uint64
-	synchronized(mark uint64)
-	// round is n rounded up to the quantum, the size Alloc places.
-	round(n uint64) uint64
-	granule() uint64
-	// quantum is what places are aligned to: the granule (ranges) or
-	// segQuantum (segments, which pack requests below a granule too).
-	quantum() uint64
-	// event and putEvent lend spare events to the source's small pieces.
-	event() (Event, error)
-	putEvent(e Event)
-	Close() error
-	CheckInvariants() error
 }
 
 const (
@@ -690,7 +623,16 @@ func (e *vmmSegments) SetCap(limit uint64) { e.cap = limit }
 func (e *vmmSegments) resetHigh()          { e.heldHigh = e.held }
 func (e *vmmSegments) putEvent(ev Event)   { e.events = append(e.events, ev) }
 
-func (e *vmmSegments) event() (Event, error) { return takeEvent(&e.events, e.drv) }
+// event is a spare event, or a new one when none is spare: events are
+// recycled, since creating one is a driver call.
+func (e *vmmSegments) event() (Event, error) {
+	if k := len(e.events); k > 0 {
+		ev := e.events[k-1]
+		e.events = e.events[:k-1]
+		return ev, nil
+	}
+	return e.drv.NewEvent()
+}
 
 func (e *vmmSegments) Owns(va uintptr) (uint64, bool) {
 	r, ok := e.byBase.Get(va)

@@ -140,7 +140,7 @@ func ConfKeys() []string {
 
 // Backend checks conf, a GOALLOC_CONF string, and returns the memory
 // backend it names: "vmm" (the default) or "async", with the layout
-// backend:vmm uses (vmm_placement, vmm_handle). A replay reads them apart from the
+// backend:vmm uses (vmm_handle). A replay reads them apart from the
 // goalloc policy because the backend serves every policy.
 func Backend(conf string) (backend string, layout arena.VMMLayout, err error) {
 	cfg, err := caching.ParseConfig(conf)

@@ -361,7 +361,7 @@ var errOOM = errors.New("allocations failed for lack of memory")
 
 func newDevice(f *replayFlags) (arena.Device, error) {
 	// The backend --conf names (backend:vmm; the stream-ordered pool
-	// otherwise) serves every policy, laid out as vmm_placement and vmm_handle say.
+	// otherwise) serves every policy, laid out as vmm_handle says.
 	if f.device == "sim" && f.backend == "vmm" {
 		return arena.NewSimVMMWith(0, f.simMemory, f.layout)
 	}
