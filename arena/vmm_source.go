@@ -1,7 +1,7 @@
-package arena
+// The VMM backend's MemorySource, over the segments placement.
+// See vmm.go for the overview.
 
-// The VMM backend's MemorySource over a PhysDriver; vmm.go has the
-// overview of the placement under it.
+package arena
 
 import (
 	"errors"
@@ -146,12 +146,6 @@ func (v *vmmSource) setCap(limit uint64) {
 	if limit > 0 && v.eng.Held() > limit && !v.closed {
 		_ = v.eng.Trim(limit)
 	}
-}
-
-func (v *vmmSource) held() uint64 {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	return v.eng.Held()
 }
 
 func (v *vmmSource) close() error {

@@ -80,7 +80,7 @@
 // streams ever seen (short-lived streams, one per request, are common). The
 // same holds under the cache: the VMM backend's segment of a stream gives
 // its VA back, and its record goes, once it holds nothing (arena's
-// vmm_segments.go, "VA and streams").
+// vmm.go, "VA and streams").
 //
 // The exception is record_stream: a block allocated on A and used on B may be
 // freed by the host while B still reads it. Then the free records an event on
