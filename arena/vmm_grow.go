@@ -94,9 +94,9 @@ func (e *vmmSegments) holeFills(g *vmmSegment, prev, next spanID, n uint64, cons
 }
 
 // segPay: bytes from the tail of the whole granules of the free span id
-// of g that pay for new granules: unmapped now when its last use has
-// completed; else (drain) mapped at the new place too, and left mapped
-// here, draining, until the event of its free completes.
+// of g that pay for new granules: unmapped by the map step when its last
+// use has completed; else (drain) mapped at the new place too, and left
+// mapped here, draining, until the event of its free completes.
 type segPay struct {
 	g     *vmmSegment
 	id    spanID
