@@ -15,11 +15,10 @@
 //     current when the calling thread has none: PyTorch's autograd thread
 //     arrives with no context (a stream-ordered call there returns
 //     CUDA_ERROR_INVALID_CONTEXT).
-//   - VMM (vmm_cuda.go, over vmm_source.go and one of two placements of
-//     large requests, vmm_segments.go (the default) or vmm_placement.go,
-//     chosen by GOALLOC_CONF's vmm_placement): the same driver, but physical memory comes as handles
-//     (cuMemCreate) that goalloc maps where it likes, so what the device
-//     holds is exactly what goalloc says it holds. Chosen with
+//   - VMM (vmm_cuda.go, over vmm_source.go and the segments placement,
+//     whose overview is vmm.go): the same driver, but physical memory
+//     comes as handles (cuMemCreate) that goalloc maps where it likes, so
+//     what the device holds is exactly what goalloc says it holds. Chosen with
 //     GOALLOC_CONF=backend:vmm; it shares the CUDA device's runtime half
 //     (cudaRuntime).
 //   - SimVMM (sim_vmm.go): the simulated device with the VMM backend, the

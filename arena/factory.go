@@ -34,8 +34,8 @@ type DeviceSpec struct {
 	Kind string
 	// Backend is BackendVMM or BackendAsync.
 	Backend string
-	// Layout is how BackendVMM lays memory out (vmm_placement,
-	// vmm_handle); the zero layout is the default placement. BackendAsync
+	// Layout is how BackendVMM lays memory out (vmm_handle); the zero
+	// layout is the default. BackendAsync
 	// ignores it (GOALLOC_CONF keeps one whatever the backend).
 	Layout VMMLayout
 	// SimMemory is the simulated device's memory in bytes, 0 for

@@ -16,9 +16,9 @@ func TestNewDeviceMakesEachSimulatedKind(t *testing.T) {
 		{DeviceSpec{Kind: KindSim, Backend: BackendAsync, SimMemory: 1 << 30}, &Sim{}, 1 << 30},
 		{DeviceSpec{Kind: KindSim, Backend: BackendVMM}, &SimVMM{}, DefaultSimMemory},
 		{DeviceSpec{Kind: KindSim, Backend: BackendVMM, SimMemory: 1 << 30,
-			Layout: VMMLayout{Placement: VMMRanges, Handle: 4 << 20}}, &SimVMM{}, 1 << 30},
+			Layout: VMMLayout{Handle: 4 << 20}}, &SimVMM{}, 1 << 30},
 		// GOALLOC_CONF keeps a layout whatever the backend: async ignores it.
-		{DeviceSpec{Kind: KindSim, Backend: BackendAsync, Layout: VMMLayout{Placement: VMMSegments}}, &Sim{}, DefaultSimMemory},
+		{DeviceSpec{Kind: KindSim, Backend: BackendAsync, Layout: VMMLayout{Handle: 4 << 20}}, &Sim{}, DefaultSimMemory},
 	} {
 		dev, err := NewDevice(c.spec, 3)
 		require.NoError(t, err, "%+v", c.spec)
@@ -34,7 +34,7 @@ func TestNewDeviceMakesEachSimulatedKind(t *testing.T) {
 	}
 	// The layout reaches the VMM device: 4 MiB handles, one per 1 MiB request.
 	dev, err := NewDevice(DeviceSpec{Kind: KindSim, Backend: BackendVMM, SimMemory: 1 << 30,
-		Layout: VMMLayout{Placement: VMMRanges, Handle: 4 << 20}}, 0)
+		Layout: VMMLayout{Handle: 4 << 20}}, 0)
 	require.NoError(t, err)
 	defer dev.Close()
 	_, err = dev.Alloc(1<<20, 0)
@@ -78,7 +78,6 @@ func TestNewDeviceRefusesWhatItCannotMake(t *testing.T) {
 		{DeviceSpec{Kind: KindSim, Backend: BackendVMM, SimMemory: 2 * MaxSimMemory}, 0, "arena: simulated device memory: "},
 		{DeviceSpec{Kind: KindCUDA, Backend: BackendVMM, SimMemory: 1 << 30}, 0, "arena: a simulated memory size (1073741824 bytes) given for a cuda device; it sizes the sim device only"},
 		{DeviceSpec{Kind: KindSim, Backend: BackendVMM, Layout: VMMLayout{Handle: 3 << 20}}, 0, "arena: VMM layout: VMM handle size 3145728 is not a power of two"},
-		{DeviceSpec{Kind: KindSim, Backend: BackendVMM, Layout: VMMLayout{Placement: "tape"}}, 0, "arena: VMM layout: "},
 		{DeviceSpec{Kind: KindSim, Backend: BackendAsync}, -1, "arena: device -1: an ordinal is 0 or more"},
 		{DeviceSpec{Kind: KindSim, Backend: BackendAsync}, maxSimDevices, "sim: device 64: outside 64 devices"},
 		{DeviceSpec{Kind: KindSim, Backend: BackendVMM}, maxSimDevices, "sim: VMM device 64: outside 64 devices"},

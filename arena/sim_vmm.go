@@ -3,10 +3,10 @@ package arena
 import "fmt"
 
 // SimVMM is the simulated device with the VMM backend: a Sim for streams,
-// events and capture, and the very placement engine and page packing the
-// CUDA VMM device runs (vmm_source.go), over an in-memory driver (FakePhys)
-// with a 2 MiB granule, as on an H200. Its reserved figure is the physical
-// bytes its handles hold, page for page what the real device would hold.
+// events and capture, and the very placement the CUDA VMM device runs
+// (vmm_source.go), over an in-memory driver (FakePhys) whose granularity
+// is an H200's 2 MiB, raised to the layout's handle size. Its reserved figure is the physical bytes its
+// handles hold, handle for handle what the real device would hold.
 type SimVMM struct {
 	*Sim
 	phys     *FakePhys
@@ -25,7 +25,7 @@ var (
 const simVMMGranule = 2 << 20
 
 // NewSimVMM makes a simulated VMM device with capacity bytes of memory and
-// the default placement.
+// the default layout.
 func NewSimVMM(ordinal int, capacity uint64) (*SimVMM, error) {
 	return NewSimVMMWith(ordinal, capacity, VMMLayout{})
 }
@@ -58,7 +58,7 @@ func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	// devices share one address space: a pointer names its device.
 	start := simVMMVABase + uintptr(ordinal)*simVMMVAWindow
 	phys.SetVAWindow(start, start+simVMMVAWindow)
-	src, err := newVMMSource(phys, l.Placement, capacity, 0)
+	src, err := newVMMSource(phys, capacity, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -143,11 +143,10 @@ func (d *SimVMM) Calls() map[string]int {
 }
 
 // StreamGranular is a device whose streams never share a physical handle:
-// the VMM devices, where a stream's memory lies in its own segments (or,
-// under the ranges placement, its own pages and ranges). A stream that
-// holds anything makes the device hold at least one handle for it, which
-// is what the caching layer's budget for memory kept per stream counts
-// (caching/retention.go).
+// the VMM devices, where a stream's memory lies in its own segments. A
+// stream that holds anything makes the device hold at least one handle for
+// it, which is what the caching layer's budget for memory kept per stream
+// counts (caching/retention.go).
 type StreamGranular interface {
 	// StreamGranule is the bytes of a handle: the least the device holds
 	// for a stream that holds anything.

@@ -1,7 +1,7 @@
 //go:build linux && cgo
 
 // The VMM device: physical memory from cuMemCreate, mapped by goalloc where
-// it likes (the placement engine, vmm_placement.go), instead of a
+// it likes (the segments placement, vmm.go), instead of a
 // stream-ordered pool. The runtime half (context, events, capture status,
 // synchronisation, memory info) is the CUDA device's own (cudaRuntime); the
 // C wrappers are the gx_vmm_* ones in cuda_driver.h.
@@ -103,8 +103,8 @@ func (p *cudaPhys) DestroyEvent(e Event) error { return p.rt.destroyEvent(e) }
 
 // NewVMM opens device ordinal with the VMM backend: it retains the
 // device's primary context, reads the allocation granularity, finds the
-// peer devices that can access this one (each range is opened to all of
-// them), and places large requests with the default placement.
+// peer devices that can access this one (each mapping is opened to all of
+// them), and lays memory out as the default layout says.
 func NewVMM(ordinal int) (*VMM, error) { return NewVMMWith(ordinal, VMMLayout{}) }
 
 // NewVMMWith is NewVMM with memory laid out as l says.
@@ -140,14 +140,14 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 		return fail(err)
 	}
 	phys := &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
-	d.src, err = newVMMSource(phys, l.Placement, total, 0)
+	d.src, err = newVMMSource(phys, total, 0)
 	if err != nil {
 		return fail(err)
 	}
 	return d, nil
 }
 
-// PeersGranted lists the devices every range of this device is opened to.
+// PeersGranted lists the devices every mapping of this device is opened to.
 func (d *VMM) PeersGranted() ([]int, error) {
 	var out []int
 	for i := 0; i < 64; i++ {

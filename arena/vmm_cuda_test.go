@@ -9,16 +9,13 @@ import (
 
 var _ Device = (*VMM)(nil)
 
+// openVMM opens device ordinal with 2 MiB handles, the H200's
+// granularity, so that the tests' sizes count granules.
 func openVMM(t *testing.T, ordinal int) *VMM {
 	t.Helper()
-	return openVMMPlaced(t, ordinal, DefaultVMMPlacement)
-}
-
-func openVMMPlaced(t *testing.T, ordinal int, p VMMPlacement) *VMM {
-	t.Helper()
-	d, err := NewVMMWith(ordinal, VMMLayout{Placement: p, Handle: 2 << 20})
+	d, err := NewVMMWith(ordinal, VMMLayout{Handle: 2 << 20})
 	if err != nil {
-		t.Fatalf("NewVMMWith(%d, %s): %v", ordinal, p, err)
+		t.Fatalf("NewVMMWith(%d): %v", ordinal, err)
 	}
 	t.Cleanup(func() { d.Close() })
 	return d
@@ -114,8 +111,8 @@ func TestVMMCUDAAllocFreeReuse(t *testing.T) {
 	}
 }
 
-// A range whose handles are reused elsewhere is unmapped, and the data of
-// every other range survives the remapping.
+// A free span whose handles pay for growth elsewhere is unmapped, and the
+// data of every other span survives the remapping.
 func TestVMMCUDADataSurvivesRemap(t *testing.T) {
 	needCUDA(t, 1)
 	d := openVMM(t, 0)
@@ -148,11 +145,13 @@ func TestVMMCUDADataSurvivesRemap(t *testing.T) {
 	}
 }
 
-// A range freed on a busy stream is neither unmapped nor given to another
-// stream until the stream has done the work queued before the free.
+// Memory freed on a busy stream is neither unmapped nor given to another
+// stream until the stream has done the work queued before the free: the
+// fence recorded for it is not complete, so another stream's miss creates
+// new memory.
 func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 	needCUDA(t, 1)
-	d := openVMMPlaced(t, 0, VMMRanges)
+	d := openVMM(t, 0)
 	const n = 1 << 30
 	s1, s2, p := freeOnBusyStream(t, d, n)
 	_, _, un0, _, _ := d.engineCounts()
@@ -165,10 +164,10 @@ func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 		t.Fatalf("stream 2 got %#x (freed %#x on busy stream 1), %d unmaps", q, p, un1-un0)
 	}
 	d.src.mu.Lock()
-	eng := d.src.eng.(*vmmEngine)
-	ev := eng.ranges[eng.byBase[p]].event
+	g := d.src.eng.streams[s1].segs[0]
+	ev := g.span(g.spanAt(p)).event
 	d.src.mu.Unlock()
-	if done, _ := d.EventDone(ev); ev == 0 || done {
+	if done, _ := d.EventDone(ev); ev == 0 || ev == unrecorded || done {
 		t.Log("stream 1 finished its fills before the check; the ordering was not exercised")
 	}
 	start := time.Now()
@@ -183,13 +182,13 @@ func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r != p && r != q {
-		t.Errorf("after stream 1 completed, a freed range should be handed back whole")
+	if r != q {
+		t.Errorf("stream 2's own free span should be handed back whole: got %#x, freed %#x", r, q)
 	}
 	expectBytes(t, d, p, 1<<20, 199, "the last fill of stream 1, before its free")
 }
 
-// Every range is opened to each peer that can access the device: a copy
+// Every mapping is opened to each peer that can access the device: a copy
 // from device 0's memory by device 1 works.
 func TestVMMCUDAPeerAccess(t *testing.T) {
 	needCUDA(t, 2)
@@ -216,7 +215,8 @@ func TestVMMCUDAPeerAccess(t *testing.T) {
 	expectBytes(t, d1, dst, n, 0x5a, "copied to device 1")
 }
 
-// Driver cost per miss, for the record: ranges of one and of many handles.
+// Driver cost per miss, for the record: misses that grow the segment, and
+// one served by the memory they freed.
 func TestVMMCUDAMissCost(t *testing.T) {
 	needCUDA(t, 1)
 	d := openVMM(t, 0)
@@ -229,7 +229,7 @@ func TestVMMCUDAMissCost(t *testing.T) {
 		}
 		ps = append(ps, p)
 	}
-	t.Logf("50 new ranges of 2..100 MiB: %v per miss", time.Since(start)/50)
+	t.Logf("50 new allocations of 2..100 MiB: %v per miss", time.Since(start)/50)
 	for i, p := range ps {
 		d.Free(p, uint64(i+1)*(2<<20), 0)
 	}
@@ -240,14 +240,14 @@ func TestVMMCUDAMissCost(t *testing.T) {
 		t.Fatal(err)
 	}
 	c, m, u, r, a := d.engineCounts()
-	t.Logf("1 GiB from freed ranges: %v (totals: %d creates, %d maps, %d unmaps, %d releases, %d set-access)",
+	t.Logf("1 GiB from freed memory: %v (totals: %d creates, %d maps, %d unmaps, %d releases, %d set-access)",
 		time.Since(start), c, m, u, r, a)
 	d.Free(p, 1<<30, 0)
 }
 
-// Close with frees still held (their events not yet destroyed, pieces in a
-// page) succeeds: the device marks itself closed first, and its own event
-// destruction must not be refused for that.
+// Close with frees still held (their events not yet destroyed) succeeds:
+// the device marks itself closed first, and its own event destruction must
+// not be refused for that.
 func TestVMMCUDACloseWithHeldFrees(t *testing.T) {
 	needCUDA(t, 1)
 	d, err := NewVMM(0)
@@ -285,7 +285,7 @@ func countsOf(d *VMM) vmmCounts {
 // not unmapped for another stream. The cost of a miss either way is logged.
 func TestVMMCUDASegments(t *testing.T) {
 	needCUDA(t, 1)
-	d := openVMMPlaced(t, 0, VMMSegments)
+	d := openVMM(t, 0)
 	const n = 8 << 20
 	a, err := d.Alloc(n, 0)
 	if err != nil {

@@ -343,18 +343,6 @@ func TestSegmentsCloseReleasesEverything(t *testing.T) {
 	_ = live
 }
 
-func TestParseVMMPlacement(t *testing.T) {
-	for in, want := range map[string]VMMPlacement{"segments": VMMSegments, "ranges": VMMRanges, "": DefaultVMMPlacement} {
-		p, err := ParseVMMPlacement(in)
-		require.NoError(t, err)
-		assert.Equal(t, want, p)
-	}
-	_, err := ParseVMMPlacement("stripes")
-	assert.ErrorContains(t, err, "neither segments nor ranges")
-	_, err = NewSimVMMWith(0, 1<<30, VMMLayout{Placement: "stripes"})
-	assert.Error(t, err)
-}
-
 // drainSetup leaves stream 1's segment as two free spans of 8 MiB, each
 // before a live span of 2 MiB, whose frees have not completed.
 func drainSetup(t *testing.T) (e *vmmSegments, phys *FakePhys, sim *Sim, p1, p2 uintptr) {
@@ -710,13 +698,6 @@ func TestSpanListLinksAndReusesNodes(t *testing.T) {
 	assert.ErrorContains(t, g.checkList(), "unused node")
 }
 
-// vmmSegmentsOf is the segments placement under a simulated VMM device.
-func vmmSegmentsOf(t *testing.T, d *SimVMM) *vmmSegments {
-	e, ok := d.src.eng.(*vmmSegments)
-	require.True(t, ok, "the default placement is segments")
-	return e
-}
-
 // A segment reserves the device's memory size of VA, and a window of VA
 // holds few segments of a device that large: a segment that holds nothing
 // gives its VA back, and its stream's state goes with it, once Trim has
@@ -726,7 +707,7 @@ func TestSegmentsGiveTheirVABackOnTrim(t *testing.T) {
 	d, err := NewSimVMM(0, 1<<50)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = d.Close() })
-	e := vmmSegmentsOf(t, d)
+	e := d.src.eng
 	for i := 0; i < 20; i++ {
 		s := Stream(0x100 + i)
 		p, err := d.Alloc(1000, s)
@@ -747,7 +728,7 @@ func TestSegmentsGiveTheirVABackWhenTheirLastMemoryGoes(t *testing.T) {
 	d, err := NewSimVMM(0, 1<<50)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = d.Close() })
-	e := vmmSegmentsOf(t, d)
+	e := d.src.eng
 	segVA := e.segVA
 	for i := 0; i < 20; i++ {
 		s := Stream(0x100 + i)

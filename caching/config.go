@@ -48,9 +48,7 @@ type Config struct {
 	// in GPT-2, LLaMA and ResNet-50 training on an H200, against
 	// 1.008-1.085x for async, at least as fast (BENCHMARKS.md).
 	Backend string
-	// VMM is how the vmm backend lays memory out: its placement of large
-	// requests, a segment per stream grown in place or a fresh range per
-	// request (arena's VMMSegments, VMMRanges), and the size of its
+	// VMM is how the vmm backend lays memory out: the size of its
 	// physical handles.
 	VMM arena.VMMLayout
 	// Front lets goalloc's C++ class for PyTorch serve a freed block again
@@ -90,7 +88,6 @@ func DefaultConfig() Config {
 		MissRelease:      true,
 		LargeSlack:       1.0 / 16,
 		Backend:          defaultBackend,
-		VMM:              arena.VMMLayout{Placement: arena.DefaultVMMPlacement},
 		Front:            true,
 	}
 }
@@ -105,7 +102,7 @@ var confKeys = map[string]string{
 	"large_slack":       "how much larger than a request a cached large block may be, in [0, 1)",
 	"quiet":             "true to silence warnings (OOM lines still print)",
 	"backend":           "where memory comes from: async (a stream-ordered pool) or vmm (handles goalloc maps)",
-	"vmm_placement":     "how backend:vmm places large requests: segments (one per stream, grown in place) or ranges (a fresh range per request)",
+	"vmm_placement":     "retired: backend:vmm places every request in segments (one per stream, grown in place); segments is still taken, for old configurations, and changes nothing; ranges, the other placement, was removed",
 	"front":             "true to let goalloc's C++ class for PyTorch reuse a freed block for the next request of its size and stream without calling Go, and pass frees to Go in batches",
 	"yield_every":       "how often a thread calling goalloc's C++ class for PyTorch yields to Go's scheduler, a duration below 10ms such as 9ms, or 0 for never (the default)",
 	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 16M (raised to the device's granularity where smaller)",
@@ -175,7 +172,7 @@ func ParseConfig(s string) (Config, error) {
 				c.Backend = v
 			}
 		case "vmm_placement":
-			c.VMM.Placement, err = arena.ParseVMMPlacement(v)
+			err = retiredPlacement(v)
 		case "vmm_handle":
 			if c.VMM.Handle, err = units.ParseBytes(v); err == nil && c.VMM.Handle == 0 {
 				err = fmt.Errorf("a handle of 0 bytes")
@@ -256,6 +253,19 @@ func knownKeys() string {
 	return strings.Join(keys, ", ")
 }
 
+// retiredPlacement checks vmm_placement, a key kept so that configurations
+// that name the placement still read: segments, the one placement left, is
+// taken (and changes nothing); ranges, retired, is refused, saying so.
+func retiredPlacement(v string) error {
+	switch v {
+	case "segments":
+		return nil
+	case "ranges":
+		return fmt.Errorf("the ranges placement was retired; backend:vmm places every request in segments, so drop vmm_placement:ranges")
+	}
+	return fmt.Errorf("%q is not a placement; the key is retired and takes only segments, the one placement left", v)
+}
+
 // parseYieldEvery parses yield_every: a Go duration in [0, 10ms).
 func parseYieldEvery(v string) (time.Duration, error) {
 	d, err := time.ParseDuration(v) // takes "0" too
@@ -316,9 +326,6 @@ func (c Config) String() string {
 		out += ",yield_every:" + strconv.FormatInt(int64(c.YieldEvery), 10) + "ns"
 	}
 	// The VMM layout when it is not the default.
-	if c.VMM.Placement != "" && c.VMM.Placement != arena.DefaultVMMPlacement {
-		out += ",vmm_placement:" + string(c.VMM.Placement)
-	}
 	if c.VMM.Handle != 0 {
 		out += ",vmm_handle:" + strconv.FormatUint(c.VMM.Handle, 10)
 	}

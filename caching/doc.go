@@ -80,7 +80,7 @@
 // streams ever seen (short-lived streams, one per request, are common). The
 // same holds under the cache: the VMM backend's segment of a stream gives
 // its VA back, and its record goes, once it holds nothing (arena's
-// vmm_segments.go, "VA and streams").
+// vmm.go, "VA and streams").
 //
 // The exception is record_stream: a block allocated on A and used on B may be
 // freed by the host while B still reads it. Then the free records an event on
@@ -174,7 +174,7 @@
 // so it holds more than goalloc's own reserved figure; its own figure is
 // memory_reserved() (held.go), and arena.PoolCapped bounds it by the cap.
 // vmm, the default, is goalloc's own placement
-// over physical handles (arena/vmm_segments.go, arena/vmm_placement.go): the
+// over physical handles (arena/vmm.go and its siblings): the
 // device holds exactly the backend's reserved figure (which includes free
 // memory a segment keeps mapped for its stream, so it can be above
 // goalloc's own reserved; memory_reserved() reports it, held.go), the cap

@@ -139,7 +139,7 @@ type replayFlags struct {
 	policy string
 	conf   string
 	// spec is the device every policy runs on: --device, with the memory
-	// backend conf names and its layout (vmm_placement, vmm_handle).
+	// backend conf names and its layout (vmm_handle).
 	spec      arena.DeviceSpec
 	compare   bool
 	json      bool
@@ -479,7 +479,7 @@ var errOOM = errors.New("allocations failed for lack of memory")
 // newDevice makes a fresh device for one policy, as the library makes its
 // devices (arena.NewDevice): the backend --conf names (backend:vmm, the
 // default, or the stream-ordered pool) serves every policy, laid out as
-// vmm_placement and vmm_handle say.
+// vmm_handle says.
 func newDevice(f *replayFlags) (arena.Device, error) {
 	d, err := arena.NewDevice(f.spec, 0)
 	if err != nil && f.spec.Kind == arena.KindCUDA {

@@ -53,8 +53,8 @@ type physCell struct {
 	off uint64
 }
 
-func newVMMHarness(t *testing.T, capacity, limit uint64, p VMMPlacement) *vmmHarness {
-	d, err := NewSimVMMWith(0, capacity, VMMLayout{Placement: p, Handle: simVMMGranule})
+func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
+	d, err := NewSimVMMWith(0, capacity, VMMLayout{Handle: simVMMGranule})
 	require.NoError(t, err)
 	d.SetManual(true)
 	d.SetCap(limit)
@@ -197,29 +197,17 @@ func (h *vmmHarness) check() {
 		}
 	}
 	assert.Equal(h.t, h.d.src.eng.Held(), h.d.phys.Used(), "held is the physical memory")
-	switch e := h.d.src.eng.(type) {
-	case *vmmEngine:
-		if e.cap > 0 {
-			assert.LessOrEqual(h.t, e.held, e.cap)
-		}
-		ranges := len(e.byBase) + len(e.freed)
-		assert.LessOrEqual(h.t, h.d.phys.Handles(), (maxGather+1)*ranges+maxFree+len(e.freeHandle))
-	case *vmmSegments:
-		if e.cap > 0 {
-			assert.LessOrEqual(h.t, e.held, e.cap)
-		}
-		assert.Equal(h.t, int(e.held/e.gran), h.d.phys.Handles(), "one handle per granule held")
+	e := h.d.src.eng
+	if e.cap > 0 {
+		assert.LessOrEqual(h.t, e.held, e.cap)
 	}
+	assert.Equal(h.t, int(e.held/e.gran), h.d.phys.Handles(), "one handle per granule held")
 }
 
 // liveGranuleBytes is what the live allocations of e hold: the granules
 // they touch. Once every free has completed, the rest of what e holds can
 // pay for a request.
-func liveGranuleBytes(e vmmPlacer) uint64 {
-	seg, ok := e.(*vmmSegments)
-	if !ok {
-		return e.Live() // ranges: live ranges are whole granules
-	}
+func liveGranuleBytes(seg *vmmSegments) uint64 {
 	var n uint64
 	for _, g := range seg.segs {
 		last := -1
@@ -238,15 +226,9 @@ func liveGranuleBytes(e vmmPlacer) uint64 {
 
 func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
 
+// TestVMMRandomOps drives the placement through random steps, checking
+// every invariant, the cookies and stream order after each.
 func TestVMMRandomOps(t *testing.T) {
-	for _, p := range []VMMPlacement{VMMRanges, VMMSegments} {
-		t.Run(string(p), func(t *testing.T) { vmmRandomOps(t, p) })
-	}
-}
-
-// vmmRandomOps drives placement p through random steps, checking every
-// invariant, the cookies and stream order after each.
-func vmmRandomOps(t *testing.T, placement VMMPlacement) {
 	seeds := int64(12)
 	if n, err := strconv.Atoi(os.Getenv("GOALLOC_VMM_SEEDS")); err == nil && n > 0 {
 		seeds = int64(n) // more seeds, for a hunt: GOALLOC_VMM_SEEDS=500 go test -run TestVMMRandomOps ./arena
@@ -259,7 +241,7 @@ func vmmRandomOps(t *testing.T, placement VMMPlacement) {
 			if seed%2 == 0 {
 				limit = 160 * mib
 			}
-			h := newVMMHarness(t, capacity, limit, placement)
+			h := newVMMHarness(t, capacity, limit)
 			streams := []Stream{1, 2, 3, anyStream}
 			sizes := []uint64{0, 512, 3000, 64 << 10, 300 << 10, mib, 2 * mib, 2*mib + 1, 6 * mib, 10 * mib, 31 * mib}
 			for step := 0; step < 800; step++ {
@@ -282,7 +264,7 @@ func vmmRandomOps(t *testing.T, placement VMMPlacement) {
 								bound = limit
 							}
 							live := liveGranuleBytes(e)
-							assert.Greater(t, live+roundUp(e.round(size), e.granule()), bound-h.d.src.gran*uint64(len(h.d.src.pages)),
+							assert.Greater(t, live+roundUp(e.round(size), e.granule()), bound,
 								"OOM with %d live of %d after a synchronise", live, bound)
 						}
 					}
@@ -325,25 +307,14 @@ func vmmRandomOps(t *testing.T, placement VMMPlacement) {
 			require.NoError(t, h.d.Trim(0))
 			h.check()
 			assert.Zero(t, h.d.phys.Used(), "everything freed and trimmed")
-			if placement == VMMSegments {
-				assert.Zero(t, h.d.phys.ReservedVA(), "every segment's VA given back")
-			}
+			assert.Zero(t, h.d.phys.ReservedVA(), "every segment's VA given back")
 			require.NoError(t, h.d.Close())
 			assert.Zero(t, h.d.Sim.Events(), "events leaked")
 		})
 	}
 }
 
-// engineOnly makes an engine over a fake driver on a manual Sim.
-func engineOnly(t *testing.T, capacity, limit uint64) (*vmmEngine, *FakePhys, *Sim) {
-	sim := NewSim(0, capacity)
-	sim.SetManual(true)
-	phys := NewFakePhys(sim, capacity, simVMMGranule)
-	e, err := newVMMEngine(phys, 2*capacity, limit)
-	require.NoError(t, err)
-	return e, phys, sim
-}
-
+// calls counts the driver calls made on f, VA reservations left out.
 func calls(f *FakePhys) int {
 	n := 0
 	for k, v := range f.Calls {
@@ -352,121 +323,6 @@ func calls(f *FakePhys) int {
 		}
 	}
 	return n
-}
-
-func TestVMMSameSizeReuseCostsNoDriverCall(t *testing.T) {
-	e, phys, sim := engineOnly(t, 1<<30, 0)
-	p, err := e.Alloc(6*mib, 1)
-	require.NoError(t, err)
-	assert.Equal(t, 1, phys.Calls["cuMemCreate"], "one handle for the whole range")
-	assert.Equal(t, 1, phys.Calls["cuMemSetAccess"])
-	sim.Launch(1)
-	require.NoError(t, e.Free(p, 1, false))
-	before := calls(phys)
-	q, err := e.Alloc(6*mib, 1)
-	require.NoError(t, err)
-	assert.Equal(t, p, q, "the same stream takes its freed range back at once")
-	assert.Equal(t, before, calls(phys), "and no driver call is made")
-	require.NoError(t, e.CheckInvariants())
-}
-
-func TestVMMOtherStreamWaitsForTheFree(t *testing.T) {
-	e, phys, sim := engineOnly(t, 1<<30, 0)
-	p, err := e.Alloc(8*mib, 1)
-	require.NoError(t, err)
-	sim.Launch(1)
-	require.NoError(t, e.Free(p, 1, false))
-	q, err := e.Alloc(8*mib, 2)
-	require.NoError(t, err)
-	assert.NotEqual(t, p, q)
-	assert.EqualValues(t, 16*mib, e.Held(), "stream 2 got new memory: stream 1 may still use the old")
-	assert.Zero(t, phys.Calls["cuMemUnmap"], "nothing is unmapped before the free completes")
-	sim.Complete(1)
-	require.NoError(t, e.Free(q, 2, true))
-	r, err := e.Alloc(16*mib, 3)
-	require.NoError(t, err)
-	assert.EqualValues(t, 16*mib, e.Held(), "both completed ranges back the new one: held does not grow")
-	assert.Equal(t, 2, phys.Calls["cuMemCreate"])
-	assert.Equal(t, 2, phys.Calls["cuMemUnmap"])
-	_ = r
-	require.NoError(t, e.CheckInvariants())
-}
-
-// A stream's freed range backs its next, larger request before the free has
-// completed: its handles are mapped at the new VA too, and the old mapping
-// goes only once the free completes.
-func TestVMMSameStreamTakesOverPendingHandles(t *testing.T) {
-	e, phys, sim := engineOnly(t, 1<<30, 0)
-	p, err := e.Alloc(4*mib, 1)
-	require.NoError(t, err)
-	sim.Launch(1)
-	require.NoError(t, e.Free(p, 1, false))
-	q, err := e.Alloc(10*mib, 1)
-	require.NoError(t, err)
-	assert.NotEqual(t, p, q)
-	assert.EqualValues(t, 10*mib, e.Held(), "4 MiB taken over, 6 MiB created")
-	assert.Zero(t, phys.Calls["cuMemUnmap"])
-	hp, _ := phys.HandleAt(p)
-	hq, _ := phys.HandleAt(q)
-	assert.Equal(t, hp, hq, "the handle is mapped at both addresses")
-	require.NoError(t, e.CheckInvariants())
-	require.NoError(t, e.poll())
-	assert.Zero(t, phys.Calls["cuMemUnmap"], "the free has not completed")
-	sim.Complete(1)
-	require.NoError(t, e.poll())
-	assert.Equal(t, 1, phys.Calls["cuMemUnmap"], "the old mapping goes once it completed")
-	require.NoError(t, e.CheckInvariants())
-}
-
-// Many small free handles are not gathered one by one: past maxGather, the
-// spare ones are released and what is missing is made as one handle.
-func TestVMMSmallHandlesCoalesce(t *testing.T) {
-	e, phys, _ := engineOnly(t, 1<<30, 0)
-	var ps []uintptr
-	for i := 0; i < 20; i++ {
-		p, err := e.Alloc(2*mib, 1)
-		require.NoError(t, err)
-		ps = append(ps, p)
-	}
-	for _, p := range ps {
-		require.NoError(t, e.Free(p, 1, true))
-	}
-	p, err := e.Alloc(40*mib, 2)
-	require.NoError(t, err)
-	ri := e.byBase[p]
-	assert.LessOrEqual(t, len(e.ranges[ri].handles), maxGather+1)
-	assert.EqualValues(t, 40*mib, e.Held(), "held did not grow")
-	assert.LessOrEqual(t, phys.Handles(), maxGather+1)
-	require.NoError(t, e.CheckInvariants())
-}
-
-func TestVMMCapOOMLeavesStateClean(t *testing.T) {
-	e, phys, sim := engineOnly(t, 1<<30, 32*mib)
-	p, err := e.Alloc(20*mib, 1)
-	require.NoError(t, err)
-	sim.Launch(1)
-	require.NoError(t, e.Free(p, 1, false))
-	before := calls(phys)
-	_, err = e.Alloc(20*mib, 2)
-	require.ErrorIs(t, err, ErrOutOfMemory, "stream 1's free has not completed and the cap leaves 12 MiB")
-	assert.Equal(t, before, calls(phys), "a refused request calls no driver")
-	require.NoError(t, e.CheckInvariants())
-	sim.Complete(1) // what the layer above's synchronise does
-	q, err := e.Alloc(20*mib, 2)
-	require.NoError(t, err)
-	assert.Equal(t, p, q)
-	_, err = e.Alloc(14*mib, 2)
-	require.ErrorIs(t, err, ErrOutOfMemory)
-	assert.EqualValues(t, 20*mib, e.Held())
-	require.NoError(t, e.CheckInvariants())
-}
-
-func TestVMMDeviceOOMFromTheDriver(t *testing.T) {
-	e, _, _ := engineOnly(t, 16*mib, 0)
-	_, err := e.Alloc(18*mib, 1)
-	require.ErrorIs(t, err, ErrOutOfMemory)
-	assert.Zero(t, e.Held())
-	require.NoError(t, e.CheckInvariants())
 }
 
 // Memory taken outside a capture is for any stream: a pending free of the
@@ -509,7 +365,7 @@ func TestVMMBadFrees(t *testing.T) {
 	assert.Error(t, err)
 }
 
-// Small requests share pages: 16 of 100 KiB hold one granule.
+// Small requests are packed: 16 of 100 KiB hold one granule.
 func TestVMMSmallRequestsSharePages(t *testing.T) {
 	d, err := NewSimVMM(0, 1<<30)
 	require.NoError(t, err)

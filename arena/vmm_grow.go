@@ -1,0 +1,615 @@
+// Growth, steps 2 to 4: where a miss goes, and its pay, lend and map steps.
+// See vmm.go for the overview.
+
+package arena
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+)
+
+// fill is where step 2 puts a request: region [start, start+n) of segment
+// g, made of the free span before a hole (left, its whole), granules of
+// the hole, [run, run+need), and the head of the free span after it
+// (rightUse bytes of it). What the new granules hold beyond the request,
+// less than a granule, becomes a free span.
+type fill struct {
+	g          *vmmSegment
+	start, run uintptr
+	need       uint64
+	left       spanID // the free span used whole, or noSpan
+	right      spanID // the free span whose head is used, or noSpan
+	rightUse   uint64
+}
+
+// bestFill finds the fill of n bytes in s's segments that maps the fewest
+// granules (the lowest address on a tie); ok false when no hole fits.
+func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
+	consider := func(f fill) {
+		if !ok || f.need < best.need || (f.need == best.need && f.start < best.start) {
+			best, ok = f, true
+		}
+	}
+	st := e.stream(s)
+	if st == nil {
+		return best, false
+	}
+	for _, g := range st.segs {
+		// The hole between prev and next, each noSpan at the segment's
+		// ends: before every span, and after the last.
+		prev, next := noSpan, g.first
+		for {
+			e.holeFills(g, prev, next, n, consider)
+			if next == noSpan {
+				break
+			}
+			prev, next = next, g.next(next)
+		}
+	}
+	return best, ok
+}
+
+// holeFills offers consider each fill of n bytes around the hole of g
+// between spans prev and next (noSpan: the segment's ends), if there is a
+// hole there: the free span before it extended into it, the free span
+// after it extended back, both joined through it, or new granules alone.
+func (e *vmmSegments) holeFills(g *vmmSegment, prev, next spanID, n uint64, consider func(fill)) {
+	holeBase, holeEnd := g.base, g.end()
+	if prev != noSpan {
+		holeBase = g.span(prev).end()
+	}
+	if next != noSpan {
+		holeEnd = g.span(next).base
+	}
+	hole := uint64(holeEnd - holeBase)
+	if hole == 0 {
+		return
+	}
+	var l, r uint64
+	if prev != noSpan && g.span(prev).state == spanFree {
+		l = g.span(prev).size
+	}
+	if next != noSpan && g.span(next).state == spanFree {
+		r = g.span(next).size
+	}
+	// Step 1 failed: l < n and r < n. A hole's ends are on granules, so
+	// need (whole granules) starts at one.
+	if m := e.roundGranule(n - l); l > 0 && m <= hole {
+		consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: m, left: prev, right: noSpan})
+	}
+	if m := e.roundGranule(n - r); r > 0 && m <= hole {
+		f := fill{g: g, start: holeEnd - uintptr(m), run: holeEnd - uintptr(m), need: m, left: noSpan, right: noSpan}
+		if n > m { // else the request fits the new granules, and their rest joins the span
+			f.right, f.rightUse = next, n-m
+		}
+		consider(f)
+	}
+	if l > 0 && r > 0 && l+hole < n && n <= l+hole+r {
+		consider(fill{g: g, start: holeBase - uintptr(l), run: holeBase, need: hole, left: prev, right: next, rightUse: n - l - hole})
+	}
+	if m := e.roundGranule(n); m <= hole {
+		consider(fill{g: g, start: holeBase, run: holeBase, need: m, left: noSpan, right: noSpan})
+	}
+}
+
+// segPay: bytes from the tail of the whole granules of the free span id
+// of g that pay for new granules: unmapped by the map step when its last
+// use has completed; else (drain) mapped at the new place too, and left
+// mapped here, draining, until the event of its free completes.
+type segPay struct {
+	g     *vmmSegment
+	id    spanID
+	bytes uint64
+	drain bool
+	// A drain leaves up to two free pieces of the span, before and after
+	// the draining granules; each takes an event recorded now.
+	events [2]Event
+}
+
+// growth is a miss that step 1 could not serve, as grow carries it through
+// steps 2 to 4.
+type growth struct {
+	s Stream
+	// f is where the request goes (step 2); newSeg says f lies in a
+	// segment still to be reserved.
+	f      fill
+	newSeg bool
+	// pays are the free spans that pay for f's new granules (step 3):
+	// complete ones, unmapped by the map step, and s's own still in use,
+	// which lend (drain). paid is their bytes, with the spare handles'.
+	pays []segPay
+	paid uint64
+	// later are s's own free spans whose last use may still run, the
+	// largest first: they lend once complete memory has paid what it can.
+	later []segRef
+	// borrowed are the handles the lending spans' tails lend, in the order
+	// they map at f.run, first.
+	borrowed []PhysHandle
+}
+
+// grow is steps 2-4: map what is missing, paid for with free memory. A
+// step that fails leaves the state consistent and gives back what the
+// steps before it took.
+func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
+	// Free memory pays only once known complete: unrecorded spans get
+	// their event now (one per segment), which on a stream with nothing
+	// left to run completes at once.
+	e.fenceAll()
+	gr := &growth{s: s}
+	var ok bool
+	if gr.f, ok = e.bestFill(n, s); !ok {
+		gr.newSeg = true
+		gr.f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
+	}
+	if err := e.payComplete(gr); err != nil {
+		return 0, err
+	}
+	if err := e.lend(gr); err != nil {
+		e.unpay(gr.pays)
+		return 0, err
+	}
+	if err := e.afford(gr); err != nil {
+		e.unpay(gr.pays)
+		return 0, err
+	}
+	// From here on the driver is called; each failure leaves the state
+	// consistent and gives back what was unmapped to pay.
+	if err := e.mapGrowth(gr); err != nil {
+		return 0, err
+	}
+	return e.commit(gr.f, n, gr.pays), nil
+}
+
+// payComplete is step 3's first half: the free spans whose last use has
+// completed pay, the largest first, with the tail of their whole granules
+// (unmapped by the map step; their handles map at the new place). s's own
+// spans still in use are set aside to lend; a span with a handle still
+// mapped in a draining span does not pay.
+func (e *vmmSegments) payComplete(gr *growth) error {
+	gr.paid = uint64(len(e.spare)) * e.gran
+	for _, c := range e.payCandidates(gr.f) {
+		if gr.paid >= gr.f.need {
+			break
+		}
+		sp := c.g.span(c.id)
+		done, err := e.spanDone(sp)
+		if err != nil {
+			return err
+		}
+		if !done {
+			if c.g.stream == gr.s && gr.s != anyStream {
+				gr.later = append(gr.later, c)
+			}
+			continue
+		}
+		if e.drainMapped(c.g, sp) {
+			continue
+		}
+		take := min(e.wholeBytes(c), gr.f.need-gr.paid)
+		gr.pays = append(gr.pays, segPay{g: c.g, id: c.id, bytes: take})
+		gr.paid += take
+	}
+	return nil
+}
+
+// lend is step 3's second half: s's own free spans whose last use may
+// still run, the largest first, lend the handles of their whole granules'
+// tail. Their work and the request's are ordered on s, so the handles
+// serve it at once, mapped at both places until the free completes. While
+// a capture is underway nothing lends (no event can be recorded): what is
+// missing is created.
+func (e *vmmSegments) lend(gr *growth) error {
+	for _, c := range gr.later {
+		if gr.paid >= gr.f.need {
+			break
+		}
+		sp := c.g.span(c.id)
+		if sp.event == unrecorded {
+			// The draining tail is polled: it needs an event, and one
+			// recorded now covers its free; without one, it does not lend.
+			if e.fence(c.g, false); sp.event == unrecorded {
+				continue
+			}
+		}
+		_, hi := e.whole(sp)
+		take := min(e.wholeBytes(c), gr.f.need-gr.paid)
+		p := segPay{g: c.g, id: c.id, bytes: take, drain: true}
+		if err := e.recordPieces(&p, gr.s); err != nil {
+			if errors.Is(err, ErrCaptureUnderway) {
+				return nil
+			}
+			return err
+		}
+		for va := hi - uintptr(take); va < hi; va += uintptr(e.gran) {
+			gr.borrowed = append(gr.borrowed, c.g.handles[(va-c.g.base)/uintptr(e.gran)])
+		}
+		gr.pays = append(gr.pays, p)
+		gr.paid += take
+	}
+	return nil
+}
+
+// recordPieces gives each piece of p's span left free around the lent
+// tail (before it, and the span's end in a granule it shares) an event
+// recorded now on s, after the free's. On an error the events it took go
+// back to the spare ones.
+func (e *vmmSegments) recordPieces(p *segPay, s Stream) error {
+	sp := p.g.span(p.id)
+	_, hi := e.whole(sp)
+	pieces := 0
+	if hi-uintptr(p.bytes) > sp.base {
+		pieces++
+	}
+	if hi < sp.end() {
+		pieces++
+	}
+	for k := 0; k < pieces; k++ {
+		ev, err := e.event()
+		if err == nil {
+			if err = e.drv.RecordEvent(ev, s); err != nil {
+				e.events = append(e.events, ev)
+			}
+		}
+		if err != nil {
+			e.unpay([]segPay{*p})
+			return err
+		}
+		p.events[k] = ev
+	}
+	return nil
+}
+
+// unpay gives back the events recorded for the pieces of lending spans,
+// when their grow fails (the spans change only at commit).
+func (e *vmmSegments) unpay(pays []segPay) {
+	for _, p := range pays {
+		for _, ev := range p.events {
+			if ev != 0 {
+				e.events = append(e.events, ev)
+			}
+		}
+	}
+}
+
+// afford is step 4: what nothing free pays for is created, if the cap and
+// the device's memory allow it; a refusal comes before any driver call.
+func (e *vmmSegments) afford(gr *growth) error {
+	var create uint64
+	if gr.paid < gr.f.need {
+		create = gr.f.need - gr.paid
+	}
+	// Held grows by what is created; above a lowered cap, a request that
+	// needs nothing created still goes through (held does not grow).
+	if after := e.held + create; e.cap > 0 && create > 0 && after > e.cap {
+		return fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, above the cap of %d: %w",
+			create, after, e.cap, ErrOutOfMemory)
+	}
+	// Nor more than the device has: that would create handles until the
+	// driver refuses one, holding the device's memory for a moment, and
+	// give them all back.
+	if after := e.held + create; create > 0 && e.mem > 0 && after > e.mem {
+		return fmt.Errorf("arena: VMM: %d bytes more would hold %d bytes, more than the device's %d: %w",
+			create, after, e.mem, ErrOutOfMemory)
+	}
+	return nil
+}
+
+// mapGrowth is the map step: it reserves the new segment, if f lies in
+// one, unmaps the complete spans that pay (their handles become spare),
+// and maps the new granules (mapNew). A failure undoes what it did and
+// releases the spare handles.
+func (e *vmmSegments) mapGrowth(gr *growth) error {
+	if gr.newSeg {
+		g, err := e.newSegment(gr.s, max(e.segVA, gr.f.need))
+		if err != nil {
+			e.unpay(gr.pays)
+			return err
+		}
+		gr.f.g, gr.f.start, gr.f.run = g, g.base, g.base
+	}
+	for _, p := range gr.pays {
+		if p.drain {
+			continue
+		}
+		if err := e.unmapWhole(p.g, p.id, p.bytes, false); err != nil {
+			e.unpay(gr.pays)
+			return errors.Join(err, e.releaseSpare())
+		}
+	}
+	return e.mapNew(gr)
+}
+
+// mapNew maps f's new granules, borrowed handles first (so that a failure
+// knows which of the new granules are theirs), then spare ones, then new
+// ones, and sets access over them once.
+func (e *vmmSegments) mapNew(gr *growth) error {
+	f := gr.f
+	g := f.g
+	nb := uint64(len(gr.borrowed)) * e.gran
+	// fail undoes the first mapped bytes of the run.
+	fail := func(err error, mapped uint64) error {
+		e.unpay(gr.pays)
+		return errors.Join(err, e.unmapRun(g, f.run, mapped, nb), e.releaseSpare())
+	}
+	for off := uint64(0); off < f.need; off += e.gran {
+		var h PhysHandle
+		switch k := len(e.spare); {
+		case off < nb:
+			h = gr.borrowed[off/e.gran]
+		case k > 0:
+			h = e.spare[k-1]
+			e.spare = e.spare[:k-1]
+		default:
+			var err error
+			if h, err = e.drv.CreateHandle(e.gran); err != nil {
+				return fail(err, off)
+			}
+			e.held += e.gran
+			e.heldHigh = max(e.heldHigh, e.held)
+		}
+		va := f.run + uintptr(off)
+		if err := e.drv.Map(va, e.gran, h); err != nil {
+			if off >= nb {
+				e.spare = append(e.spare, h)
+			}
+			return fail(err, off)
+		}
+		e.setHandle(g, va, h)
+	}
+	if err := e.drv.SetAccess(f.run, f.need); err != nil {
+		return fail(err, f.need)
+	}
+	return nil
+}
+
+// payCandidates is what may pay for f's new granules (step 3): the free
+// spans with whole granules, but for those f itself joins, the largest
+// first (in creation order of their segments, then address, on a tie).
+// Only segments with a free span are walked, so segments of streams that
+// hold only live memory cost nothing here.
+func (e *vmmSegments) payCandidates(f fill) []segRef {
+	var cands []segRef
+	for _, g := range e.segs {
+		if g.nfree == 0 {
+			continue
+		}
+		for id := g.first; id != noSpan; id = g.next(id) {
+			sp := g.span(id)
+			if sp.state != spanFree || (g == f.g && (id == f.left || id == f.right)) {
+				continue
+			}
+			if lo, hi := e.whole(sp); hi > lo {
+				cands = append(cands, segRef{g, id})
+			}
+		}
+	}
+	sort.SliceStable(cands, func(a, b int) bool { return e.wholeBytes(cands[a]) > e.wholeBytes(cands[b]) })
+	return cands
+}
+
+// newSegment reserves a segment of size bytes of VA for stream s, the
+// last of its stream's; the stream's share is made with its first.
+func (e *vmmSegments) newSegment(s Stream, size uint64) (*vmmSegment, error) {
+	base, err := e.drv.ReserveVA(size)
+	if err != nil {
+		return nil, err
+	}
+	st := e.streams[s]
+	if st == nil {
+		st = &segStream{}
+		e.streams[s] = st
+	}
+	g := &vmmSegment{stream: s, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
+	e.segs = append(e.segs, g)
+	st.segs = append(st.segs, g)
+	return g, nil
+}
+
+// commit ends a grow whose driver calls all succeeded: the borrowed tails
+// drain, the region's spans become one live span of n bytes, and a
+// segment that paid with its last granules gives its VA back.
+func (e *vmmSegments) commit(f fill, n uint64, pays []segPay) uintptr {
+	for _, p := range pays {
+		if p.drain {
+			e.drain(p)
+		}
+	}
+	e.placeLive(f, n)
+	for _, p := range pays {
+		// The request is served: a segment the driver would not free
+		// stays, empty, for the next Trim to try again.
+		_ = e.dropIfEmpty(p.g)
+	}
+	return f.start
+}
+
+// placeLive makes f's region one live span of n bytes: the free spans it
+// joins go into it, and what the new granules hold beyond it is free.
+func (e *vmmSegments) placeLive(f fill, n uint64) {
+	g := f.g
+	live := segSpan{base: f.start, size: n, state: spanLive}
+	// next: the span the live one goes before.
+	next := g.spanAt(f.start)
+	if f.left != noSpan {
+		// The whole left span goes into the request: next is it.
+		e.unindex(g, next)
+		e.dropEvent(g.span(next).event)
+		left := next
+		next = g.next(left)
+		g.unlink(left)
+	}
+	if f.right != noSpan {
+		r := g.span(next)
+		e.unindex(g, next)
+		if f.rightUse == r.size {
+			e.dropEvent(r.event)
+			right := next
+			next = g.next(right)
+			g.unlink(right)
+		} else {
+			r.base += uintptr(f.rightUse)
+			r.size -= f.rightUse
+			e.index(g, next)
+		}
+	}
+	at := g.insert(next, live)
+	if end, mapped := f.start+uintptr(n), f.run+uintptr(f.need); end < mapped {
+		// The new granules' rest: free, complete, joined to a free span
+		// after it.
+		rest := g.insert(g.next(at), segSpan{base: end, size: uint64(mapped - end)})
+		e.setFree(g, rest, 0, 0)
+	}
+	e.byBase.Put(f.start, segRef{g, at})
+	e.live += n
+}
+
+// drain makes the tail of the whole granules of p's free span draining:
+// still mapped, its handles now owned by the span they were just mapped
+// into as well. The draining granules keep the free's event; the pieces
+// of the span before and after them, if any, stay free with p.events.
+func (e *vmmSegments) drain(p segPay) {
+	g := p.g
+	sp := *g.span(p.id)
+	_, hi := e.whole(&sp)
+	tail := segSpan{base: hi - uintptr(p.bytes), size: p.bytes, state: spanDraining, event: sp.event, seq: sp.seq}
+	var pieces [3]segSpan
+	np, k, at := 0, 0, 0 // at: the tail's place among the pieces
+	if tail.base > sp.base {
+		e.seq++
+		pieces[np] = segSpan{base: sp.base, size: uint64(tail.base - sp.base), state: spanFree, event: p.events[k], seq: e.seq}
+		np, k, at = np+1, k+1, 1
+	}
+	pieces[np] = tail
+	np++
+	if hi < sp.end() {
+		e.seq++
+		pieces[np] = segSpan{base: hi, size: uint64(sp.end() - hi), state: spanFree, event: p.events[k], seq: e.seq}
+		np++
+	}
+	e.unindex(g, p.id)
+	ids := [3]spanID{p.id}
+	*g.span(p.id) = pieces[0]
+	for j := 1; j < np; j++ {
+		ids[j] = g.insert(g.next(ids[j-1]), pieces[j])
+	}
+	for j := 0; j < np; j++ {
+		e.index(g, ids[j])
+	}
+	for va := tail.base; va < tail.end(); va += uintptr(e.gran) {
+		e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]]++
+	}
+	e.mapped -= p.bytes
+	e.draining = append(e.draining, segRef{g, ids[at]})
+}
+
+// drainMapped says whether a whole granule of sp, of g, has a handle also
+// mapped in a draining span: such a handle must not be released, so its
+// span does not pay. The free that made the draining span came before
+// this span's last use, so this is rare once pollDraining has run.
+func (e *vmmSegments) drainMapped(g *vmmSegment, sp *segSpan) bool {
+	if len(e.drainMaps) == 0 {
+		return false
+	}
+	lo, hi := e.whole(sp)
+	for va := lo; va < hi; va += uintptr(e.gran) {
+		if e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]] > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+func (e *vmmSegments) setHandle(g *vmmSegment, va uintptr, h PhysHandle) {
+	k := int((va - g.base) / uintptr(e.gran))
+	for len(g.handles) <= k {
+		g.handles = append(g.handles, 0)
+		g.mapped = append(g.mapped, false)
+	}
+	g.handles[k], g.mapped[k] = h, true
+	e.mapped += e.gran
+}
+
+// unmapGranule drops the mapping at va of g; its handle becomes spare.
+func (e *vmmSegments) unmapGranule(g *vmmSegment, va uintptr) error {
+	k := int((va - g.base) / uintptr(e.gran))
+	if err := e.drv.Unmap(va, e.gran); err != nil {
+		return err
+	}
+	e.spare = append(e.spare, g.handles[k])
+	g.handles[k], g.mapped[k] = 0, false
+	e.mapped -= e.gran
+	return nil
+}
+
+// unmapRun undoes the first size bytes mapped at run by a failed grow: no
+// work can use them yet. The first borrowed bytes map handles borrowed
+// from a free span, which keeps them.
+func (e *vmmSegments) unmapRun(g *vmmSegment, run uintptr, size, borrowed uint64) error {
+	var errs []error
+	for off := uint64(0); off < size; off += e.gran {
+		va := run + uintptr(off)
+		if off >= borrowed {
+			errs = append(errs, e.unmapGranule(g, va))
+			continue
+		}
+		if err := e.drv.Unmap(va, e.gran); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		k := int((va - g.base) / uintptr(e.gran))
+		g.handles[k], g.mapped[k] = 0, false
+		e.mapped -= e.gran
+	}
+	return errors.Join(errs...)
+}
+
+// releaseSpare releases every spare handle.
+func (e *vmmSegments) releaseSpare() error {
+	for len(e.spare) > 0 {
+		k := len(e.spare) - 1
+		if err := e.drv.ReleaseHandle(e.spare[k]); err != nil {
+			return err
+		}
+		e.spare = e.spare[:k]
+		e.held -= e.gran
+	}
+	return nil
+}
+
+// unmapWhole unmaps bytes from the tail of the whole granules of the
+// complete free span id of g, a granule at a time; the handles become
+// spare, or are released. Each unmapped granule cuts the span: what lies
+// before it keeps the base, what lies after it (the span's end, in a
+// granule shared with the next span) becomes a free span of its own, and
+// the granule a hole between them; so an error leaves a consistent state.
+// bytes is at most the span's whole granules, so span id lasts until the
+// last granule.
+func (e *vmmSegments) unmapWhole(g *vmmSegment, id spanID, bytes uint64, release bool) error {
+	for done := uint64(0); done < bytes; done += e.gran {
+		sp := *g.span(id)
+		_, hi := e.whole(&sp)
+		va := hi - uintptr(e.gran)
+		if err := e.unmapGranule(g, va); err != nil {
+			return err
+		}
+		after := segSpan{base: va + uintptr(e.gran), size: uint64(sp.end() - va - uintptr(e.gran)), state: spanFree}
+		e.unindex(g, id)
+		next := g.next(id)
+		if va > sp.base {
+			g.span(id).size = uint64(va - sp.base)
+			e.index(g, id)
+		} else {
+			g.unlink(id)
+		}
+		if after.size > 0 {
+			e.index(g, g.insert(next, after))
+		}
+		if release {
+			if err := e.releaseSpare(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
