@@ -242,204 +242,283 @@ func (u *unpickler) run() (any, error) {
 		}
 		op := u.data[u.pos]
 		u.pos++
-		var err error
-		switch op {
-		case pickleProto:
-			var b []byte
-			if b, err = u.take(1); err == nil && b[0] > 5 {
-				err = fmt.Errorf("pickle protocol %d (this reader knows 2 to 5)", b[0])
-			}
-		case opFrame:
-			// Frames only group opcodes for buffered reading; the whole
-			// pickle is in memory already.
-			_, err = u.take(8)
-		case opStop:
+		if op == opStop {
 			if len(u.stack) != 1 || len(u.marks) != 0 {
 				return nil, fmt.Errorf("STOP with %d values and %d marks on the stack (want one value, no mark)", len(u.stack), len(u.marks))
 			}
 			return u.stack[0], nil
-
-		case opMark:
-			u.marks = append(u.marks, len(u.stack))
-		case opPop:
-			// With nothing above the innermost mark, POP drops the mark,
-			// as Python's unpickler does.
-			switch {
-			case len(u.stack) > u.floor():
-				u.stack = u.stack[:len(u.stack)-1]
-			case len(u.marks) > 0:
-				u.marks = u.marks[:len(u.marks)-1]
-			default:
-				return nil, errors.New("POP on an empty stack")
-			}
-		case opPopMark:
-			_, err = u.popMark()
-		case opDup:
-			if len(u.stack) == u.floor() {
-				return nil, errors.New("DUP on an empty stack")
-			}
-			u.push(u.stack[len(u.stack)-1])
-
-		case opNone:
-			u.push(nil)
-		case opNewtrue:
-			u.push(true)
-		case opNewfalse:
-			u.push(false)
-		case opBinint:
-			var b []byte
-			if b, err = u.take(4); err == nil {
-				u.push(int64(int32(binary.LittleEndian.Uint32(b))))
-			}
-		case opBinint1:
-			var b []byte
-			if b, err = u.take(1); err == nil {
-				u.push(int64(b[0]))
-			}
-		case opBinint2:
-			var b []byte
-			if b, err = u.take(2); err == nil {
-				u.push(int64(binary.LittleEndian.Uint16(b)))
-			}
-		case opLong1:
-			var b []byte
-			if b, err = u.take(1); err == nil {
-				err = u.long(int(b[0]))
-			}
-		case opLong4:
-			var n int
-			if n, err = u.length(4, "LONG4"); err == nil {
-				err = u.long(n)
-			}
-		case opBinfloat:
-			var b []byte
-			if b, err = u.take(8); err == nil {
-				u.push(math.Float64frombits(binary.BigEndian.Uint64(b)))
-			}
-
-		case opShortBinunicode:
-			err = u.str(1, "SHORT_BINUNICODE", true)
-		case opBinunicode:
-			err = u.str(4, "BINUNICODE", true)
-		case opBinunicode8:
-			err = u.str(8, "BINUNICODE8", true)
-		case opShortBinstring:
-			// Python 2's str: bytes that Python 3 reads as text (its
-			// default encoding="ASCII"; latin-1 is the lenient reading).
-			err = u.str(1, "SHORT_BINSTRING", false)
-		case opBinstring:
-			err = u.str(4, "BINSTRING", false)
-		case opShortBinbytes:
-			err = u.bytes(1, "SHORT_BINBYTES")
-		case opBinbytes:
-			err = u.bytes(4, "BINBYTES")
-		case opBinbytes8:
-			err = u.bytes(8, "BINBYTES8")
-		case opBytearray8:
-			err = u.bytes(8, "BYTEARRAY8")
-
-		case opEmptyList:
-			u.push(&pyList{})
-		case opEmptySet:
-			u.push(&pyList{})
-		case opList:
-			var items []any
-			if items, err = u.popMark(); err == nil {
-				u.push(&pyList{items: items})
-			}
-		case opAppend:
-			err = u.appendItems(1)
-		case opAppends, opAdditems:
-			err = u.appendMarked()
-		case opEmptyTuple:
-			u.push(pyTuple{})
-		case opTuple1, opTuple2, opTuple3:
-			n := int(op-opTuple1) + 1
-			if len(u.stack)-u.floor() < n {
-				return nil, fmt.Errorf("TUPLE%d with fewer than %d values on the stack", n, n)
-			}
-			t := append(pyTuple(nil), u.stack[len(u.stack)-n:]...)
-			u.stack = u.stack[:len(u.stack)-n]
-			u.push(t)
-		case opTuple, opFrozenset:
-			var items []any
-			if items, err = u.popMark(); err == nil {
-				u.push(pyTuple(items))
-			}
-		case opEmptyDict:
-			u.push(&pyDict{})
-		case opDict:
-			var items []any
-			if items, err = u.popMark(); err == nil {
-				d := &pyDict{}
-				err = setPairs(d, items)
-				u.push(d)
-			}
-		case opSetitem:
-			if len(u.stack)-u.floor() < 3 {
-				return nil, errors.New("SETITEM without a dict, a key and a value on the stack")
-			}
-			n := len(u.stack)
-			d, ok := u.stack[n-3].(*pyDict)
-			if !ok {
-				return nil, fmt.Errorf("SETITEM on a %s, not a dict", pyTypeName(u.stack[n-3]))
-			}
-			err = d.set(u.stack[n-2], u.stack[n-1])
-			u.stack = u.stack[:n-2]
-		case opSetitems:
-			var items []any
-			if items, err = u.popMarkView(); err != nil {
-				break
-			}
-			if len(u.stack) == u.floor() {
-				return nil, errors.New("SETITEMS without a dict on the stack")
-			}
-			d, ok := u.stack[len(u.stack)-1].(*pyDict)
-			if !ok {
-				return nil, fmt.Errorf("SETITEMS on a %s, not a dict", pyTypeName(u.stack[len(u.stack)-1]))
-			}
-			err = setPairs(d, items)
-
-		case opMemoize:
-			if len(u.stack) == u.floor() {
-				return nil, errors.New("MEMOIZE on an empty stack")
-			}
-			err = u.put(uint64(len(u.memo)))
-		case opBinput:
-			var b []byte
-			if b, err = u.take(1); err == nil {
-				err = u.put(uint64(b[0]))
-			}
-		case opLongBinput:
-			var b []byte
-			if b, err = u.take(4); err == nil {
-				err = u.put(uint64(binary.LittleEndian.Uint32(b)))
-			}
-		case opBinget:
-			var b []byte
-			if b, err = u.take(1); err == nil {
-				err = u.get(uint64(b[0]))
-			}
-		case opLongBinget:
-			var b []byte
-			if b, err = u.take(4); err == nil {
-				err = u.get(uint64(binary.LittleEndian.Uint32(b)))
-			}
-
-		default:
-			u.pos--
-			if name, ok := objectOpcodes[op]; ok {
-				return nil, fmt.Errorf("opcode %s (%#02x) makes a Python object or calls a function; a memory snapshot is plain data (dicts, lists, str, int, float), and this reader builds nothing else", name, op)
-			}
-			if name, ok := textOpcodes[op]; ok {
-				return nil, fmt.Errorf("opcode %s (%#02x) of text protocol 0; write the pickle with protocol 2 or later (pickle.dump's default)", name, op)
-			}
-			return nil, fmt.Errorf("unknown opcode %#02x (not a pickle, or a damaged one)", op)
 		}
+		taken, err := u.step(op)
 		if err != nil {
 			return nil, err
 		}
+		if !taken {
+			u.pos--
+			return nil, refusal(op)
+		}
 	}
+}
+
+// step carries out op, and says whether this reader takes it at all.
+func (u *unpickler) step(op byte) (bool, error) {
+	if ok, err := u.framingOp(op); ok {
+		return true, err
+	}
+	if ok, err := u.stackOp(op); ok {
+		return true, err
+	}
+	if ok, err := u.scalarOp(op); ok {
+		return true, err
+	}
+	if ok, err := u.textOp(op); ok {
+		return true, err
+	}
+	if ok, err := u.containerOp(op); ok {
+		return true, err
+	}
+	return u.memoOp(op)
+}
+
+// refusal says why an opcode the reader does not take is refused.
+func refusal(op byte) error {
+	if name, ok := objectOpcodes[op]; ok {
+		return fmt.Errorf("opcode %s (%#02x) makes a Python object or calls a function; a memory snapshot is plain data (dicts, lists, str, int, float), and this reader builds nothing else", name, op)
+	}
+	if name, ok := textOpcodes[op]; ok {
+		return fmt.Errorf("opcode %s (%#02x) of text protocol 0; write the pickle with protocol 2 or later (pickle.dump's default)", name, op)
+	}
+	return fmt.Errorf("unknown opcode %#02x (not a pickle, or a damaged one)", op)
+}
+
+// framingOp carries out the protocol and framing opcodes.
+func (u *unpickler) framingOp(op byte) (bool, error) {
+	var err error
+	switch op {
+	case pickleProto:
+		var b []byte
+		if b, err = u.take(1); err == nil && b[0] > 5 {
+			err = fmt.Errorf("pickle protocol %d (this reader knows 2 to 5)", b[0])
+		}
+	case opFrame:
+		// Frames only group opcodes for buffered reading; the whole
+		// pickle is in memory already.
+		_, err = u.take(8)
+	default:
+		return false, nil
+	}
+	return true, err
+}
+
+// stackOp carries out the opcodes that move values on the stack.
+func (u *unpickler) stackOp(op byte) (bool, error) {
+	var err error
+	switch op {
+	case opMark:
+		u.marks = append(u.marks, len(u.stack))
+	case opPop:
+		// With nothing above the innermost mark, POP drops the mark,
+		// as Python's unpickler does.
+		switch {
+		case len(u.stack) > u.floor():
+			u.stack = u.stack[:len(u.stack)-1]
+		case len(u.marks) > 0:
+			u.marks = u.marks[:len(u.marks)-1]
+		default:
+			return true, errors.New("POP on an empty stack")
+		}
+	case opPopMark:
+		_, err = u.popMark()
+	case opDup:
+		if len(u.stack) == u.floor() {
+			return true, errors.New("DUP on an empty stack")
+		}
+		u.push(u.stack[len(u.stack)-1])
+	default:
+		return false, nil
+	}
+	return true, err
+}
+
+// scalarOp pushes None, booleans, integers and floats.
+func (u *unpickler) scalarOp(op byte) (bool, error) {
+	var err error
+	switch op {
+	case opNone:
+		u.push(nil)
+	case opNewtrue:
+		u.push(true)
+	case opNewfalse:
+		u.push(false)
+	case opBinint:
+		var b []byte
+		if b, err = u.take(4); err == nil {
+			u.push(int64(int32(binary.LittleEndian.Uint32(b))))
+		}
+	case opBinint1:
+		var b []byte
+		if b, err = u.take(1); err == nil {
+			u.push(int64(b[0]))
+		}
+	case opBinint2:
+		var b []byte
+		if b, err = u.take(2); err == nil {
+			u.push(int64(binary.LittleEndian.Uint16(b)))
+		}
+	case opLong1:
+		var b []byte
+		if b, err = u.take(1); err == nil {
+			err = u.long(int(b[0]))
+		}
+	case opLong4:
+		var n int
+		if n, err = u.length(4, "LONG4"); err == nil {
+			err = u.long(n)
+		}
+	case opBinfloat:
+		var b []byte
+		if b, err = u.take(8); err == nil {
+			u.push(math.Float64frombits(binary.BigEndian.Uint64(b)))
+		}
+	default:
+		return false, nil
+	}
+	return true, err
+}
+
+// textOp pushes strings and bytes.
+func (u *unpickler) textOp(op byte) (bool, error) {
+	var err error
+	switch op {
+	case opShortBinunicode:
+		err = u.str(1, "SHORT_BINUNICODE", true)
+	case opBinunicode:
+		err = u.str(4, "BINUNICODE", true)
+	case opBinunicode8:
+		err = u.str(8, "BINUNICODE8", true)
+	case opShortBinstring:
+		// Python 2's str: bytes that Python 3 reads as text (its
+		// default encoding="ASCII"; latin-1 is the lenient reading).
+		err = u.str(1, "SHORT_BINSTRING", false)
+	case opBinstring:
+		err = u.str(4, "BINSTRING", false)
+	case opShortBinbytes:
+		err = u.bytes(1, "SHORT_BINBYTES")
+	case opBinbytes:
+		err = u.bytes(4, "BINBYTES")
+	case opBinbytes8:
+		err = u.bytes(8, "BINBYTES8")
+	case opBytearray8:
+		err = u.bytes(8, "BYTEARRAY8")
+	default:
+		return false, nil
+	}
+	return true, err
+}
+
+// containerOp builds lists, tuples and dicts.
+func (u *unpickler) containerOp(op byte) (bool, error) {
+	var err error
+	switch op {
+	case opEmptyList:
+		u.push(&pyList{})
+	case opEmptySet:
+		u.push(&pyList{})
+	case opList:
+		var items []any
+		if items, err = u.popMark(); err == nil {
+			u.push(&pyList{items: items})
+		}
+	case opAppend:
+		err = u.appendItems(1)
+	case opAppends, opAdditems:
+		err = u.appendMarked()
+	case opEmptyTuple:
+		u.push(pyTuple{})
+	case opTuple1, opTuple2, opTuple3:
+		n := int(op-opTuple1) + 1
+		if len(u.stack)-u.floor() < n {
+			return true, fmt.Errorf("TUPLE%d with fewer than %d values on the stack", n, n)
+		}
+		t := append(pyTuple(nil), u.stack[len(u.stack)-n:]...)
+		u.stack = u.stack[:len(u.stack)-n]
+		u.push(t)
+	case opTuple, opFrozenset:
+		var items []any
+		if items, err = u.popMark(); err == nil {
+			u.push(pyTuple(items))
+		}
+	case opEmptyDict:
+		u.push(&pyDict{})
+	case opDict:
+		var items []any
+		if items, err = u.popMark(); err == nil {
+			d := &pyDict{}
+			err = setPairs(d, items)
+			u.push(d)
+		}
+	case opSetitem:
+		if len(u.stack)-u.floor() < 3 {
+			return true, errors.New("SETITEM without a dict, a key and a value on the stack")
+		}
+		n := len(u.stack)
+		d, ok := u.stack[n-3].(*pyDict)
+		if !ok {
+			return true, fmt.Errorf("SETITEM on a %s, not a dict", pyTypeName(u.stack[n-3]))
+		}
+		err = d.set(u.stack[n-2], u.stack[n-1])
+		u.stack = u.stack[:n-2]
+	case opSetitems:
+		var items []any
+		if items, err = u.popMarkView(); err != nil {
+			break
+		}
+		if len(u.stack) == u.floor() {
+			return true, errors.New("SETITEMS without a dict on the stack")
+		}
+		d, ok := u.stack[len(u.stack)-1].(*pyDict)
+		if !ok {
+			return true, fmt.Errorf("SETITEMS on a %s, not a dict", pyTypeName(u.stack[len(u.stack)-1]))
+		}
+		err = setPairs(d, items)
+	default:
+		return false, nil
+	}
+	return true, err
+}
+
+// memoOp stores values in the memo and fetches them back.
+func (u *unpickler) memoOp(op byte) (bool, error) {
+	var err error
+	switch op {
+	case opMemoize:
+		if len(u.stack) == u.floor() {
+			return true, errors.New("MEMOIZE on an empty stack")
+		}
+		err = u.put(uint64(len(u.memo)))
+	case opBinput:
+		var b []byte
+		if b, err = u.take(1); err == nil {
+			err = u.put(uint64(b[0]))
+		}
+	case opLongBinput:
+		var b []byte
+		if b, err = u.take(4); err == nil {
+			err = u.put(uint64(binary.LittleEndian.Uint32(b)))
+		}
+	case opBinget:
+		var b []byte
+		if b, err = u.take(1); err == nil {
+			err = u.get(uint64(b[0]))
+		}
+	case opLongBinget:
+		var b []byte
+		if b, err = u.take(4); err == nil {
+			err = u.get(uint64(binary.LittleEndian.Uint32(b)))
+		}
+	default:
+		return false, nil
+	}
+	return true, err
 }
 
 func (u *unpickler) push(v any) { u.stack = append(u.stack, v) }

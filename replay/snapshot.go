@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"math/big"
 	"slices"
 	"strings"
 	"time"
@@ -552,56 +551,102 @@ func (s *snapshotReader) note(format string, args ...any) {
 // against it, and makes the Trace: the initial blocks' allocations, then
 // the events.
 func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace, error) {
-	dev := s.info.Device
-	where := func(i int) string { return fmt.Sprintf("device_traces[%d][%d]", dev, i) }
+	w, err := s.walkHistory(events)
+	if err != nil {
+		return nil, err
+	}
+	mismatch, reservedAtEnd, private := s.liveAtSnapshot(w, segments)
+	consistentReserved := reservedAtEnd+w.shrunk >= w.grown
+	if consistentReserved {
+		s.recordedReserved(events, reservedAtEnd+w.shrunk-w.grown)
+	}
+	t, err := s.replayTrace(events, w.initial)
+	if err != nil {
+		return nil, err
+	}
+	h := &t.Header
+	h.Workload = fmt.Sprintf("memory snapshot, device %d", s.info.Device)
+	h.Events = int64(len(events))
+	if n := len(events); n > 1 && events[n-1].timeUs > events[0].timeUs {
+		h.Seconds = float64(events[n-1].timeUs-events[0].timeUs) / 1e6
+	}
+	if s.info.Recorder == "pytorch" && s.info.RecordedPeakReservedBytes > 0 && len(mismatch) == 0 {
+		// The native figures the replay compares with: the recorded run's
+		// peak reserved, over the peak of the bytes its allocs asked for
+		// (a snapshot does not have torch's allocated_bytes peak, which
+		// counts whole blocks), so that "vs native" compares reserved
+		// bytes with reserved bytes.
+		h.MaxReserved = s.info.RecordedPeakReservedBytes
+		h.MaxAllocated = t.PeakLive
+	}
+	s.notes(mismatch, consistentReserved, private, w.grown)
+	return t, nil
+}
 
-	// Walk the history once: which addresses it allocates and frees, and
-	// which blocks it frees without allocating them (live at its start).
-	type walkBlock struct{ event int }
-	live := map[uint64]walkBlock{}
-	touched := map[uint64]int{} // address -> last event naming it
-	var initial []liveBlock
-	var grown, shrunk uint64 // segment bytes the history takes and gives back
+// where names event i of the snapshot's device in a message.
+func (s *snapshotReader) where(i int) string {
+	return fmt.Sprintf("device_traces[%d][%d]", s.info.Device, i)
+}
+
+// historyWalk is what one walk of the history found: the addresses it
+// leaves live (with the event that allocated each, -1 for one live before
+// it began), the last event naming each address, the blocks it frees
+// without allocating them (live at its start), and the segment bytes it
+// takes and gives back.
+type historyWalk struct {
+	live          map[uint64]int
+	touched       map[uint64]int
+	initial       []liveBlock
+	grown, shrunk uint64
+}
+
+// walkHistory walks the history once, counting its actions, and refuses
+// one that allocates a live address or frees one twice.
+func (s *snapshotReader) walkHistory(events []snapEvent) (*historyWalk, error) {
+	w := &historyWalk{live: map[uint64]int{}, touched: map[uint64]int{}}
 	s.info.Actions = map[string]int{}
 	for i, e := range events {
 		s.info.Actions[e.act.String()]++
 		switch e.act {
 		case caching.ActionAlloc:
-			if b, ok := live[e.addr]; ok {
-				at := "before the history began"
-				if b.event >= 0 {
-					at = "at " + where(b.event)
+			if at, ok := w.live[e.addr]; ok {
+				when := "before the history began"
+				if at >= 0 {
+					when = "at " + s.where(at)
 				}
-				return nil, fmt.Errorf("%s: alloc of address %#x, which is live (allocated %s, not freed since): the history is inconsistent", where(i), e.addr, at)
+				return nil, fmt.Errorf("%s: alloc of address %#x, which is live (allocated %s, not freed since): the history is inconsistent", s.where(i), e.addr, when)
 			}
-			live[e.addr] = walkBlock{event: i}
-			touched[e.addr] = i
+			w.live[e.addr] = i
+			w.touched[e.addr] = i
 		case caching.ActionFreeRequested, caching.ActionFreeCompleted:
-			if _, ok := live[e.addr]; !ok {
-				if last, seen := touched[e.addr]; seen {
+			if _, ok := w.live[e.addr]; !ok {
+				if last, seen := w.touched[e.addr]; seen {
 					return nil, fmt.Errorf("%s: %s of address %#x, which %s already freed and did not allocate again: the history is inconsistent",
-						where(i), e.act, e.addr, where(last))
+						s.where(i), e.act, e.addr, s.where(last))
 				}
 				// Freed, never allocated: live before the first event.
-				initial = append(initial, liveBlock{addr: e.addr, size: e.size, stream: e.stream})
-				live[e.addr] = walkBlock{event: -1}
+				w.initial = append(w.initial, liveBlock{addr: e.addr, size: e.size, stream: e.stream})
+				w.live[e.addr] = -1
 			}
-			touched[e.addr] = i
+			w.touched[e.addr] = i
 			if e.act == caching.ActionFreeCompleted {
-				delete(live, e.addr)
+				delete(w.live, e.addr)
 			}
 		case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
-			grown += e.size
+			w.grown += e.size
 		case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
-			shrunk += e.size
+			w.shrunk += e.size
 		}
 	}
-	// Blocks live at the snapshot: those the history left live, and those it
-	// never names, which were live all along.
-	var mismatch []string
+	return w, nil
+}
+
+// liveAtSnapshot adds to w.initial the blocks live at the snapshot that
+// the history never names (live all along), and lists where the segments
+// and the history disagree; it also sums the segments' bytes and counts
+// the private pools' segments.
+func (s *snapshotReader) liveAtSnapshot(w *historyWalk, segments []*segment) (mismatch []string, reservedAtEnd uint64, private int) {
 	seen := map[uint64]bool{}
-	var reservedAtEnd uint64
-	private := 0
 	for _, sg := range segments {
 		reservedAtEnd += sg.totalSize
 		if sg.private {
@@ -609,11 +654,11 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 		}
 		for _, b := range sg.live {
 			seen[b.addr] = true
-			if _, ok := live[b.addr]; ok {
+			if _, ok := w.live[b.addr]; ok {
 				continue
 			}
-			if last, ok := touched[b.addr]; ok {
-				mismatch = append(mismatch, fmt.Sprintf("block %#x is live in the segments but %s freed it", b.addr, where(last)))
+			if last, ok := w.touched[b.addr]; ok {
+				mismatch = append(mismatch, fmt.Sprintf("block %#x is live in the segments but %s freed it", b.addr, s.where(last)))
 				continue
 			}
 			// Replayed as its request, what the alloc events record.
@@ -621,36 +666,39 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 			// before it recorded requests, as torch's does; such a
 			// snapshot's initial blocks replay a little smaller than its
 			// events would have them.)
-			initial = append(initial, b)
+			w.initial = append(w.initial, b)
 		}
 	}
-	for addr, b := range live {
-		if !seen[addr] && b.event >= 0 {
-			mismatch = append(mismatch, fmt.Sprintf("%s allocates %#x, which the history never frees and the segments do not show live", where(b.event), addr))
+	for addr, at := range w.live {
+		if !seen[addr] && at >= 0 {
+			mismatch = append(mismatch, fmt.Sprintf("%s allocates %#x, which the history never frees and the segments do not show live", s.where(at), addr))
 		}
 	}
 	slices.Sort(mismatch)
-	slices.SortFunc(initial, func(a, b liveBlock) int { return cmp.Compare(a.addr, b.addr) })
+	slices.SortFunc(w.initial, func(a, b liveBlock) int { return cmp.Compare(a.addr, b.addr) })
+	return mismatch, reservedAtEnd, private
+}
 
-	// The recorded run's reserved bytes: what the segments hold at the end,
-	// walked back through the segment events.
-	consistentReserved := reservedAtEnd+shrunk >= grown
-	if consistentReserved {
-		s.info.InitialReservedBytes = reservedAtEnd + shrunk - grown
-		r, peak := s.info.InitialReservedBytes, s.info.InitialReservedBytes
-		for _, e := range events {
-			switch e.act {
-			case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
-				r += e.size
-			case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
-				r -= e.size
-			}
-			peak = max(peak, r)
+// recordedReserved is the recorded run's reserved bytes, from what they
+// were at its start, walked through the segment events: its peak.
+func (s *snapshotReader) recordedReserved(events []snapEvent, initial uint64) {
+	s.info.InitialReservedBytes = initial
+	r, peak := initial, initial
+	for _, e := range events {
+		switch e.act {
+		case caching.ActionSegmentAlloc, caching.ActionSegmentMap:
+			r += e.size
+		case caching.ActionSegmentFree, caching.ActionSegmentUnmap:
+			r -= e.size
 		}
-		s.info.RecordedPeakReservedBytes = peak
+		peak = max(peak, r)
 	}
+	s.info.RecordedPeakReservedBytes = peak
+}
 
-	// The trace: initial blocks first, then the history.
+// replayTrace is the trace the replay runs: the initial blocks first,
+// then the history.
+func (s *snapshotReader) replayTrace(events []snapEvent, initial []liveBlock) (*Trace, error) {
 	p := &parser{name: s.name, t: &Trace{Path: s.name}, ids: map[uint64]liveID{}}
 	t := p.t
 	t.Snapshot = &s.info
@@ -671,27 +719,10 @@ func (s *snapshotReader) build(events []snapEvent, segments []*segment) (*Trace,
 		}
 		t.Actions[e.act]++
 		if err := p.apply(&rawEvent{act: e.act, addr: e.addr, size: e.size, stream: e.stream}); err != nil {
-			return nil, fmt.Errorf("%s: %w", where(i), err)
+			return nil, fmt.Errorf("%s: %w", s.where(i), err)
 		}
 	}
 	s.info.Entries = len(events)
-
-	h := &t.Header
-	h.Workload = fmt.Sprintf("memory snapshot, device %d", dev)
-	h.Events = int64(len(events))
-	if n := len(events); n > 1 && events[n-1].timeUs > events[0].timeUs {
-		h.Seconds = float64(events[n-1].timeUs-events[0].timeUs) / 1e6
-	}
-	if s.info.Recorder == "pytorch" && s.info.RecordedPeakReservedBytes > 0 && len(mismatch) == 0 {
-		// The native figures the replay compares with: the recorded run's
-		// peak reserved, over the peak of the bytes its allocs asked for
-		// (a snapshot does not have torch's allocated_bytes peak, which
-		// counts whole blocks), so that "vs native" compares reserved
-		// bytes with reserved bytes.
-		h.MaxReserved = s.info.RecordedPeakReservedBytes
-		h.MaxAllocated = t.PeakLive
-	}
-	s.notes(mismatch, consistentReserved, private, grown)
 	return t, nil
 }
 
@@ -744,86 +775,4 @@ func (s *snapshotReader) notes(mismatch []string, consistentReserved bool, priva
 		s.note("no allocator_settings: not written by PyTorch's caching allocator (goalloc's snapshots have none). Its alloc sizes are what that allocator recorded "+
 			"(goalloc, like torch, records the requests), and its peak reserved, %s, is that allocator's", fmtBytes(in.RecordedPeakReservedBytes))
 	}
-}
-
-// Value accessors, with messages that name where in the snapshot a value
-// is wrong.
-
-func asList(v any, what string) ([]any, error) {
-	switch l := v.(type) {
-	case *pyList:
-		return l.items, nil
-	case pyTuple:
-		return l, nil
-	}
-	return nil, fmt.Errorf("%s is a %s, not a list", what, pyTypeName(v))
-}
-
-func asDict(v any, what string) (*pyDict, error) {
-	if d, ok := v.(*pyDict); ok {
-		return d, nil
-	}
-	return nil, fmt.Errorf("%s is a %s, not a dict", what, pyTypeName(v))
-}
-
-// asUint is a non-negative int that fits in 64 bits.
-func asUint(v any) (uint64, bool) {
-	switch n := v.(type) {
-	case int64:
-		return uint64(n), n >= 0
-	case *big.Int:
-		return n.Uint64(), n.IsUint64()
-	}
-	return 0, false
-}
-
-func uintField(d *pyDict, key, what string) (uint64, error) {
-	v, ok := d.get(key)
-	if !ok {
-		return 0, fmt.Errorf("%s has no %s", what, key)
-	}
-	n, ok := asUint(v)
-	if !ok {
-		return 0, fmt.Errorf("%s: %s is %s, not a non-negative integer", what, key, pyRepr(v))
-	}
-	return n, nil
-}
-
-// streamField reads a stream: torch writes the cudaStream_t as a signed
-// int64, which the replay keeps as its 64 bits.
-func streamField(d *pyDict, what string) (uint64, error) {
-	v, ok := d.get("stream")
-	if !ok {
-		return 0, fmt.Errorf("%s has no stream", what)
-	}
-	if n, ok := v.(int64); ok {
-		return uint64(n), nil
-	}
-	if n, ok := asUint(v); ok {
-		return n, nil
-	}
-	return 0, fmt.Errorf("%s: stream is %s, not an integer", what, pyRepr(v))
-}
-
-// pyRepr shows a scalar for a message, or names a container's type.
-func pyRepr(v any) string {
-	switch x := v.(type) {
-	case nil:
-		return "None"
-	case string:
-		return preview(x)
-	case *big.Int:
-		// Decimal conversion takes time that grows faster than the
-		// number's length: an int past 128 bits is named by its size.
-		if n := x.BitLen(); n > 128 {
-			if x.Sign() < 0 {
-				return fmt.Sprintf("a negative int of %d bits", n)
-			}
-			return fmt.Sprintf("an int of %d bits", n)
-		}
-		return x.String()
-	case int64, float64, bool:
-		return fmt.Sprint(x)
-	}
-	return "a " + pyTypeName(v)
 }

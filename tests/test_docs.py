@@ -180,3 +180,23 @@ def test_readme_quotes_the_test_suite_result():
     m = re.search(r"(\d+) of PyTorch's (\d+) passing\s+CUDA allocator tests pass under goalloc", README)
     assert m, "the README quotes the test-suite result"
     assert (int(m.group(1)), int(m.group(2))) == (summary["goalloc_passed_of_those"], summary["native_passed"])
+
+
+def test_go_files_and_functions_stay_readable():
+    """No non-test Go file over 800 lines, no function over 120 except the
+    invariant checkers (which list every invariant in one place)."""
+    too_long = []
+    for path in _tracked_files():
+        if path.suffix != ".go" or path.name.endswith("_test.go"):
+            continue
+        lines = path.read_text().split("\n")
+        if len(lines) > 800:
+            too_long.append(f"{path.relative_to(REPO)}: {len(lines)} lines")
+        for i, line in enumerate(lines):
+            m = re.match(r"^func (\([^)]*\) )?(\w+)", line)
+            if not m or not line.rstrip().endswith("{"):
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j] == "}")
+            if end - i - 1 > 120 and "Invariants" not in m.group(2):
+                too_long.append(f"{path.relative_to(REPO)}: func {m.group(2)} {end - i - 1} lines")
+    assert too_long == []
