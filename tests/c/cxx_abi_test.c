@@ -1,10 +1,10 @@
-/* The C calls of goalloc's C++ allocator class for PyTorch (export/cxx.go),
+/* The C calls of goalloc's C++ allocator class for PyTorch (goalloc.h),
  * from C on the simulated device: a refused goalloc_pool_malloc hands back
  * its message and whether it was an out-of-memory; goalloc_free_ptr frees by
  * pointer alone; the DeviceStats figures; a pool's users, live blocks and a
  * checkpoint set back. goalloc_malloc, the C entry point, returns NULL.
- * NULL where a call needs a pointer is refused (export/main.go, "NULL in the
- * C ABI"): goalloc_configure(NULL) leaves GOALLOC_CONF in force, and
+ * NULL where a call needs a pointer is refused (goalloc.h, "Conventions"):
+ * goalloc_configure(NULL) leaves GOALLOC_CONF in force, and
  * goalloc_torch_device_stats into NULL writes nothing.
  *
  *   cc -Ipython/goalloc/csrc tests/c/cxx_abi_test.c -o build/cxx_abi_test -ldl
