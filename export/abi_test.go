@@ -130,7 +130,7 @@ var abiRows = map[string]func(t *testing.T){
 		wantFailed(t, errOutOfMemory, "out of memory", func() { assert.Nil(t, goalloc_malloc(5<<30, 0, nil)) })
 		bogus := cString("bogus:1")
 		defer goalloc_string_free(bogus)
-		wantFailed(t, errBadConfig, "bogus", func() { assert.EqualValues(t, -1, goalloc_configure(asConst(bogus))) })
+		wantFailed(t, errBadConfig, "bogus", func() { assert.EqualValues(t, -1, goalloc_configure(bogus)) })
 	},
 	"goalloc_check_device": func(t *testing.T) {
 		for _, d := range badDevices { // a question: not counted as bad input
@@ -217,7 +217,7 @@ var abiRows = map[string]func(t *testing.T){
 		}
 		frees := cString("frees")
 		defer goalloc_string_free(frees)
-		wantRefused(t, "invalid_argument", "skip_actions", func() { assert.EqualValues(t, -1, goalloc_record_history_opts(100, asConst(frees), 0)) })
+		wantRefused(t, "invalid_argument", "skip_actions", func() { assert.EqualValues(t, -1, goalloc_record_history_opts(100, frees, 0)) })
 		// NULL skips no action.
 		wantAccepted(t, func() { assert.Zero(t, goalloc_record_history_opts(100, nil, math.MinInt32)) })
 		wantAccepted(t, func() { assert.Zero(t, goalloc_record_history_opts(0, nil, 0)) })

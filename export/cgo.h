@@ -3,10 +3,10 @@
  * the include path), so that cgo's compiler checks each //export against
  * it, and the C types of the Go side that goalloc.h does not name.
  *
- * cgo writes a Go parameter's C type by its name and drops a const, so the
- * functions that take const pointers take these typedefs in Go; their
- * declarations in cgo's header are then const char* and const unsigned
- * long long*, as goalloc.h has them. cudaStream_t is the void* of
+ * cgo writes an exported parameter's C type by its name, and a Go type
+ * cannot say const: the functions that take const pointers take these
+ * typedefs, which cgo's header then writes as goalloc.h declares them,
+ * while Go sees a *C.char and a *C.ulonglong. cudaStream_t is the void* of
  * goalloc.h's streams, named for the Go code that reads them. */
 #ifndef GOALLOC_EXPORT_CGO_H
 #define GOALLOC_EXPORT_CGO_H

@@ -11,8 +11,6 @@ package main
 */
 import "C"
 
-import "unsafe"
-
 type (
 	cInt       = C.int
 	cLongLong  = C.longlong
@@ -26,9 +24,6 @@ type (
 
 // cString is a malloc'd copy of s, freed with goalloc_string_free.
 func cString(s string) *C.char { return C.CString(s) }
-
-// asConst is p as a const char*, for the functions that take one.
-func asConst(p *C.char) *C.goalloc_const_char { return (*C.goalloc_const_char)(unsafe.Pointer(p)) }
 
 // goString is a copy of the C string p ("" for NULL).
 func goString(p *C.char) string {

@@ -62,7 +62,7 @@ func goalloc_empty_cache_ctx(ctx C.ulonglong) C.int { return status(lib.emptyCac
 func goalloc_record_history_opts(maxEntries C.int, skipActions *C.goalloc_const_char, clear C.int) C.int {
 	var skip []string
 	if skipActions != nil {
-		if s := goStringConst(skipActions); s != "" {
+		if s := C.GoString(skipActions); s != "" {
 			skip = strings.Split(s, ",")
 		}
 	}
@@ -73,10 +73,10 @@ func goalloc_record_history_opts(maxEntries C.int, skipActions *C.goalloc_const_
 func goalloc_set_trace_labels(device C.int, compileContext, userMetadata *C.goalloc_const_char) C.int {
 	var l caching.TraceLabels
 	if compileContext != nil {
-		l.CompileContext = goStringConst(compileContext)
+		l.CompileContext = C.GoString(compileContext)
 	}
 	if userMetadata != nil {
-		l.UserMetadata = goStringConst(userMetadata)
+		l.UserMetadata = C.GoString(userMetadata)
 	}
 	return status(lib.setTraceLabels(int(device), l))
 }

@@ -142,11 +142,8 @@ func goalloc_configure(conf *C.goalloc_const_char) C.int {
 	if conf == nil {
 		return status(lib.nullArg("goalloc_configure", "conf", `give a GOALLOC_CONF string ("" for the defaults)`))
 	}
-	return status(lib.configure(goStringConst(conf)))
+	return status(lib.configure(C.GoString(conf)))
 }
-
-// goStringConst is C.GoString of a const char*.
-func goStringConst(p *C.goalloc_const_char) string { return C.GoString((*C.char)(unsafe.Pointer(p))) }
 
 //export goalloc_init_checked
 func goalloc_init_checked(deviceCount C.int) C.int { return status(lib.init(int(deviceCount))) }
