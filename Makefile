@@ -3,6 +3,10 @@ GO      ?= go
 PYTHON  ?= python3
 BUILD   := build
 GOFILES := $(shell find . -name '*.go' -not -path './build/*' -not -path './.venv/*') go.mod go.sum
+# What cgo compiles into the library besides Go: export's C and C++ files and
+# the C ABI's header (go build's cache does not see the header change: see
+# export/header_test.go).
+CGOFILES := $(wildcard export/*.h export/*.c export/*.cpp) python/goalloc/csrc/goalloc.h
 
 .PHONY: all lib tool gpubuild test gotest ctest pytest demo bench clean
 
@@ -10,7 +14,7 @@ all: lib tool
 
 ## lib: build/libgoalloc.so and its header (no CUDA toolkit needed: libcuda is dlopen'd)
 lib: $(BUILD)/libgoalloc.so
-$(BUILD)/libgoalloc.so: $(GOFILES)
+$(BUILD)/libgoalloc.so: $(GOFILES) $(CGOFILES)
 	$(GO) build -buildmode=c-shared -o $@ ./export
 
 ## tool: build/goalloc, the trace replay command, with goalloc's version
@@ -34,11 +38,11 @@ gotest:
 	$(GO) test -race ./...
 
 ctest: lib
-	cc -O2 -Wall tests/c/harness.c -o $(BUILD)/harness -ldl -lpthread
+	cc -O2 -Wall -Ipython/goalloc/csrc tests/c/harness.c -o $(BUILD)/harness -ldl -lpthread
 	GOALLOC_DEVICE=sim $(BUILD)/harness $(BUILD)/libgoalloc.so
-	c++ -O2 -Wall tests/c/torch_malloc_test.cpp -o $(BUILD)/torch_malloc_test -ldl
+	c++ -O2 -Wall -Ipython/goalloc/csrc tests/c/torch_malloc_test.cpp -o $(BUILD)/torch_malloc_test -ldl
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/torch_malloc_test $(BUILD)/libgoalloc.so
-	cc -O2 -Wall tests/c/cxx_abi_test.c -o $(BUILD)/cxx_abi_test -ldl
+	cc -O2 -Wall -Ipython/goalloc/csrc tests/c/cxx_abi_test.c -o $(BUILD)/cxx_abi_test -ldl
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/cxx_abi_test $(BUILD)/libgoalloc.so
 	c++ -O2 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/front_test.cpp -o $(BUILD)/front_test -ldl -lpthread
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/front_test $(BUILD)/libgoalloc.so

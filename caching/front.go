@@ -101,7 +101,7 @@ func (f *FrontLog) release() { f.lock.Store(0) }
 
 // EnableFront makes the device's front log, once, and returns it: nil when
 // GOALLOC_CONF turned the front off. goalloc's C++ class asks for it
-// (goalloc_front), so that an allocator no class uses pays nothing for it.
+// (goalloc_front_log), so that an allocator no class uses pays nothing for it.
 // The caller keeps it at a fixed address for the C++ side (runtime.Pinner)
 // as long as the Allocator lives.
 func (a *Allocator) EnableFront() *FrontLog {

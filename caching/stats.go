@@ -26,6 +26,13 @@ type Stat struct {
 	Current, Peak, Allocated, Freed int64
 }
 
+// statValueNames names Stat's figures, in the order of values.
+var statValueNames = [...]string{"current", "peak", "allocated", "freed"}
+
+func (x Stat) values() [len(statValueNames)]int64 {
+	return [...]int64{x.Current, x.Peak, x.Allocated, x.Freed}
+}
+
 // statArray is one statistic split by pool type, as Stats reports it.
 type statArray [numStatTypes]Stat
 
@@ -116,8 +123,8 @@ func (c *statCells) array(f statField) statArray {
 
 // fill copies the nine statistics, and the hits and misses, into s.
 func (c *statCells) fill(s *Stats) {
-	for f, dst := range s.arrays() {
-		*dst = c.array(statField(f))
+	for _, a := range statArrays {
+		*a.of(s) = c.array(a.field)
 	}
 	s.CacheHits, s.CacheMisses = c[StatAll].hits, c[StatAll].misses
 }
@@ -192,32 +199,87 @@ type Stats struct {
 	OwnReserved Stat
 }
 
+// The statistics of c10's DeviceStats that Stats has, as the table
+// GOALLOC_STAT_ARRAYS and GOALLOC_STAT_COUNTERS of goalloc.h
+// (python/goalloc/csrc) lists them, in its order: their names are
+// memory_stats()'s keys, and their order that of goalloc_torch_device_stats's
+// figures (TorchFigures), which the C++ class reads by position.
+// export/header_test.go holds these tables, statTypeNames and statValueNames
+// to the header's.
+var (
+	statArrays = [...]struct {
+		name  string
+		field statField
+		of    func(*Stats) *statArray
+	}{
+		{"allocation", statAllocation, func(s *Stats) *statArray { return &s.Allocation }},
+		{"segment", statSegment, func(s *Stats) *statArray { return &s.Segment }},
+		{"active", statActive, func(s *Stats) *statArray { return &s.Active }},
+		{"inactive_split", statInactiveSplit, func(s *Stats) *statArray { return &s.InactiveSplit }},
+		{"allocated_bytes", statAllocatedBytes, func(s *Stats) *statArray { return &s.AllocatedBytes }},
+		{"reserved_bytes", statReservedBytes, func(s *Stats) *statArray { return &s.ReservedBytes }},
+		{"active_bytes", statActiveBytes, func(s *Stats) *statArray { return &s.ActiveBytes }},
+		{"inactive_split_bytes", statInactiveSplitBytes, func(s *Stats) *statArray { return &s.InactiveSplitBytes }},
+		{"requested_bytes", statRequestedBytes, func(s *Stats) *statArray { return &s.RequestedBytes }},
+	}
+	statCounters = [...]struct {
+		name string
+		of   func(*Stats) *int64
+	}{
+		{"num_alloc_retries", func(s *Stats) *int64 { return &s.NumAllocRetries }},
+		{"num_ooms", func(s *Stats) *int64 { return &s.NumOOMs }},
+		{"num_sync_all_streams", func(s *Stats) *int64 { return &s.NumSyncAllStreams }},
+		{"num_device_alloc", func(s *Stats) *int64 { return &s.NumDeviceAlloc }},
+		{"num_device_free", func(s *Stats) *int64 { return &s.NumDeviceFree }},
+	}
+)
+
+// NumTorchFigures is how many figures TorchFigures writes.
+const NumTorchFigures = len(statArrays)*int(numStatTypes)*len(statValueNames) + len(statCounters)
+
+// TorchFigures writes s as goalloc_torch_device_stats gives it: each
+// statistic of statArrays, by pool type, by value; then the counters.
+func (s *Stats) TorchFigures(dst *[NumTorchFigures]int64) {
+	k := 0
+	for _, a := range statArrays {
+		for _, x := range a.of(s) {
+			v := x.values()
+			k += copy(dst[k:], v[:])
+		}
+	}
+	for _, c := range statCounters {
+		dst[k] = *c.of(s)
+		k++
+	}
+}
+
+// StatTables is the names of the tables above, for export's test against
+// goalloc.h: the statistics split by pool type, the pool types, each
+// Stat's values, and the counters.
+func StatTables() (arrays, pools, values, counters []string) {
+	for _, a := range statArrays {
+		arrays = append(arrays, a.name)
+	}
+	for _, c := range statCounters {
+		counters = append(counters, c.name)
+	}
+	return arrays, statTypeNames[:], statValueNames[:], counters
+}
+
 // Map flattens s into PyTorch's memory_stats() keys, e.g.
 // "allocated_bytes.all.current" and "num_ooms".
 func (s *Stats) Map() map[string]int64 {
 	m := map[string]int64{}
-	put := func(name string, a *statArray) {
-		for t, tn := range statTypeNames {
-			m[name+"."+tn+".current"] = a[t].Current
-			m[name+"."+tn+".peak"] = a[t].Peak
-			m[name+"."+tn+".allocated"] = a[t].Allocated
-			m[name+"."+tn+".freed"] = a[t].Freed
+	for _, a := range statArrays {
+		for t, x := range a.of(s) {
+			for v, n := range x.values() {
+				m[a.name+"."+statTypeNames[t]+"."+statValueNames[v]] = n
+			}
 		}
 	}
-	put("allocation", &s.Allocation)
-	put("allocated_bytes", &s.AllocatedBytes)
-	put("requested_bytes", &s.RequestedBytes)
-	put("active", &s.Active)
-	put("active_bytes", &s.ActiveBytes)
-	put("segment", &s.Segment)
-	put("reserved_bytes", &s.ReservedBytes)
-	put("inactive_split", &s.InactiveSplit)
-	put("inactive_split_bytes", &s.InactiveSplitBytes)
-	m["num_alloc_retries"] = s.NumAllocRetries
-	m["num_ooms"] = s.NumOOMs
-	m["num_sync_all_streams"] = s.NumSyncAllStreams
-	m["num_device_alloc"] = s.NumDeviceAlloc
-	m["num_device_free"] = s.NumDeviceFree
+	for _, c := range statCounters {
+		m[c.name] = *c.of(s)
+	}
 	m["max_split_size"] = -1 // PyTorch's value when no max_split_size_mb is set
 	m["oversize_allocations.current"] = 0
 	m["oversize_allocations.peak"] = 0
@@ -274,12 +336,6 @@ func (s *Stats) JSON() []byte {
 		b = append(b, vb...)
 	}
 	return append(b, '}')
-}
-
-// arrays lists every statArray of s, in statField order.
-func (s *Stats) arrays() [numStatFields]*statArray {
-	return [numStatFields]*statArray{&s.Allocation, &s.AllocatedBytes, &s.RequestedBytes,
-		&s.Active, &s.ActiveBytes, &s.InactiveSplit, &s.InactiveSplitBytes, &s.Segment, &s.ReservedBytes}
 }
 
 func (s *Stats) clone() Stats {

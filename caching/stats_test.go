@@ -48,18 +48,19 @@ func TestStatCellsReportPyTorchsFourFigures(t *testing.T) {
 	c.fill(&s)
 	assert.Equal(t, Stat{Current: 4, Peak: 4, Allocated: 4}, s.Active[StatAll])
 	assert.Equal(t, [2]int64{0, 0}, [2]int64{s.CacheHits, s.CacheMisses})
-	// Every field lands in its own Stats field.
+	// Every field lands in its own Stats field, named once in statArrays.
+	require.Len(t, statArrays, int(numStatFields))
 	for f := range numStatFields {
 		var d statCells
 		d.add(StatLarge, f, int64(f)+1)
 		var got Stats
 		d.fill(&got)
-		for g, arr := range got.arrays() {
+		for _, a := range statArrays {
 			want := int64(0)
-			if statField(g) == f {
+			if a.field == f {
 				want = int64(f) + 1
 			}
-			require.Equal(t, want, arr[StatLarge].Current, "field %d read as %d", f, g)
+			require.Equal(t, want, a.of(&got)[StatLarge].Current, "field %d read as %s", f, a.name)
 		}
 	}
 }

@@ -288,11 +288,11 @@ var abiRows = map[string]func(t *testing.T){
 		require.Zero(t, goalloc_free_ptr(p))
 		goalloc_release_pool(0, 0, 7)
 	},
-	"goalloc_front": func(t *testing.T) {
+	"goalloc_front_log": func(t *testing.T) {
 		for _, d := range badDevices {
-			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_front(d)) })
+			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_front_log(d)) })
 		}
-		wantAccepted(t, func() { assert.NotNil(t, goalloc_front(0)) })
+		wantAccepted(t, func() { assert.NotNil(t, goalloc_front_log(0)) })
 	},
 	"goalloc_front_drain": statusRow(goalloc_front_drain),
 	"goalloc_complete_recorded_free": func(t *testing.T) {

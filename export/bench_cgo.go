@@ -8,11 +8,8 @@ package main
 // of it.
 
 /*
-#include <stddef.h>
-#include <sys/types.h>
+#include "cgo.h"
 
-extern void *goalloc_malloc(ssize_t size, int device, void *stream);
-extern void my_free(void *ptr, ssize_t size, int device, void *stream);
 extern void *goalloc_bench_nop_malloc(ssize_t size, int device, void *stream);
 extern void goalloc_bench_nop_free(void *ptr, ssize_t size, int device, void *stream);
 
@@ -22,10 +19,6 @@ static void goalloc_bench_pairs(long n, ssize_t size) {
 		my_free(p, size, 0, (void *)0);
 	}
 }
-
-extern void *goalloc_pool_malloc_ctx(size_t size, size_t block, int device, void *stream, unsigned long long id0,
-                                     unsigned long long id1, unsigned long long ctx, int *oom, char **err);
-extern int goalloc_free_ptr_ctx(void *ptr, unsigned long long ctx, int *device);
 
 // The pair as goalloc's C++ allocator class makes it (history off: no
 // context id).

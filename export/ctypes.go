@@ -7,9 +7,7 @@ package main
 // (the linker leaves them out of libgoalloc.so).
 
 /*
-#include <stddef.h>
-#include <stdint.h>
-#include <sys/types.h>
+#include "cgo.h"
 */
 import "C"
 

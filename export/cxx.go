@@ -2,52 +2,11 @@ package main
 
 // The functions behind goalloc's C++ allocator class for PyTorch
 // (python/goalloc/csrc/goalloc_torch.cpp), which implements PyTorch's
-// c10::cuda::CUDACachingAllocator::CUDAAllocator over this library:
-//
-//	void* goalloc_pool_malloc(size_t size, int device, cudaStream_t stream,
-//	                          unsigned long long id0, unsigned long long id1,
-//	                          int* oom, char** err);
-//	int   goalloc_free_ptr(void* ptr);
-//	void* goalloc_pool_malloc_ctx(size_t size, size_t block, int device, cudaStream_t stream,
-//	                              unsigned long long id0, unsigned long long id1,
-//	                              unsigned long long ctx, int* oom, char** err);
-//	int   goalloc_free_ptr_ctx(void* ptr, unsigned long long ctx, int* device);
-//	int   goalloc_empty_cache_ctx(unsigned long long ctx);
-//	int   goalloc_record_history_opts(int max_entries, const char* skip_actions, int clear);
-//	int   goalloc_set_trace_labels(int device, const char* compile_context, const char* user_metadata);
-//	int   goalloc_torch_device_stats(int device, long long* out, int n);
-//	long long goalloc_largest_cached_block(int device);
-//	int   goalloc_create_or_incref_pool(int device, unsigned long long id0, unsigned long long id1);
-//	int   goalloc_pool_use_count(int device, unsigned long long id0, unsigned long long id1);
-//	char* goalloc_pool_live_blocks(int device, unsigned long long id0, unsigned long long id1);
-//	char* goalloc_restore_pool(int device, unsigned long long id0, unsigned long long id1,
-//	                           const unsigned long long* blocks, int n);
-//	void* goalloc_front(int device);
-//	int   goalloc_front_drain(int device);
-//	int   goalloc_complete_recorded_free(int device, void* ptr);
-//	int   goalloc_external_claim(int device, size_t size, char** err);
-//	void  goalloc_external_unclaim(int device, size_t size);
-//	int   goalloc_external_segment(int device, int alloc, void* addr, size_t size, int large, cudaStream_t stream);
-//	int   goalloc_external_block(int device, int alloc, void* addr, size_t size, size_t requested,
-//	                             int large, cudaStream_t stream);
-//
-// The _ctx calls name the call with the class's context id, which goalloc
-// keeps in its history and gives back in the snapshot (caching/history.go,
-// "Context ids"); the class keeps what the ids stand for (PyTorch's stack
-// traces; python/goalloc/csrc/goalloc_contexts.h).
-//
-// The class evaluates PyTorch's pool filters itself and names the pool of
-// each allocation (caching/pools.go); a failed allocation hands back its
-// message directly, so that the class can throw it (as
-// c10::OutOfMemoryError for an out-of-memory) after this call has returned:
-// a C++ exception must never unwind through Go frames.
+// c10::cuda::CUDACachingAllocator::CUDAAllocator over this library; goalloc.h
+// declares them ("goalloc's C++ allocator class").
 
 /*
-#include <stddef.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-typedef void *cudaStream_t;
+#include "cgo.h"
 */
 import "C"
 
@@ -65,22 +24,12 @@ import (
 	"github.com/goalloc/goalloc/caching"
 )
 
-// goalloc_pool_malloc is goalloc_pool_malloc_ctx with no context id, the
-// rounding left to goalloc.
-//
 //export goalloc_pool_malloc
 func goalloc_pool_malloc(size C.size_t, device C.int, stream C.cudaStream_t, id0, id1 C.ulonglong,
 	oom *C.int, errOut **C.char) unsafe.Pointer {
 	return goalloc_pool_malloc_ctx(size, 0, device, stream, id0, id1, 0, oom, errOut)
 }
 
-// goalloc_pool_malloc_ctx is goalloc_pool_malloc for a call whose context
-// id is ctx (0: none), of a request the caller rounded to a block of block
-// bytes (PyTorch's roundup_power2_divisions; 0: goalloc rounds it). On
-// failure *oom is 1 for an out-of-memory (else untouched) and *err the
-// message; both are optional out-parameters (NULL: not wanted), and the
-// calling thread's last error says the same.
-//
 //export goalloc_pool_malloc_ctx
 func goalloc_pool_malloc_ctx(size, block C.size_t, device C.int, stream C.cudaStream_t, id0, id1, ctx C.ulonglong,
 	oom *C.int, errOut **C.char) unsafe.Pointer {
@@ -99,11 +48,6 @@ func goalloc_pool_malloc_ctx(size, block C.size_t, device C.int, stream C.cudaSt
 //export goalloc_free_ptr
 func goalloc_free_ptr(ptr unsafe.Pointer) C.int { return status(lib.freeOwned(uintptr(ptr))) }
 
-// goalloc_free_ptr_ctx is goalloc_free_ptr for a call whose context id is
-// ctx (0: none). It writes the device the block was on to *device (may be
-// NULL; -1 for a NULL ptr, which frees nothing, and on failure), so that
-// the caller can file the id with that device's history.
-//
 //export goalloc_free_ptr_ctx
 func goalloc_free_ptr_ctx(ptr unsafe.Pointer, ctx C.ulonglong, device *C.int) C.int {
 	d, err := lib.freeOwnedCtx(uintptr(ptr), uint64(ctx))
@@ -111,21 +55,11 @@ func goalloc_free_ptr_ctx(ptr unsafe.Pointer, ctx C.ulonglong, device *C.int) C.
 	return status(err)
 }
 
-// goalloc_empty_cache_ctx is goalloc_empty_cache for a call whose context
-// id is ctx: 0, or -1 when a device failed (goalloc_last_error says why).
-//
 //export goalloc_empty_cache_ctx
 func goalloc_empty_cache_ctx(ctx C.ulonglong) C.int { return status(lib.emptyCacheCtx(uint64(ctx))) }
 
-// goalloc_record_history_opts turns history recording on, keeping the last
-// maxEntries entries, or off (0), on every device, present and future, as
-// torch's _record_memory_history does: skipActions names the actions not
-// to record, comma-separated (NULL or empty: none; an unknown name is
-// refused); clear drops what was recorded, which recording on again
-// otherwise keeps (turning it off always drops it).
-//
 //export goalloc_record_history_opts
-func goalloc_record_history_opts(maxEntries C.int, skipActions *C.char, clear C.int) C.int {
+func goalloc_record_history_opts(maxEntries C.int, skipActions *C.goalloc_const_char, clear C.int) C.int {
 	var skip []string
 	if skipActions != nil {
 		if s := C.GoString(skipActions); s != "" {
@@ -135,12 +69,8 @@ func goalloc_record_history_opts(maxEntries C.int, skipActions *C.char, clear C.
 	return status(lib.recordHistoryWith(int(maxEntries), skip, clear != 0))
 }
 
-// goalloc_set_trace_labels sets the labels of device's history entries
-// from now on, torch's compile_context and user_metadata (NULL: empty); a
-// device not used yet gets them when it is.
-//
 //export goalloc_set_trace_labels
-func goalloc_set_trace_labels(device C.int, compileContext, userMetadata *C.char) C.int {
+func goalloc_set_trace_labels(device C.int, compileContext, userMetadata *C.goalloc_const_char) C.int {
 	var l caching.TraceLabels
 	if compileContext != nil {
 		l.CompileContext = C.GoString(compileContext)
@@ -152,16 +82,12 @@ func goalloc_set_trace_labels(device C.int, compileContext, userMetadata *C.char
 }
 
 // torchStatFigures is how many numbers goalloc_torch_device_stats writes:
-// c10's DeviceStats in its declaration order, nine StatArrays of (all,
-// small pool, large pool) x (current, peak, allocated, freed), then
-// num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc and
-// num_device_free.
-const torchStatFigures = 9*3*4 + 5
+// goalloc.h's count, which caching's table (Stats.TorchFigures) must give
+// too, or this does not compile.
+const torchStatFigures = C.GOALLOC_TORCH_STAT_FIGURES
 
-// goalloc_torch_device_stats writes device's torchStatFigures figures into
-// out, which must hold n of them: n must be torchStatFigures, and out is
-// not NULL.
-//
+var _ = [1]struct{}{}[torchStatFigures-caching.NumTorchFigures] // the two counts are equal
+
 //export goalloc_torch_device_stats
 func goalloc_torch_device_stats(device C.int, out *C.longlong, n C.int) C.int {
 	if int(n) != torchStatFigures {
@@ -174,23 +100,8 @@ func goalloc_torch_device_stats(device C.int, out *C.longlong, n C.int) C.int {
 	if err != nil {
 		return -1
 	}
-	torchStats(&st, unsafe.Slice((*int64)(unsafe.Pointer(out)), torchStatFigures))
+	st.TorchFigures((*[caching.NumTorchFigures]int64)(unsafe.Pointer(out)))
 	return 0
-}
-
-// torchStats writes st into dst in the order of torchStatFigures.
-func torchStats(st *caching.Stats, dst []int64) {
-	k := 0
-	for _, arr := range [...]*[3]caching.Stat{(*[3]caching.Stat)(&st.Allocation), (*[3]caching.Stat)(&st.Segment),
-		(*[3]caching.Stat)(&st.Active), (*[3]caching.Stat)(&st.InactiveSplit), (*[3]caching.Stat)(&st.AllocatedBytes),
-		(*[3]caching.Stat)(&st.ReservedBytes), (*[3]caching.Stat)(&st.ActiveBytes),
-		(*[3]caching.Stat)(&st.InactiveSplitBytes), (*[3]caching.Stat)(&st.RequestedBytes)} {
-		for _, s := range arr {
-			dst[k], dst[k+1], dst[k+2], dst[k+3] = s.Current, s.Peak, s.Allocated, s.Freed
-			k += 4
-		}
-	}
-	copy(dst[k:], []int64{st.NumAllocRetries, st.NumOOMs, st.NumSyncAllStreams, st.NumDeviceAlloc, st.NumDeviceFree})
 }
 
 //export goalloc_largest_cached_block
@@ -224,10 +135,6 @@ func goalloc_pool_use_count(device C.int, id0, id1 C.ulonglong) C.int {
 	return 0
 }
 
-// goalloc_pool_live_blocks lists the allocated blocks of a pool as JSON,
-// [[address, size, requested size, stream], ...] by address; the pool
-// (0, 0) is the general cache.
-//
 //export goalloc_pool_live_blocks
 func goalloc_pool_live_blocks(device C.int, id0, id1 C.ulonglong) *C.char {
 	if lib.checkDevice(int(device)) != nil {
@@ -244,14 +151,8 @@ func goalloc_pool_live_blocks(device C.int, id0, id1 C.ulonglong) *C.char {
 	return cstring(json.Marshal(rows))
 }
 
-// goalloc_restore_pool sets a pool back to a checkpoint: blocks holds n
-// rows of goalloc_pool_live_blocks (4n numbers; NULL when n is 0). It
-// returns JSON, {"freed": [addresses freed], "error": "" or what could not
-// be restored}, or NULL when the pool or device does not exist or the
-// arguments are refused.
-//
 //export goalloc_restore_pool
-func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.ulonglong, n C.int) *C.char {
+func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.goalloc_const_ull, n C.int) *C.char {
 	if n < 0 {
 		_ = lib.bad("invalid_argument", fmt.Sprintf("goalloc: goalloc_restore_pool: n is %d; give the number of rows in blocks (0 or more)", n))
 		return nil
@@ -294,14 +195,11 @@ func goalloc_restore_pool(device C.int, id0, id1 C.ulonglong, blocks *C.ulonglon
 	return cstring(json.Marshal(res))
 }
 
-// goalloc_front is device's front log (caching/front.go), which the C++
-// class's front (python/goalloc/csrc/goalloc_front.h) shares, made at the
-// first call: Go memory pinned for as long as the process runs. NULL when
-// the configuration has no front (front:false) or the device cannot be
-// used. The class asks once per device.
+// goalloc_front_log hands out the log pinned (pinFront): the class keeps its
+// address.
 //
-//export goalloc_front
-func goalloc_front(device C.int) unsafe.Pointer {
+//export goalloc_front_log
+func goalloc_front_log(device C.int) unsafe.Pointer {
 	a, err := lib.device(int(device))
 	if err != nil {
 		return nil
@@ -313,11 +211,6 @@ func goalloc_front(device C.int) unsafe.Pointer {
 	return nil
 }
 
-// goalloc_front_drain applies what device's front log holds, for the C++
-// side when the log is full: 0, or -1 for a device that does not exist
-// (the message in goalloc_last_error). A device not used yet has nothing
-// to drain.
-//
 //export goalloc_front_drain
 func goalloc_front_drain(device C.int) C.int {
 	d := int(device)
@@ -442,15 +335,8 @@ func (l *library) stats(d int) (caching.Stats, error) {
 }
 
 // Pools with an allocator of their own (caching/external.go): the class
-// carves them; these count what they hold, under the cap. A size beyond
-// what the pools claimed or hold is refused by caching (invalid_size), so
-// that neither the cap's count nor the statistics wrap around.
+// carves them; these count what they hold, under the cap.
 
-// goalloc_external_claim claims size bytes under device's cap for a
-// segment an own-allocator pool is about to take: 0, or -1 with *err the
-// message (an optional out-parameter: NULL, not wanted), which the calling
-// thread's last error says too.
-//
 //export goalloc_external_claim
 func goalloc_external_claim(device C.int, size C.size_t, errOut **C.char) C.int {
 	a, err := lib.device(int(device))
@@ -464,10 +350,6 @@ func goalloc_external_claim(device C.int, size C.size_t, errOut **C.char) C.int 
 	return 0
 }
 
-// goalloc_external_unclaim gives back a claim whose segment was not made;
-// a refusal (a device goalloc holds nothing on, more than was claimed)
-// changes nothing and sets the calling thread's last error.
-//
 //export goalloc_external_unclaim
 func goalloc_external_unclaim(device C.int, size C.size_t) {
 	if a := externalDevice(device, "goalloc_external_unclaim"); a != nil {
@@ -475,9 +357,6 @@ func goalloc_external_unclaim(device C.int, size C.size_t) {
 	}
 }
 
-// goalloc_external_segment counts a segment at addr (not NULL) made
-// (alloc) or freed: 0, or -1.
-//
 //export goalloc_external_segment
 func goalloc_external_segment(device C.int, alloc C.int, addr unsafe.Pointer, size C.size_t, large C.int, stream C.cudaStream_t) C.int {
 	if addr == nil {
@@ -490,9 +369,6 @@ func goalloc_external_segment(device C.int, alloc C.int, addr unsafe.Pointer, si
 	return status(lib.reportErr(a.ExternalSegment(alloc != 0, uintptr(addr), uint64(size), large != 0, arena.Stream(uintptr(stream)))))
 }
 
-// goalloc_external_block counts a block at addr (not NULL) carved from a
-// segment, handed out (alloc) or freed: 0, or -1.
-//
 //export goalloc_external_block
 func goalloc_external_block(device C.int, alloc C.int, addr unsafe.Pointer, size, requested C.size_t, large C.int, stream C.cudaStream_t) C.int {
 	if addr == nil {
@@ -517,11 +393,6 @@ func externalDevice(device C.int, fn string) *caching.Allocator {
 	return a
 }
 
-// goalloc_complete_recorded_free completes a free made during a capture
-// that waits for other streams, once the caller proved them done
-// (caching.CompleteRecordedFree): 1 if one was waiting, 0 if not, as for
-// a NULL ptr or a device goalloc holds nothing on.
-//
 //export goalloc_complete_recorded_free
 func goalloc_complete_recorded_free(device C.int, ptr unsafe.Pointer) C.int {
 	if a := lib.existingDevice(int(device)); a != nil && a.CompleteRecordedFree(uintptr(ptr)) {

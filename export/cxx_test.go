@@ -10,32 +10,33 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// The figures the C++ class copies into c10's DeviceStats are torch's keys,
-// in DeviceStats's declaration order.
-func TestTorchStatsFollowDeviceStatsOrder(t *testing.T) {
+// The figures the C++ class copies into c10's DeviceStats are memory_stats()'s,
+// in the order of goalloc.h's table (caching.StatTables, which
+// TestStatTablesMatchTheHeader holds to the header).
+func TestTorchStatsFollowTheHeadersTable(t *testing.T) {
 	l := simLibrary(t, "2")
 	p := l.malloc(3_000_000, 1, 0)
 	require.NotZero(t, p)
 	st, err := l.stats(1)
 	require.NoError(t, err)
-	got := make([]int64, torchStatFigures)
-	torchStats(&st, got)
+	var figures [caching.NumTorchFigures]int64
+	st.TorchFigures(&figures)
 
 	m := stats(t, l, 1)
+	arrays, pools, values, counters := caching.StatTables()
 	var want []int64
-	for _, name := range []string{"allocation", "segment", "active", "inactive_split", "allocated_bytes",
-		"reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"} {
-		for _, pool := range []string{"all", "small_pool", "large_pool"} {
-			for _, fig := range []string{"current", "peak", "allocated", "freed"} {
-				want = append(want, m[name+"."+pool+"."+fig])
+	for _, name := range arrays {
+		for _, pool := range pools {
+			for _, v := range values {
+				want = append(want, m[name+"."+pool+"."+v])
 			}
 		}
 	}
-	for _, name := range []string{"num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free"} {
+	for _, name := range counters {
 		want = append(want, m[name])
 	}
-	assert.Equal(t, want, got)
-	assert.EqualValues(t, 3_000_320, got[4*4*3]) // allocated_bytes.all.current
+	assert.Equal(t, want, figures[:])
+	assert.EqualValues(t, 3_000_320, m["allocated_bytes.all.current"])
 
 	none, err := l.stats(0)
 	require.NoError(t, err)

@@ -4,38 +4,18 @@
 // calls the library state in registry.go, which calls package caching. The
 // design is explained in caching/doc.go.
 //
-// Calls PyTorch makes (torch.cuda.memory.CUDAPluggableAllocator):
-//
-//	void* my_malloc(ssize_t size, int device, cudaStream_t stream);  // throws on failure (torch_malloc.cpp)
-//	void  my_free(void* ptr, ssize_t size, int device, cudaStream_t stream);
-//	void  goalloc_init(int device_count);                       // set_init_fn
-//	void  goalloc_empty_cache(void);                            // set_reset_fn
-//	void  goalloc_set_memory_fraction(double fraction, int device); // set_memory_fraction_fn
-//	void  goalloc_record_stream(void* ptr, cudaStream_t stream); // set_record_stream_fn
-//
-// and the three CUDA graph hooks (see "CUDA graphs and the C ABI" below):
-//
-//	void goalloc_begin_allocate_to_pool(int device, unsigned long long id0,
-//	                                    unsigned long long id1, void* filter); // set_begin_allocate_to_pool
-//	void goalloc_end_allocate_to_pool(int device, unsigned long long id0,
-//	                                  unsigned long long id1);                // set_end_allocate_to_pool_fn
-//	void goalloc_release_pool(int device, unsigned long long id0,
-//	                          unsigned long long id1);                        // set_release_pool
-//
-// C callers allocate with goalloc_malloc, which returns NULL on failure.
-// Control functions return 0 on success and -1 on error, or a string that
-// the caller frees with goalloc_string_free (NULL on error); either way
-// goalloc_last_error says what went wrong and goalloc_last_error_kind what
-// kind of failure it was (errkind.go). See the README's C ABI table.
+// The C ABI is declared, with what each function does and its rules for
+// errors and NULL, in python/goalloc/csrc/goalloc.h, which every preamble
+// here includes (cgo.h): cgo's compiler refuses an //export whose signature
+// differs from its declaration there, and header_test.go checks that the
+// library exports exactly what the header declares. The comments here say
+// how the functions do what the header says.
 package main
 
 /*
-#include <stddef.h>
-#include <stdint.h>
+#cgo CPPFLAGS: -I${SRCDIR}/../python/goalloc/csrc
 #include <stdlib.h>
-#include <sys/types.h>
-
-typedef void *cudaStream_t;
+#include "cgo.h"
 */
 import "C"
 
@@ -62,11 +42,6 @@ func cGetenv(name string) string {
 	return ""
 }
 
-// goalloc_malloc is the C entry point: NULL on failure, and
-// goalloc_last_error says why. my_malloc, the name PyTorch's documentation
-// gives the pluggable allocator, is the same call throwing a C++ exception
-// instead (torch_malloc.cpp).
-//
 //export goalloc_malloc
 func goalloc_malloc(size C.ssize_t, device C.int, stream C.cudaStream_t) unsafe.Pointer {
 	return devicePointer(lib.malloc(int64(size), int(device), uintptr(stream)))
@@ -102,16 +77,8 @@ func goalloc_record_stream(ptr unsafe.Pointer, stream C.cudaStream_t) {
 	_ = lib.recordStream(uintptr(ptr), uintptr(stream))
 }
 
-// CUDA graphs and the C ABI. torch calls these hooks as C++ functions of
-// type void(int, MempoolId_t[, std::function<bool(cudaStream_t)>]), where
-// MempoolId_t is std::pair<unsigned long long, unsigned long long>. On
-// x86-64 (System V) a 16-byte trivially copyable pair of integers travels in
-// two integer registers, exactly as two unsigned long long arguments do, and
-// a std::function, which is not trivially copyable, is passed by a hidden
-// reference: one more pointer argument. goalloc never calls the filter: it
-// asks the driver whether the allocating stream is being captured instead
-// (caching/graphs.go). tests/gpu/graphs_check.py checks on the GPU that the
-// pool ids arriving here are the ones torch reports for the graph.
+// The CUDA graph hooks: goalloc.h says how torch's C++ arguments arrive
+// as these.
 
 //export goalloc_begin_allocate_to_pool
 func goalloc_begin_allocate_to_pool(device C.int, id0, id1 C.ulonglong, filter unsafe.Pointer) {
@@ -144,22 +111,9 @@ func cstring(b []byte, err error) *C.char {
 	return C.CString(string(b))
 }
 
-// NULL in the C ABI. A pointer argument is one of two things, and each
-// function's comment says which:
-//
-//   - an optional out-parameter (int* oom, char** err, int* device): NULL
-//     means the caller does not want that answer, and nothing is written
-//     (putOut, putMessage);
-//   - anything else (a string, a buffer, an address): NULL is refused before
-//     the call does anything, as bad input of kind null_pointer, -1 or NULL
-//     returned and goalloc_last_error naming the function and the argument
-//     (nullArg).
-//
-// Device pointers and streams are values, not C memory: my_free and
-// goalloc_record_stream refuse a NULL pointer as the same bad input
-// (registry.go); goalloc_free_ptr takes it as an empty tensor's deleter
-// and frees nothing, as free(3) does (and goalloc_string_free with a NULL
-// string); a NULL stream is the default stream.
+// NULL in the C ABI (goalloc.h, "Conventions"): an optional out-parameter
+// is written with putOut or putMessage, which skip a NULL; any other NULL
+// pointer is refused with nullArg.
 
 // putOut writes v to the optional out-parameter out, unless it is NULL.
 func putOut[T any](out *T, v T) {
@@ -183,12 +137,8 @@ func (l *library) nullArg(fn, arg, need string) error {
 	return l.bad("null_pointer", fmt.Sprintf("goalloc: %s: %s is NULL; %s", fn, arg, need))
 }
 
-// goalloc_configure replaces GOALLOC_CONF with conf, before the first
-// allocation; "" is the defaults. NULL is refused (nullArg): taken as ""
-// it would drop the caps and settings of GOALLOC_CONF without a word.
-//
 //export goalloc_configure
-func goalloc_configure(conf *C.char) C.int {
+func goalloc_configure(conf *C.goalloc_const_char) C.int {
 	if conf == nil {
 		return status(lib.nullArg("goalloc_configure", "conf", `give a GOALLOC_CONF string ("" for the defaults)`))
 	}
@@ -198,10 +148,6 @@ func goalloc_configure(conf *C.char) C.int {
 //export goalloc_init_checked
 func goalloc_init_checked(deviceCount C.int) C.int { return status(lib.init(int(deviceCount))) }
 
-// goalloc_check_device is 0 if device exists, else -1 (bad argument, and
-// goalloc_last_error names the devices there are); a question, not counted
-// as bad input.
-//
 //export goalloc_check_device
 func goalloc_check_device(device C.int) C.int { return status(lib.deviceExists(int(device))) }
 
@@ -255,22 +201,13 @@ func goalloc_record_history(maxEntries C.int) C.int {
 //export goalloc_check_invariants
 func goalloc_check_invariants(device C.int) C.int { return status(lib.checkInvariants(int(device))) }
 
-// goalloc_last_error is the message of the last call that failed on the
-// calling OS thread (lasterror.go).
+// goalloc_last_error: the thread's error is kept in C (lasterror.go).
 //
 //export goalloc_last_error
 func goalloc_last_error() *C.char { return threadError() }
 
-// goalloc_last_error_kind is the kind of the last call that failed on the
-// calling OS thread, set together with goalloc_last_error's message: 0
-// none, 1 bad argument, 2 bad configuration, 3 out of memory, 4 the driver,
-// the device or the allocator failed, 5 too late (errkind.go).
-//
 //export goalloc_last_error_kind
 func goalloc_last_error_kind() C.int { return C.int(threadErrorKind()) }
 
-// goalloc_string_free frees a string the library handed out; NULL, as
-// with free(3), is nothing to free.
-//
 //export goalloc_string_free
 func goalloc_string_free(s *C.char) { C.free(unsafe.Pointer(s)) }

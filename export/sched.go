@@ -44,26 +44,20 @@ package main
 // the way in.
 
 /*
-typedef long long goalloc_ns;
+#include "cgo.h"
 */
 import "C"
 
 import "runtime"
 
-// goalloc_sched_yield yields the calling thread's goroutine to Go's
-// scheduler (see above). Called by the C++ class, never with a lock held.
-//
 //export goalloc_sched_yield
 func goalloc_sched_yield() { runtime.Gosched() }
 
-// goalloc_yield_every_ns is Config.YieldEvery in nanoseconds (0: never
-// yield), or -1 while the configuration has not been read yet (before the
-// first allocation): the C++ class asks again later.
-//
 //export goalloc_yield_every_ns
-func goalloc_yield_every_ns() C.goalloc_ns { return C.goalloc_ns(lib.yieldEvery()) }
+func goalloc_yield_every_ns() C.longlong { return C.longlong(lib.yieldEvery()) }
 
-// yieldEvery is goalloc_yield_every_ns's answer.
+// yieldEvery is goalloc_yield_every_ns's answer: Config.YieldEvery in
+// nanoseconds.
 func (l *library) yieldEvery() int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()

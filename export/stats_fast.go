@@ -1,31 +1,11 @@
 package main
 
 // The per-step statistics: memory_allocated() and its family as single
-// numbers, read without the allocator's mutex and without JSON, for a
-// training loop that asks every step (caching/counters.go says how the
-// figures are published).
-//
-//	long long goalloc_stat(int device, int key);
-//	int goalloc_stat_scalars(int device, int64_t* out, int n);
-//	char* goalloc_stat_keys_json(void);
-//
-// key indexes the published figures, in this fixed order (new figures are
-// only ever appended):
-//
-//	0  allocated_bytes.all.current   torch.cuda.memory_allocated()
-//	1  allocated_bytes.all.peak      torch.cuda.max_memory_allocated()
-//	2  reserved_bytes.all.current    torch.cuda.memory_reserved()
-//	3  reserved_bytes.all.peak       torch.cuda.max_memory_reserved()
-//
-// goalloc_stat returns the figure, or -1 (goalloc_last_error says why) for
-// a device or key that does not exist. goalloc_stat_scalars writes the first
-// n figures (fewer if the library has fewer) into out and returns how many
-// figures the library has, or -1; so goalloc_stat_scalars(d, NULL, 0) asks
-// how many there are. goalloc_stat_keys_json lists the keys in order, as
-// goalloc_stats_json names them. A device not used yet reads as zeros.
+// numbers, read without the allocator's mutex and without JSON (goalloc.h,
+// "the per-step statistics"; caching.Scalar numbers the figures).
 
 /*
-#include <stdint.h>
+#include "cgo.h"
 */
 import "C"
 

@@ -13,13 +13,10 @@
 // use goalloc_malloc.
 #include <stdexcept>
 #include <string>
-#include <sys/types.h>
+
+#include "goalloc.h"  // declares my_malloc, which this defines
 
 extern "C" {
-void *goalloc_malloc(ssize_t size, int device, void *stream);
-char *goalloc_last_error(void);
-void goalloc_string_free(char *s);
-
 void *my_malloc(ssize_t size, int device, void *stream) {
 	void *p = goalloc_malloc(size, device, stream);
 	if (p == nullptr) {

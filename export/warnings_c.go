@@ -1,16 +1,9 @@
 package main
 
-// The C ABI of warnings.go. A Python program calls
-//
-//	int   goalloc_warnings_capture(int on);      // 1: queue warnings, 0: print them (the default)
-//	char* goalloc_warnings_take(void);           // JSON [{"kind", "message"}...], NULL if none; free with goalloc_string_free
-//	int   goalloc_warnings_notify(void (*fn)(void)); // fn is called when a warning is queued; NULL: none
-//
-// goalloc_warnings_notify(NULL) returns once a call of the previous
-// function in flight has returned, so that its caller may then free it.
+// The C ABI of warnings.go (goalloc.h, "warnings").
 
 /*
-typedef void (*goalloc_notify_fn)(void);
+#include "cgo.h"
 static inline void goalloc_call_notify(goalloc_notify_fn f) { f(); }
 */
 import "C"

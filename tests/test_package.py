@@ -325,7 +325,7 @@ def test_wheel_built_from_the_sdist_installs_and_works(tmp_path):
                    "export/torch_malloc.cpp", "cmd/goalloc/main.go", "arena/cuda.go",
                    "caching/allocator.go", "streams/streams.go", "replay/reference/reference.go",
                    "replay/replay.go", "replay/report.html.tmpl", "units/units.go",
-                   "python/goalloc/__main__.py"]:
+                   "python/goalloc/__main__.py", "python/goalloc/csrc/goalloc.h"]:
         assert needed in names, needed
     assert not [n for n in names if n.endswith("_test.go") or "testdata" in n
                 or n.startswith(("traces/", "bench/", "tests/", "build/"))

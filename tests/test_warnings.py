@@ -52,7 +52,7 @@ def test_a_control_call_issues_its_warning_before_it_returns():
     ValueError (its kind is bad_argument) and the warning come from the same
     call, the warning pointing at the caller's line."""
     proc = run_python(recording("""
-    L.goalloc_warnings_notify(_warnings._NOTIFY())  # the call's own drain only, not the notifier's thread
+    L.goalloc_warnings_notify(_warnings.NOTIFY())  # the call's own drain only, not the notifier's thread
     try:
         _lib.record_history(-5)
     except ValueError as e:
@@ -75,7 +75,7 @@ def test_warnings_can_be_logged_or_made_errors():
     from goalloc import _lib, _warnings
     # Delivery by the explicit drains only: the notifier's thread has no
     # caller to raise into (it prints instead), and would race them.
-    _lib.lib().goalloc_warnings_notify(_warnings._NOTIFY())
+    _lib.lib().goalloc_warnings_notify(_warnings.NOTIFY())
     _lib.lib().goalloc_malloc(-1, 0, 0x1000)
     _warnings.drain()
     warnings.filterwarnings("error", category=goalloc.GoallocWarning)
@@ -96,7 +96,7 @@ def test_warnings_left_at_exit_are_issued_and_later_ones_print():
     import goalloc
     from goalloc import _lib, _warnings
     L = _lib.lib()
-    L.goalloc_warnings_notify(_warnings._NOTIFY())  # no deliveries: the queue keeps it
+    L.goalloc_warnings_notify(_warnings.NOTIFY())  # no deliveries: the queue keeps it
     L.my_free(0x1234, 512, 0, 0x1000)
     """)
     assert "GoallocWarning: goalloc: free of 0x1234" in proc.stderr, proc.stderr

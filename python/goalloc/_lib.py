@@ -96,47 +96,67 @@ def library_path() -> str:
 LIBRARY_SETTINGS = ("GOALLOC_DEVICE", "GOALLOC_SIM_DEVICES", "GOALLOC_SIM_MEMORY", "GOALLOC_CONF")
 
 
+_c_int, _c_double, _c_ssize_t, _c_void_p, _c_char_p = (
+    ctypes.c_int, ctypes.c_double, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p)
+
+#: Every function of libgoalloc.so the package calls through ctypes, as
+#: (restype, argtypes). goalloc.h (csrc/) declares them;
+#: tests/test_abi_header.py checks each entry against it, and that the
+#: package calls no function this does not declare.
+SIGNATURES: dict[str, tuple[Any, Optional[list[Any]]]] = {
+    # The calls PyTorch makes.
+    "goalloc_malloc": (_c_void_p, [_c_ssize_t, _c_int, _c_void_p]),
+    "my_free": (None, [_c_void_p, _c_ssize_t, _c_int, _c_void_p]),
+    "goalloc_init": (None, [_c_int]),
+    "goalloc_empty_cache": (None, []),
+    "goalloc_set_memory_fraction": (None, [_c_double, _c_int]),
+    "goalloc_record_stream": (None, [_c_void_p, _c_void_p]),
+    # Control functions: 0 / -1, or a malloc'd string / NULL, kept as a
+    # void* so that it can be freed.
+    "goalloc_configure": (_c_int, [_c_char_p]),
+    "goalloc_init_checked": (_c_int, [_c_int]),
+    "goalloc_device_count": (_c_int, []),
+    "goalloc_check_device": (_c_int, [_c_int]),
+    "goalloc_stats_json": (_c_void_p, [_c_int]),
+    "goalloc_fragmentation_json": (_c_void_p, [_c_int]),
+    "goalloc_snapshot_json": (_c_void_p, [_c_int]),
+    "goalloc_config_json": (_c_void_p, []),
+    "goalloc_reset_peak_stats": (_c_int, [_c_int]),
+    "goalloc_reset_accumulated_stats": (_c_int, [_c_int]),
+    "goalloc_set_fraction": (_c_int, [_c_int, _c_double]),
+    "goalloc_empty_cache_device": (_c_int, [_c_int]),
+    "goalloc_record_history": (_c_int, [_c_int]),
+    # The per-step figures (STAT_KEYS): a number, -1 on error. No
+    # argtypes: converting each argument through c_int.from_param
+    # tripled the cost of the call (about 0.4 us without, 1.2 us with,
+    # on a 2-core x86-64 machine); stat()'s callers pass ints that fit
+    # a C int.
+    "goalloc_stat": (ctypes.c_longlong, None),
+    "goalloc_stat_scalars": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_int64), _c_int]),
+    "goalloc_stat_keys_json": (_c_void_p, []),
+    "goalloc_last_error": (_c_void_p, []),
+    "goalloc_last_error_kind": (_c_int, []),
+    "goalloc_string_free": (None, [_c_void_p]),
+    # The library's warnings as Python warnings (_warnings.py).
+    "goalloc_warnings_capture": (_c_int, [_c_int]),
+    "goalloc_warnings_take": (_c_void_p, []),
+    "goalloc_warnings_notify": (_c_int, [_warnings.NOTIFY]),
+}
+
+#: The functions of SIGNATURES a library built before them lacks: the
+#: package goes on without them (such a library prints its warnings).
+OPTIONAL = frozenset({"goalloc_warnings_capture", "goalloc_warnings_take", "goalloc_warnings_notify"})
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    """Give every exported function its C signature (see export/main.go)."""
-    c_int, c_double, c_ssize_t, c_void_p, c_char_p = (
-        ctypes.c_int, ctypes.c_double, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p)
-    sigs: dict[str, tuple[Any, Optional[list[Any]]]] = {
-        # The calls PyTorch makes.
-        "goalloc_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
-        "my_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
-        "goalloc_init": (None, [c_int]),
-        "goalloc_empty_cache": (None, []),
-        "goalloc_set_memory_fraction": (None, [c_double, c_int]),
-        "goalloc_record_stream": (None, [c_void_p, c_void_p]),
-        # Control functions: 0 / -1, or a malloc'd string / NULL.
-        "goalloc_configure": (c_int, [c_char_p]),
-        "goalloc_init_checked": (c_int, [c_int]),
-        "goalloc_device_count": (c_int, []),
-        "goalloc_check_device": (c_int, [c_int]),
-        "goalloc_stats_json": (c_void_p, [c_int]),
-        "goalloc_fragmentation_json": (c_void_p, [c_int]),
-        "goalloc_snapshot_json": (c_void_p, [c_int]),
-        "goalloc_config_json": (c_void_p, []),
-        "goalloc_reset_peak_stats": (c_int, [c_int]),
-        "goalloc_reset_accumulated_stats": (c_int, [c_int]),
-        "goalloc_set_fraction": (c_int, [c_int, c_double]),
-        "goalloc_empty_cache_device": (c_int, [c_int]),
-        "goalloc_record_history": (c_int, [c_int]),
-        # The per-step figures (STAT_KEYS): a number, -1 on error. No
-        # argtypes: converting each argument through c_int.from_param
-        # tripled the cost of the call (about 0.4 us without, 1.2 us with,
-        # on a 2-core x86-64 machine); stat()'s callers pass ints that fit
-        # a C int.
-        "goalloc_stat": (ctypes.c_longlong, None),
-        "goalloc_stat_scalars": (c_int, [c_int, ctypes.POINTER(ctypes.c_int64), c_int]),
-        "goalloc_stat_keys_json": (c_void_p, []),
-        # Returns a malloc'd copy; kept as a void* so that it can be freed.
-        "goalloc_last_error": (c_void_p, []),
-        "goalloc_last_error_kind": (c_int, []),
-        "goalloc_string_free": (None, [c_void_p]),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
+    """Give every function of SIGNATURES its C signature."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if name in OPTIONAL:
+                continue
+            raise
         fn.restype = restype
         fn.argtypes = argtypes
 

@@ -8,23 +8,25 @@ has (cache hits, driver pool calls, fragmentation, bad input).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
+
+from . import _abi
 
 WIDTH = 75
 
-# (stat key, row label, formatter kind), in torch's order.
-_ROWS = (
-    ("allocated_bytes", "Allocated memory", "bytes"),
-    ("active_bytes", "Active memory", "bytes"),
-    ("requested_bytes", "Requested memory", "bytes"),
-    ("reserved_bytes", "GPU reserved memory", "bytes"),
-    ("inactive_split_bytes", "Non-releasable memory", "bytes"),
-    ("allocation", "Allocations", "count"),
-    ("active", "Active allocs", "count"),
-    ("segment", "GPU reserved segments", "count"),
-    ("inactive_split", "Non-releasable allocs", "count"),
-)
+
+@functools.lru_cache(maxsize=None)
+def rows() -> tuple[tuple[str, str, str], ...]:
+    """(stat key, row label, formatter kind), in torch's order: the
+    statistics of goalloc.h's table (GOALLOC_STAT_ARRAYS), which gives each
+    its row and label; a *_bytes statistic is a size, the others counts."""
+    return tuple((name, label, "bytes" if name.endswith("_bytes") else "count")
+                 for name, _, label in sorted(_abi.table("GOALLOC_STAT_ARRAYS"), key=lambda e: int(e[1])))
+
+
 _POOLS = (("all", None), ("large_pool", "      from large pool"), ("small_pool", "      from small pool"))
+# The figures of each row, under the titles of the table's header line.
 _FIGURES = ("current", "peak", "allocated", "freed")
 
 _SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -76,7 +78,7 @@ def format_summary(
     out.append(_line(f"{ooms:^37}|{retries:^37}"))
     out.append(_rule("="))
     out.append(_line("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "))
-    for key, label, kind in _ROWS:
+    for key, label, kind in rows():
         cell: Callable[[int, int], str] = _size_cell if kind == "bytes" else _count_cell
         out.append(_rule("-"))
         refs = [stats.get(f"{key}.all.{f}", 0) for f in _FIGURES]

@@ -50,7 +50,8 @@ class GoallocWarning(UserWarning):
 _lock = threading.RLock()
 _lib: Optional[ctypes.CDLL] = None
 
-_NOTIFY = ctypes.CFUNCTYPE(None)
+#: The C type of the library's notifier, goalloc_notify_fn.
+NOTIFY = ctypes.CFUNCTYPE(None)
 # The callback the library holds; it must stay alive while registered.
 _callback: Optional[Any] = None
 
@@ -59,21 +60,16 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def attach(lib: ctypes.CDLL) -> None:
     """Route lib's warnings here. Called once, by _lib.lib(), right after
-    the library is loaded; it does not initialise the allocator. A library
-    without the warning functions keeps printing them on stderr."""
+    the library is loaded and its functions declared; it does not
+    initialise the allocator. A library without the warning functions keeps
+    printing them on stderr."""
     global _lib, _callback
-    try:
-        capture, take, notify = (lib.goalloc_warnings_capture, lib.goalloc_warnings_take,
-                                  lib.goalloc_warnings_notify)
-    except AttributeError:
+    if not all(hasattr(lib, f"goalloc_warnings_{f}") for f in ("capture", "take", "notify")):
         return
-    capture.restype, capture.argtypes = ctypes.c_int, [ctypes.c_int]
-    take.restype, take.argtypes = ctypes.c_void_p, []
-    notify.restype, notify.argtypes = ctypes.c_int, [_NOTIFY]
     _lib = lib
-    capture(1)
-    _callback = _NOTIFY(_on_notify)
-    notify(_callback)
+    lib.goalloc_warnings_capture(1)
+    _callback = NOTIFY(_on_notify)
+    lib.goalloc_warnings_notify(_callback)
     atexit.register(_detach)
 
 
@@ -125,7 +121,7 @@ def _detach() -> None:
     global _callback
     if _lib is None:
         return
-    _lib.goalloc_warnings_notify(_NOTIFY())  # a NULL function pointer
+    _lib.goalloc_warnings_notify(NOTIFY())  # a NULL function pointer
     _callback = None
     drain()
     _lib.goalloc_warnings_capture(0)

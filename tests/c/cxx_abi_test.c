@@ -1,13 +1,13 @@
-/* The C calls of goalloc's C++ allocator class for PyTorch (export/cxx.go),
+/* The C calls of goalloc's C++ allocator class for PyTorch (goalloc.h),
  * from C on the simulated device: a refused goalloc_pool_malloc hands back
  * its message and whether it was an out-of-memory; goalloc_free_ptr frees by
  * pointer alone; the DeviceStats figures; a pool's users, live blocks and a
  * checkpoint set back. goalloc_malloc, the C entry point, returns NULL.
- * NULL where a call needs a pointer is refused (export/main.go, "NULL in the
- * C ABI"): goalloc_configure(NULL) leaves GOALLOC_CONF in force, and
+ * NULL where a call needs a pointer is refused (goalloc.h, "Conventions"):
+ * goalloc_configure(NULL) leaves GOALLOC_CONF in force, and
  * goalloc_torch_device_stats into NULL writes nothing.
  *
- *   cc tests/c/cxx_abi_test.c -o build/cxx_abi_test -ldl
+ *   cc -Ipython/goalloc/csrc tests/c/cxx_abi_test.c -o build/cxx_abi_test -ldl
  *   GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G build/cxx_abi_test build/libgoalloc.so
  */
 #include <dlfcn.h>
@@ -33,26 +33,24 @@ static int failures = 0;
 
 int main(int argc, char **argv) {
 	void *lib = open_library(argc, argv);
-	void (*init)(int) = (void (*)(int))dlsym(lib, "goalloc_init");
-	void *(*cmalloc)(ssize_t, int, void *) = (void *(*)(ssize_t, int, void *))dlsym(lib, "goalloc_malloc");
-	void *(*pm)(size_t, int, void *, ull, ull, int *, char **) =
-		(void *(*)(size_t, int, void *, ull, ull, int *, char **))dlsym(lib, "goalloc_pool_malloc");
-	int (*fp)(void *) = (int (*)(void *))dlsym(lib, "goalloc_free_ptr");
-	int (*dstats)(int, long long *, int) = (int (*)(int, long long *, int))dlsym(lib, "goalloc_torch_device_stats");
-	long long (*largest)(int) = (long long (*)(int))dlsym(lib, "goalloc_largest_cached_block");
-	int (*incref)(int, ull, ull) = (int (*)(int, ull, ull))dlsym(lib, "goalloc_create_or_incref_pool");
-	int (*users)(int, ull, ull) = (int (*)(int, ull, ull))dlsym(lib, "goalloc_pool_use_count");
-	void (*begin)(int, ull, ull, void *) = (void (*)(int, ull, ull, void *))dlsym(lib, "goalloc_begin_allocate_to_pool");
-	void (*end)(int, ull, ull) = (void (*)(int, ull, ull))dlsym(lib, "goalloc_end_allocate_to_pool");
-	void (*release)(int, ull, ull) = (void (*)(int, ull, ull))dlsym(lib, "goalloc_release_pool");
-	char *(*live)(int, ull, ull) = (char *(*)(int, ull, ull))dlsym(lib, "goalloc_pool_live_blocks");
-	char *(*restore)(int, ull, ull, const ull *, int) =
-		(char *(*)(int, ull, ull, const ull *, int))dlsym(lib, "goalloc_restore_pool");
-	void (*sfree)(char *) = (void (*)(char *))dlsym(lib, "goalloc_string_free");
-	int (*capture)(int) = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
-	char *(*take)(void) = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
-	int (*configure)(const char *) = (int (*)(const char *))dlsym(lib, "goalloc_configure");
-	int (*kind)(void) = (int (*)(void))dlsym(lib, "goalloc_last_error_kind");
+	GOALLOC_FN(goalloc_init) init = GOALLOC_SYMBOL(lib, goalloc_init);
+	GOALLOC_FN(goalloc_malloc) cmalloc = GOALLOC_SYMBOL(lib, goalloc_malloc);
+	GOALLOC_FN(goalloc_pool_malloc) pm = GOALLOC_SYMBOL(lib, goalloc_pool_malloc);
+	GOALLOC_FN(goalloc_free_ptr) fp = GOALLOC_SYMBOL(lib, goalloc_free_ptr);
+	GOALLOC_FN(goalloc_torch_device_stats) dstats = GOALLOC_SYMBOL(lib, goalloc_torch_device_stats);
+	GOALLOC_FN(goalloc_largest_cached_block) largest = GOALLOC_SYMBOL(lib, goalloc_largest_cached_block);
+	GOALLOC_FN(goalloc_create_or_incref_pool) incref = GOALLOC_SYMBOL(lib, goalloc_create_or_incref_pool);
+	GOALLOC_FN(goalloc_pool_use_count) users = GOALLOC_SYMBOL(lib, goalloc_pool_use_count);
+	GOALLOC_FN(goalloc_begin_allocate_to_pool) begin = GOALLOC_SYMBOL(lib, goalloc_begin_allocate_to_pool);
+	GOALLOC_FN(goalloc_end_allocate_to_pool) end = GOALLOC_SYMBOL(lib, goalloc_end_allocate_to_pool);
+	GOALLOC_FN(goalloc_release_pool) release = GOALLOC_SYMBOL(lib, goalloc_release_pool);
+	GOALLOC_FN(goalloc_pool_live_blocks) live = GOALLOC_SYMBOL(lib, goalloc_pool_live_blocks);
+	GOALLOC_FN(goalloc_restore_pool) restore = GOALLOC_SYMBOL(lib, goalloc_restore_pool);
+	GOALLOC_FN(goalloc_string_free) sfree = GOALLOC_SYMBOL(lib, goalloc_string_free);
+	GOALLOC_FN(goalloc_warnings_capture) capture = GOALLOC_SYMBOL(lib, goalloc_warnings_capture);
+	GOALLOC_FN(goalloc_warnings_take) take = GOALLOC_SYMBOL(lib, goalloc_warnings_take);
+	GOALLOC_FN(goalloc_configure) configure = GOALLOC_SYMBOL(lib, goalloc_configure);
+	GOALLOC_FN(goalloc_last_error_kind) kind = GOALLOC_SYMBOL(lib, goalloc_last_error_kind);
 	if (!init || !cmalloc || !pm || !fp || !dstats || !largest || !incref || !users || !begin || !end ||
 	    !release || !live || !restore || !sfree || !capture || !take || !configure || !kind) {
 		fprintf(stderr, "cxx_abi_test: missing symbol\n");
@@ -88,13 +86,15 @@ int main(int argc, char **argv) {
 		if (err) sfree(err);
 	}
 
-	/* The DeviceStats figures: allocated_bytes.all.current is figure 48. */
-	long long f[113];
+	/* The DeviceStats figures. */
+	long long f[GOALLOC_TORCH_STAT_FIGURES];
+	const int allocated = STAT_FIGURE(allocated_bytes); /* allocated_bytes.all.current */
 	void *p = pm(3000000, 0, S, 0, 0, NULL, NULL);
 	EXPECT(p != NULL, "malloc");
-	EXPECT(dstats(0, f, 113) == 0 && f[4 * 3 * 4] == 3000320, "allocated_bytes.all.current %lld", f[48]);
-	EXPECT(dstats(0, f, 112) == -1, "a wrong figure count is refused");
-	EXPECT(dstats(0, NULL, 113) == -1 && kind() == 1, "no buffer is refused: kind %d", kind());
+	EXPECT(dstats(0, f, GOALLOC_TORCH_STAT_FIGURES) == 0 && f[allocated] == 3000320, "allocated_bytes.all.current %lld",
+	       f[allocated]);
+	EXPECT(dstats(0, f, GOALLOC_TORCH_STAT_FIGURES - 1) == -1, "a wrong figure count is refused");
+	EXPECT(dstats(0, NULL, GOALLOC_TORCH_STAT_FIGURES) == -1 && kind() == 1, "no buffer is refused: kind %d", kind());
 	EXPECT(fp(p) == 0, "free by pointer");
 	EXPECT(fp(p) == -1, "a double free is refused");
 	EXPECT(fp(NULL) == 0, "an empty tensor's deleter");

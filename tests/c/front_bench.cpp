@@ -15,10 +15,9 @@
 #include "goalloc_front.h"
 #include "open_library.h"
 
-using ull = unsigned long long;
 
-static void* (*pool_malloc)(size_t, int, void*, ull, ull, int*, char**);
-static int (*free_ptr)(void*);
+static GOALLOC_FN(goalloc_pool_malloc) pool_malloc;
+static GOALLOC_FN(goalloc_free_ptr) free_ptr;
 
 static double best_ns_per_pair(long pairs, void (*pair)(goalloc_front::Front*, size_t), goalloc_front::Front* front,
                                size_t size) {
@@ -53,10 +52,10 @@ static void go_pair(goalloc_front::Front*, size_t size) {
 
 int main(int argc, char** argv) {
   void* lib = open_library(argc, argv);
-  pool_malloc = reinterpret_cast<decltype(pool_malloc)>(dlsym(lib, "goalloc_pool_malloc"));
-  free_ptr = reinterpret_cast<decltype(free_ptr)>(dlsym(lib, "goalloc_free_ptr"));
-  auto log_of = reinterpret_cast<void* (*)(int)>(dlsym(lib, "goalloc_front"));
-  auto drain = reinterpret_cast<int (*)(int)>(dlsym(lib, "goalloc_front_drain"));
+  pool_malloc = GOALLOC_SYMBOL(lib, goalloc_pool_malloc);
+  free_ptr = GOALLOC_SYMBOL(lib, goalloc_free_ptr);
+  auto log_of = GOALLOC_SYMBOL(lib, goalloc_front_log);
+  auto drain = GOALLOC_SYMBOL(lib, goalloc_front_drain);
   if (!pool_malloc || !free_ptr || !log_of || !drain) {
     std::fprintf(stderr, "libgoalloc.so lacks a symbol\n");
     return 1;

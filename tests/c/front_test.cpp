@@ -21,7 +21,6 @@
 #include "open_library.h"
 
 using goalloc_front::Front;
-using ull = unsigned long long;
 
 static int failures = 0;
 #define EXPECT(cond, ...)                                                \
@@ -34,20 +33,20 @@ static int failures = 0;
     }                                                                    \
   } while (0)
 
-static void* (*pool_malloc)(size_t, int, void*, ull, ull, int*, char**);
-static int (*free_ptr)(void*);
-static int (*device_stats)(int, long long*, int);
-static long long (*stat)(int, int);
-static int (*check_invariants)(int);
-static int (*record_history)(int);
-static void* (*front_log)(int);
-static int (*front_drain)(int);
-static char* (*last_error)(void);
-static void (*string_free)(char*);
+static GOALLOC_FN(goalloc_pool_malloc) pool_malloc;
+static GOALLOC_FN(goalloc_free_ptr) free_ptr;
+static GOALLOC_FN(goalloc_torch_device_stats) device_stats;
+static GOALLOC_FN(goalloc_stat) stat;
+static GOALLOC_FN(goalloc_check_invariants) check_invariants;
+static GOALLOC_FN(goalloc_record_history) record_history;
+static GOALLOC_FN(goalloc_front_log) front_log;
+static GOALLOC_FN(goalloc_front_drain) front_drain;
+static GOALLOC_FN(goalloc_last_error) last_error;
+static GOALLOC_FN(goalloc_string_free) string_free;
 
-constexpr int kFigures = 9 * 3 * 4 + 5;
+constexpr int kFigures = GOALLOC_TORCH_STAT_FIGURES;
 // Offsets in DeviceStats's figures: allocation and allocated_bytes, "all".
-constexpr int kAllocation = 0, kAllocatedBytes = 4 * 12;
+constexpr int kAllocation = STAT_FIGURE(allocation), kAllocatedBytes = STAT_FIGURE(allocated_bytes);
 
 struct Figures {
   long long f[kFigures];
@@ -110,17 +109,16 @@ static void table_against_reference() {
 
 int main(int argc, char** argv) {
   void* lib = open_library(argc, argv);
-#define SYM(var, name) var = reinterpret_cast<decltype(var)>(dlsym(lib, name))
-  SYM(pool_malloc, "goalloc_pool_malloc");
-  SYM(free_ptr, "goalloc_free_ptr");
-  SYM(device_stats, "goalloc_torch_device_stats");
-  SYM(stat, "goalloc_stat");
-  SYM(check_invariants, "goalloc_check_invariants");
-  SYM(record_history, "goalloc_record_history");
-  SYM(front_log, "goalloc_front");
-  SYM(front_drain, "goalloc_front_drain");
-  SYM(last_error, "goalloc_last_error");
-  SYM(string_free, "goalloc_string_free");
+  pool_malloc = GOALLOC_SYMBOL(lib, goalloc_pool_malloc);
+  free_ptr = GOALLOC_SYMBOL(lib, goalloc_free_ptr);
+  device_stats = GOALLOC_SYMBOL(lib, goalloc_torch_device_stats);
+  stat = GOALLOC_SYMBOL(lib, goalloc_stat);
+  check_invariants = GOALLOC_SYMBOL(lib, goalloc_check_invariants);
+  record_history = GOALLOC_SYMBOL(lib, goalloc_record_history);
+  front_log = GOALLOC_SYMBOL(lib, goalloc_front_log);
+  front_drain = GOALLOC_SYMBOL(lib, goalloc_front_drain);
+  last_error = GOALLOC_SYMBOL(lib, goalloc_last_error);
+  string_free = GOALLOC_SYMBOL(lib, goalloc_string_free);
   if (!pool_malloc || !free_ptr || !device_stats || !stat || !check_invariants || !record_history || !front_log ||
       !front_drain || !last_error || !string_free) {
     std::fprintf(stderr, "libgoalloc.so lacks a symbol\n");

@@ -4,7 +4,7 @@
  * from every other live pointer of both threads; bad input returns NULL or is
  * ignored without crashing; the statistics add up at the end.
  *
- *   cc tests/c/harness.c -o build/harness -ldl -lpthread
+ *   cc -Ipython/goalloc/csrc tests/c/harness.c -o build/harness -ldl -lpthread
  *   GOALLOC_DEVICE=sim build/harness build/libgoalloc.so
  */
 #include <dlfcn.h>
@@ -15,18 +15,12 @@
 #include <string.h>
 #include <sys/types.h>
 
-typedef void *(*malloc_fn)(ssize_t, int, void *);
-typedef void (*free_fn)(void *, ssize_t, int, void *);
-typedef void (*init_fn)(int);
-typedef void (*record_fn)(void *, void *);
-typedef char *(*json_fn)(int);
-typedef void (*strfree_fn)(char *);
-typedef void (*empty_fn)(void);
+#include "open_library.h"
 
-static malloc_fn my_malloc;
-static free_fn my_free;
-static int (*check_invariants)(int);
-static char *(*last_error)(void);
+static GOALLOC_FN(goalloc_malloc) c_malloc; /* my_malloc throws; C callers get NULL */
+static GOALLOC_FN(my_free) c_free;
+static GOALLOC_FN(goalloc_check_invariants) check_invariants;
+static GOALLOC_FN(goalloc_last_error) last_error;
 
 #ifndef THREADS
 #define THREADS 2
@@ -71,11 +65,11 @@ static void *worker(void *arg) {
 		live[t][k].p = 0;
 		pthread_mutex_unlock(&live_mu);
 		if (old) {
-			my_free((void *)old, (ssize_t)oldn, 0, stream);
+			c_free((void *)old, (ssize_t)oldn, 0, stream);
 			continue;
 		}
 		size_t n = draw_size(&seed);
-		uintptr_t p = (uintptr_t)my_malloc((ssize_t)n, 0, stream);
+		uintptr_t p = (uintptr_t)c_malloc((ssize_t)n, 0, stream);
 		if (p == 0) { fail("goalloc_malloc returned NULL", n); continue; }
 		if (p % 512) fail("pointer not 512-byte aligned", p);
 		pthread_mutex_lock(&live_mu);
@@ -99,7 +93,7 @@ static void *worker(void *arg) {
 		size_t n = live[t][k].n;
 		live[t][k].p = 0;
 		pthread_mutex_unlock(&live_mu);
-		if (p) my_free((void *)p, (ssize_t)n, 0, stream);
+		if (p) c_free((void *)p, (ssize_t)n, 0, stream);
 	}
 	return NULL;
 }
@@ -110,11 +104,11 @@ static void *worker(void *arg) {
  * 2 bad configuration, 5 too late); a warning (a free with the wrong size,
  * done all the same) replaces neither. Six threads, each with its own
  * refusal. */
-static int (*set_fraction)(int, double);
-static int (*configure)(const char *);
-static int (*last_error_kind)(void);
-static long long (*stat_one)(int, int);
-static int (*stat_scalars)(int, int64_t *, int);
+static GOALLOC_FN(goalloc_set_fraction) set_fraction;
+static GOALLOC_FN(goalloc_configure) configure;
+static GOALLOC_FN(goalloc_last_error_kind) last_error_kind;
+static GOALLOC_FN(goalloc_stat) stat_one;
+static GOALLOC_FN(goalloc_stat_scalars) stat_scalars;
 static volatile int workers_done;
 #define ERROR_ITERS 20000
 
@@ -135,16 +129,16 @@ static void *refuser(void *arg) {
 	void *stream = (void *)(uintptr_t)(0x7000 + 0x100 * r->kind);
 	for (int i = 0; i < ERROR_ITERS; i++) {
 		switch (r->kind) {
-		case 0: if (my_malloc(-1, 0, stream)) fail("negative size gave a pointer", 0); break;
-		case 1: my_free(NULL, 0, 0, stream); break;
-		case 2: if (my_malloc(1, 99, stream)) fail("unknown device gave a pointer", 99); break;
+		case 0: if (c_malloc(-1, 0, stream)) fail("negative size gave a pointer", 0); break;
+		case 1: c_free(NULL, 0, 0, stream); break;
+		case 2: if (c_malloc(1, 99, stream)) fail("unknown device gave a pointer", 99); break;
 		case 3: if (set_fraction(0, 2.0) != -1) fail("fraction 2 accepted", 2); break;
 		case 4: if (configure("bogus:1") != -1) fail("bogus configuration accepted", 0); break;
 		case 5: if (configure("fraction:0.9") != -1) fail("configuration after use accepted", 0); break;
 		}
 		if (i % 100 == 0) { /* a warning in between */
-			void *p = my_malloc(1000, 0, stream);
-			my_free(p, 999, 0, stream);
+			void *p = c_malloc(1000, 0, stream);
+			c_free(p, 999, 0, stream);
 		}
 		char *e = last_error();
 		if (!e || !strstr(e, r->want)) {
@@ -207,24 +201,22 @@ static long long stat(const char *json, const char *key) {
 }
 
 int main(int argc, char **argv) {
-	if (argc != 2) { fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]); return 2; }
-	void *lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
-	if (!lib) { fprintf(stderr, "harness: dlopen: %s\n", dlerror()); return 1; }
-	my_malloc = (malloc_fn)dlsym(lib, "goalloc_malloc"); /* my_malloc throws; C callers get NULL */
-	my_free = (free_fn)dlsym(lib, "my_free");
-	init_fn init = (init_fn)dlsym(lib, "goalloc_init");
-	check_invariants = (int (*)(int))dlsym(lib, "goalloc_check_invariants");
-	last_error = (char *(*)(void))dlsym(lib, "goalloc_last_error");
-	record_fn record = (record_fn)dlsym(lib, "goalloc_record_stream");
-	json_fn stats = (json_fn)dlsym(lib, "goalloc_stats_json");
-	strfree_fn strfree = (strfree_fn)dlsym(lib, "goalloc_string_free");
-	empty_fn empty = (empty_fn)dlsym(lib, "goalloc_empty_cache");
-	set_fraction = (int (*)(int, double))dlsym(lib, "goalloc_set_fraction");
-	stat_one = (long long (*)(int, int))dlsym(lib, "goalloc_stat");
-	stat_scalars = (int (*)(int, int64_t *, int))dlsym(lib, "goalloc_stat_scalars");
-	configure = (int (*)(const char *))dlsym(lib, "goalloc_configure");
-	last_error_kind = (int (*)(void))dlsym(lib, "goalloc_last_error_kind");
-	if (!set_fraction || !last_error || !check_invariants || !my_malloc || !my_free || !init || !record || !stats || !strfree || !empty ||
+	void *lib = open_library(argc, argv);
+	c_malloc = GOALLOC_SYMBOL(lib, goalloc_malloc);
+	c_free = GOALLOC_SYMBOL(lib, my_free);
+	GOALLOC_FN(goalloc_init) init = GOALLOC_SYMBOL(lib, goalloc_init);
+	check_invariants = GOALLOC_SYMBOL(lib, goalloc_check_invariants);
+	last_error = GOALLOC_SYMBOL(lib, goalloc_last_error);
+	GOALLOC_FN(goalloc_record_stream) record = GOALLOC_SYMBOL(lib, goalloc_record_stream);
+	GOALLOC_FN(goalloc_stats_json) stats = GOALLOC_SYMBOL(lib, goalloc_stats_json);
+	GOALLOC_FN(goalloc_string_free) strfree = GOALLOC_SYMBOL(lib, goalloc_string_free);
+	GOALLOC_FN(goalloc_empty_cache) empty = GOALLOC_SYMBOL(lib, goalloc_empty_cache);
+	set_fraction = GOALLOC_SYMBOL(lib, goalloc_set_fraction);
+	stat_one = GOALLOC_SYMBOL(lib, goalloc_stat);
+	stat_scalars = GOALLOC_SYMBOL(lib, goalloc_stat_scalars);
+	configure = GOALLOC_SYMBOL(lib, goalloc_configure);
+	last_error_kind = GOALLOC_SYMBOL(lib, goalloc_last_error_kind);
+	if (!set_fraction || !last_error || !check_invariants || !c_malloc || !c_free || !init || !record || !stats || !strfree || !empty ||
 	    !stat_one || !stat_scalars || !configure || !last_error_kind) {
 		fprintf(stderr, "harness: missing symbol\n");
 		return 1;
@@ -233,19 +225,19 @@ int main(int argc, char **argv) {
 
 	/* Bad input: clear errors, no crash, nothing lost. Its warnings are
 	   queued (goalloc_warnings_capture) and checked below, not printed. */
-	int (*capture)(int) = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
-	char *(*take)(void) = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
+	GOALLOC_FN(goalloc_warnings_capture) capture = GOALLOC_SYMBOL(lib, goalloc_warnings_capture);
+	GOALLOC_FN(goalloc_warnings_take) take = GOALLOC_SYMBOL(lib, goalloc_warnings_take);
 	if (!capture || !take) { fprintf(stderr, "harness: missing warning symbols\n"); return 1; }
 	capture(1);
-	if (my_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
-	if (my_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
-	if (my_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
-	my_free(NULL, 0, 0, NULL);
-	my_free((void *)0x1234, 512, 0, NULL);
-	void *z = my_malloc(0, 0, NULL);
+	if (c_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
+	if (c_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
+	if (c_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
+	c_free(NULL, 0, 0, NULL);
+	c_free((void *)0x1234, 512, 0, NULL);
+	void *z = c_malloc(0, 0, NULL);
 	if (!z) fail("size 0 gave NULL", 0);
-	my_free(z, 0, 0, NULL);
-	my_free(z, 0, 0, NULL); /* double free: warned and ignored */
+	c_free(z, 0, 0, NULL);
+	c_free(z, 0, 0, NULL); /* double free: warned and ignored */
 	record((void *)0x1234, (void *)0x1000);
 	char *warned = take();
 	const char *kinds[] = {"negative_size", "bad_device", "null_pointer", "unknown_pointer", "double_free"};

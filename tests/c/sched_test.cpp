@@ -83,11 +83,11 @@ static void test_never() {
 // GOALLOC_CONF's yield_every (here set with goalloc_configure); yielding
 // from a thread Go did not make returns, and calls still work after it.
 static void test_library(void* lib) {
-  auto every_ns = reinterpret_cast<long long (*)()>(dlsym(lib, "goalloc_yield_every_ns"));
-  auto yield = reinterpret_cast<void (*)()>(dlsym(lib, "goalloc_sched_yield"));
-  auto configure = reinterpret_cast<int (*)(const char*)>(dlsym(lib, "goalloc_configure"));
-  auto malloc = reinterpret_cast<void* (*)(long, int, void*)>(dlsym(lib, "goalloc_malloc"));
-  auto free = reinterpret_cast<void (*)(void*, long, int, void*)>(dlsym(lib, "my_free"));
+  auto every_ns = GOALLOC_SYMBOL(lib, goalloc_yield_every_ns);
+  auto yield = GOALLOC_SYMBOL(lib, goalloc_sched_yield);
+  auto configure = GOALLOC_SYMBOL(lib, goalloc_configure);
+  auto malloc = GOALLOC_SYMBOL(lib, goalloc_malloc);
+  auto free = GOALLOC_SYMBOL(lib, my_free);
   EXPECT(every_ns && yield && configure && malloc && free);
   if (!(every_ns && yield && configure && malloc && free)) return;
   EXPECT(every_ns() == -1);

@@ -1,6 +1,6 @@
 // my_malloc throws where goalloc_malloc returns NULL, as PyTorch's
 // allocation path expects of an allocator; a C++ caller catches it.
-//   c++ tests/c/torch_malloc_test.cpp -o build/torch_malloc_test -ldl
+//   c++ -Ipython/goalloc/csrc tests/c/torch_malloc_test.cpp -o build/torch_malloc_test -ldl
 //   GOALLOC_DEVICE=sim build/torch_malloc_test build/libgoalloc.so
 #include <dlfcn.h>
 #include <unistd.h>
@@ -14,16 +14,13 @@
 
 #include "open_library.h"
 
-typedef void *(*malloc_fn)(ssize_t, int, void *);
-typedef void (*free_fn)(void *, ssize_t, int, void *);
-
 int main(int argc, char **argv) {
 	void *lib = open_library(argc, argv);
-	auto m = (malloc_fn)dlsym(lib, "my_malloc");
-	auto f = (free_fn)dlsym(lib, "my_free");
-	auto capture = (int (*)(int))dlsym(lib, "goalloc_warnings_capture");
-	auto take = (char *(*)(void))dlsym(lib, "goalloc_warnings_take");
-	auto strfree = (void (*)(char *))dlsym(lib, "goalloc_string_free");
+	auto m = GOALLOC_SYMBOL(lib, my_malloc);
+	auto f = GOALLOC_SYMBOL(lib, my_free);
+	auto capture = GOALLOC_SYMBOL(lib, goalloc_warnings_capture);
+	auto take = GOALLOC_SYMBOL(lib, goalloc_warnings_take);
+	auto strfree = GOALLOC_SYMBOL(lib, goalloc_string_free);
 	if (!m || !f || !capture || !take || !strfree) { std::fprintf(stderr, "missing symbols\n"); return 1; }
 	// The bad calls below are expected to warn and to print one
 	// out-of-memory line: the warnings are queued and the line goes to a

@@ -43,6 +43,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include "goalloc.h"
 #include "goalloc_clock.h"
 #include "goalloc_contexts.h"
 #include "goalloc_front.h"
@@ -77,49 +78,58 @@ using c10::CachingDeviceAllocator::AnnotationEntry;
 
 using ull = unsigned long long;
 
-// The functions of libgoalloc.so this class calls (export/main.go, export/cxx.go).
+// The functions of libgoalloc.so this class calls, as (field of Library,
+// function of goalloc.h): each field has the type of its function's
+// declaration there.
+#define GOALLOC_LIBRARY_FUNCTIONS(X)                     \
+  X(pool_malloc, goalloc_pool_malloc_ctx)                \
+  X(free_ptr, goalloc_free_ptr_ctx)                      \
+  X(init, goalloc_init)                                  \
+  X(empty_cache, goalloc_empty_cache_ctx)                \
+  X(set_fraction, goalloc_set_fraction)                  \
+  X(record_stream, goalloc_record_stream)                \
+  X(begin_pool, goalloc_begin_allocate_to_pool)          \
+  X(end_pool, goalloc_end_allocate_to_pool)              \
+  X(release_pool, goalloc_release_pool)                  \
+  X(incref_pool, goalloc_create_or_incref_pool)          \
+  X(pool_use_count, goalloc_pool_use_count)              \
+  X(pool_live_blocks, goalloc_pool_live_blocks)          \
+  X(restore_pool, goalloc_restore_pool)                  \
+  X(device_stats, goalloc_torch_device_stats)            \
+  X(largest_cached, goalloc_largest_cached_block)        \
+  X(reset_peak, goalloc_reset_peak_stats)                \
+  X(reset_accumulated, goalloc_reset_accumulated_stats)  \
+  X(snapshot_json, goalloc_snapshot_json)                \
+  X(config_json, goalloc_config_json)                    \
+  X(record_history, goalloc_record_history_opts)         \
+  X(set_trace_labels, goalloc_set_trace_labels)          \
+  X(last_error, goalloc_last_error)                      \
+  X(string_free, goalloc_string_free)                    \
+  X(front_log, goalloc_front_log)                        \
+  X(front_drain, goalloc_front_drain)                    \
+  X(sched_yield, goalloc_sched_yield)                    \
+  X(yield_every_ns, goalloc_yield_every_ns)              \
+  X(stat, goalloc_stat)                                  \
+  X(complete_recorded_free, goalloc_complete_recorded_free) \
+  X(external_claim, goalloc_external_claim)              \
+  X(external_unclaim, goalloc_external_unclaim)          \
+  X(external_segment, goalloc_external_segment)          \
+  X(external_block, goalloc_external_block)
+
 struct Library {
-  void* (*pool_malloc)(size_t, size_t, int, cudaStream_t, ull, ull, ull, int*, char**);
-  int (*free_ptr)(void*, ull, int*);
-  void (*init)(int);
-  int (*empty_cache)(ull);
-  int (*set_fraction)(int, double);
-  void (*record_stream)(void*, cudaStream_t);
-  void (*begin_pool)(int, ull, ull, void*);
-  void (*end_pool)(int, ull, ull);
-  void (*release_pool)(int, ull, ull);
-  int (*incref_pool)(int, ull, ull);
-  int (*pool_use_count)(int, ull, ull);
-  char* (*pool_live_blocks)(int, ull, ull);
-  char* (*restore_pool)(int, ull, ull, const ull*, int);
-  int (*device_stats)(int, long long*, int);
-  long long (*largest_cached)(int);
-  int (*reset_peak)(int);
-  int (*reset_accumulated)(int);
-  char* (*snapshot_json)(int);
-  char* (*config_json)(void);
-  int (*record_history)(int, const char*, int);
-  int (*set_trace_labels)(int, const char*, const char*);
-  char* (*last_error)(void);
-  void (*string_free)(char*);
-  void* (*front_log)(int);
-  int (*front_drain)(int);
-  void (*sched_yield)();
-  long long (*yield_every_ns)();
-  long long (*stat)(int, int);
-  int (*complete_recorded_free)(int, void*);
-  int (*external_claim)(int, size_t, char**);
-  void (*external_unclaim)(int, size_t);
-  int (*external_segment)(int, int, void*, size_t, int, cudaStream_t);
-  int (*external_block)(int, int, void*, size_t, size_t, int, cudaStream_t);
+#define GOALLOC_FIELD(field, fn) decltype(&::fn) field = nullptr;
+  GOALLOC_LIBRARY_FUNCTIONS(GOALLOC_FIELD)
+#undef GOALLOC_FIELD
 };
 
 Library lib;
 std::once_flag lib_once;
 
-// The figures goalloc_torch_device_stats writes: DeviceStats's nine
-// StatArrays of 3 x 4, then five counters.
-constexpr int kStatFigures = 9 * 3 * 4 + 5;
+// The figures goalloc_torch_device_stats writes (goalloc.h's table).
+constexpr int kStatFigures = GOALLOC_TORCH_STAT_FIGURES;
+static_assert(GOALLOC_STAT_COUNT(GOALLOC_STAT_POOLS) ==
+                  static_cast<int>(c10::CachingAllocator::StatType::NUM_TYPES),
+              "goalloc.h's pool types are c10's StatTypes, in their order");
 
 void open_library(const std::string& path) {
   void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -130,40 +140,8 @@ void open_library(const std::string& path) {
     if (f == nullptr) missing += std::string(" ") + name;
     return f;
   };
-#define GOALLOC_SYM(field, name) lib.field = reinterpret_cast<decltype(lib.field)>(sym(name))
-  GOALLOC_SYM(pool_malloc, "goalloc_pool_malloc_ctx");
-  GOALLOC_SYM(free_ptr, "goalloc_free_ptr_ctx");
-  GOALLOC_SYM(init, "goalloc_init");
-  GOALLOC_SYM(empty_cache, "goalloc_empty_cache_ctx");
-  GOALLOC_SYM(set_fraction, "goalloc_set_fraction");
-  GOALLOC_SYM(record_stream, "goalloc_record_stream");
-  GOALLOC_SYM(begin_pool, "goalloc_begin_allocate_to_pool");
-  GOALLOC_SYM(end_pool, "goalloc_end_allocate_to_pool");
-  GOALLOC_SYM(release_pool, "goalloc_release_pool");
-  GOALLOC_SYM(incref_pool, "goalloc_create_or_incref_pool");
-  GOALLOC_SYM(pool_use_count, "goalloc_pool_use_count");
-  GOALLOC_SYM(pool_live_blocks, "goalloc_pool_live_blocks");
-  GOALLOC_SYM(restore_pool, "goalloc_restore_pool");
-  GOALLOC_SYM(device_stats, "goalloc_torch_device_stats");
-  GOALLOC_SYM(largest_cached, "goalloc_largest_cached_block");
-  GOALLOC_SYM(reset_peak, "goalloc_reset_peak_stats");
-  GOALLOC_SYM(reset_accumulated, "goalloc_reset_accumulated_stats");
-  GOALLOC_SYM(snapshot_json, "goalloc_snapshot_json");
-  GOALLOC_SYM(config_json, "goalloc_config_json");
-  GOALLOC_SYM(record_history, "goalloc_record_history_opts");
-  GOALLOC_SYM(set_trace_labels, "goalloc_set_trace_labels");
-  GOALLOC_SYM(last_error, "goalloc_last_error");
-  GOALLOC_SYM(string_free, "goalloc_string_free");
-  GOALLOC_SYM(front_log, "goalloc_front");
-  GOALLOC_SYM(front_drain, "goalloc_front_drain");
-  GOALLOC_SYM(sched_yield, "goalloc_sched_yield");
-  GOALLOC_SYM(yield_every_ns, "goalloc_yield_every_ns");
-  GOALLOC_SYM(stat, "goalloc_stat");
-  GOALLOC_SYM(complete_recorded_free, "goalloc_complete_recorded_free");
-  GOALLOC_SYM(external_claim, "goalloc_external_claim");
-  GOALLOC_SYM(external_unclaim, "goalloc_external_unclaim");
-  GOALLOC_SYM(external_segment, "goalloc_external_segment");
-  GOALLOC_SYM(external_block, "goalloc_external_block");
+#define GOALLOC_SYM(field, fn) lib.field = reinterpret_cast<decltype(lib.field)>(sym(#fn));
+  GOALLOC_LIBRARY_FUNCTIONS(GOALLOC_SYM)
 #undef GOALLOC_SYM
   TORCH_CHECK(missing.empty(), "goalloc: ", path, " lacks", missing,
               "; it is older than this allocator class: rebuild it (make lib)");
@@ -1007,25 +985,22 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     long long f[kStatFigures];
     check(lib.device_stats(device, f, kStatFigures));
+    // The figures in the order of goalloc.h's table: each statistic's
+    // StatArray (indexed by c10's StatType, the table's pool order), each
+    // Stat's values, then the counters; each field by its name.
     DeviceStats st;
-    c10::CachingAllocator::StatArray* arrays[] = {
-        &st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
-        &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes};
-    int k = 0;
-    for (auto* arr : arrays) {
-      for (auto& s : *arr) {
-        s.current = f[k];
-        s.peak = f[k + 1];
-        s.allocated = f[k + 2];
-        s.freed = f[k + 3];
-        k += 4;
-      }
-    }
-    st.num_alloc_retries = f[k];
-    st.num_ooms = f[k + 1];
-    st.num_sync_all_streams = f[k + 2];
-    st.num_device_alloc = f[k + 3];
-    st.num_device_free = f[k + 4];
+    const long long* next = f;
+#define GOALLOC_VALUE(value) s.value = *next++;
+#define GOALLOC_ARRAY(name, ...) \
+  for (auto& s : st.name) {      \
+    GOALLOC_STAT_VALUES(GOALLOC_VALUE) \
+  }
+#define GOALLOC_COUNTER(name) st.name = *next++;
+    GOALLOC_STAT_ARRAYS(GOALLOC_ARRAY)
+    GOALLOC_STAT_COUNTERS(GOALLOC_COUNTER)
+#undef GOALLOC_VALUE
+#undef GOALLOC_ARRAY
+#undef GOALLOC_COUNTER
     st.max_split_size = -1;  // PyTorch's figure when no max_split_size_mb is set
     return st;
   }
