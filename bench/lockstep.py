@@ -2,42 +2,24 @@
 """Two configurations training in lockstep on one GPU, step by step in turns.
 
     python3 bench/lockstep.py OUTDIR --pair native,goalloc-vmm --workload resnet50 \\
-        [--repeats 8] [--first-repeat 0] [--budget 480] [bench/suite.py options ...]
+        [--repeats 8] [--first-repeat 0] [--budget 480] [--pin-threads 1,2,3,4] [bench/suite.py options ...]
+    python3 bench/lockstep.py report OUTDIR/lockstep.json [MORE.json ...]
 
-Why. The training steps of these workloads are bound by the host, and the
-lent host drifts: in one suite, native's own median ResNet-50 step went
-from 14.9 to 29.6 ms between repeats a minute apart, far more than the 2%
-a throughput goal asks about. Runs made one after the other therefore
-compare hosts as much as allocators, and two runs at once on two GPUs slow
-each other. Here both configurations of a repeat run at the same time, each
-in a fresh process of its own, on one GPU, but never at once: the
-coordinator lets one process take one training step (timed between device
-synchronisations, as in every run), then the other the same step (the same
-shape: the same repeat draws the same shapes), and so on: A, B, A, B, so
-that every step follows one of the other process (which one starts
-alternates between repeats). Two steps compared are a few milliseconds
-apart, so a slow stretch of the host falls on both. With --pin-threads both
-processes pin their threads alike (the training thread, torch's autograd
-thread, the rest: bench/hostcount.py's pin_threads), so that a CPU slowed
-for a while slows both too.
+The training steps are bound by the host, and the host drifts (native's own
+median ResNet-50 step went from 14.9 to 29.6 ms between repeats a minute
+apart), so runs made one after another compare hosts as much as allocators.
+Here the two configurations of a repeat run at the same time, each in a fresh
+process, on one GPU, never at once: the coordinator lets A take one training
+step (timed between device synchronisations), then B the same step (the same
+shape), and so on, A, B, A, B. With --pin-threads both pin their training
+thread, torch's autograd thread and the rest alike, so that a CPU slowed for
+a while slows both. Per repeat it reports B's throughput over A's, the median
+over the steps of A's step time over B's, and that median by who went first.
+Memory is not measured (the two processes share the device). A pair of one
+configuration (native,native) shows how far from 1 the method itself lands.
 
-Per repeat it reports B against A (--pair A,B):
-  throughput   B's units per second over the timed steps, over A's;
-  step median  the median over the timed steps of A's time for the step
-               over B's (above 1: B was faster);
-  by first     the same median over the repeats where A went first, and
-               where B did.
-and, over the repeats, the median and range of each.
-
-What it does not measure: memory (the two processes share the device, so
-mem_get_info cannot say which holds what: its sampling is off); and work a
-process does between its steps (a background thread) runs while the other
-one steps, on another CPU. A pair of one configuration (--pair
-native,native) shows how far from 1 the method itself lands.
-
-Writes OUTDIR/lockstep.json (options, every process's figures, the
-comparison; bench/render.py --lockstep reads it), OUTDIR/results/NAME.json
-per process (with its step log) and OUTDIR/NAME.log, its output. Standard library only; torch is imported by the processes only.
+Writes OUTDIR/lockstep.json (bench/render.py --lockstep reads it),
+OUTDIR/results/NAME.json per process (with its step log) and OUTDIR/NAME.log.
 """
 
 from __future__ import annotations
@@ -58,17 +40,11 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite  # noqa: E402  (bench/suite.py: the processes' commands and environments)
-from hostcount import cpu_roles  # noqa: E402  (bench/hostcount.py: the CPUs --pin-threads takes)
+from workloads import cpu_roles  # noqa: E402  (the CPUs --pin-threads takes)
 
-# A turn's reply may take this long: the first one holds the process's
-# start (import torch, the CUDA context, the model) and, with planning, a
-# new shape's first step.
-TURN_TIMEOUT_S = 300.0
-# After its last step a process reports its figures and exits within this.
-EXIT_TIMEOUT_S = 120.0
-# Before a pair has run, its estimate is this many times one run's: the
-# steps run in series, the two starts at once.
-PAIR_ESTIMATE_FACTOR = 1.6
+TURN_TIMEOUT_S = 300.0  # a turn's reply; the first holds the process's start and, planned, a new shape
+EXIT_TIMEOUT_S = 120.0  # after its last step a process reports and exits within this
+PAIR_ESTIMATE_FACTOR = 1.6  # before a pair has run: the steps in series, the two starts at once
 
 
 class Side:
@@ -252,27 +228,20 @@ def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def slim(doc: dict[str, Any]) -> dict[str, Any]:
-    """doc without the processes' step logs and output (results/NAME.json
-    and NAME.log beside it keep them): what bench/render.py reads, a few
-    kilobytes a repeat where the logs are a hundred."""
+    """doc without the processes' step logs and output (results/NAME.json and NAME.log keep them)."""
     out = dict(doc, pairs=[])
     for p in doc.get("pairs", []):
         q = dict(p)
         if "sides" in p:
-            q["sides"] = []
-            for side in p["sides"]:
-                s = {k: v for k, v in side.items() if k != "output_tail"}
-                if isinstance(side.get("result"), dict):
-                    s["result"] = {k: v for k, v in side["result"].items() if k != "step_log"}
-                q["sides"].append(s)
+            q["sides"] = [{k: v for k, v in side.items() if k != "output_tail"}
+                          | ({"result": {k: v for k, v in side["result"].items() if k != "step_log"}}
+                             if isinstance(side.get("result"), dict) else {}) for side in p["sides"]]
         out["pairs"].append(q)
     return out
 
 
 def thread_cpu(result: dict[str, Any]) -> Optional[dict[str, float]]:
-    """CPU ms a timed step of one process, by thread: the training thread,
-    torch's autograd thread, the others (bench/hostcount.py's reading over
-    the timed steps)."""
+    """CPU ms a timed step of one process, by thread: the training thread, torch's autograd thread, the others."""
     threads, steps = result.get("threads"), result.get("steps")
     if not threads or not steps:
         return None
@@ -337,7 +306,7 @@ def report(paths: list[str]) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other option goes to bench/suite.py (steps, shapes, --resnet-plan-shapes, "
-                                       "--goalloc-conf, --call-clock, --goalloc-library, ...).")
+                                       "--goalloc-conf, --goalloc-library, ...).")
     p.add_argument("outdir")
     p.add_argument("--pair", required=True, metavar="A,B", help="the two configurations (the same twice: an A/A check)")
     p.add_argument("--workload", required=True, choices=suite.TRAIN_WORKLOADS)
@@ -375,16 +344,6 @@ def report_line(rep: int, pair: dict[str, Any], labels: tuple[str, str]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["slim"]:  # an older lockstep.json, that held the step logs, as it is written now
-        if len(argv) != 3:
-            print("usage: python3 bench/lockstep.py slim IN.json OUT.json", file=sys.stderr)
-            return 2
-        try:
-            suite.write_json_atomic(Path(argv[2]), slim(read_lockstep(argv[1])))
-        except (OSError, ValueError) as e:
-            print(f"lockstep: {e}", file=sys.stderr)
-            return 1
-        return 0
     if argv[:1] == ["report"]:  # lockstep.json files merged: python3 bench/lockstep.py report FILE...
         if len(argv) < 2:
             print("usage: python3 bench/lockstep.py report LOCKSTEP.json ...", file=sys.stderr)
@@ -401,14 +360,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     a, b = args.pair
     labels = (f"a:{a}", f"b:{b}")
-    cfloor_doc, cfloor_lib = (suite.build_cfloor(sargs) if "c-floor" in args.pair else ({}, None))
     doc: dict[str, Any] = {
         "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *argv]),
         "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": labels,
         "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
-        "git_commit": suite.git_commit(), "cfloor": cfloor_doc, "pairs": [],
+        "git_commit": suite.git_commit(), "pairs": [],
     }
     if not args.smoke_cpu:
         doc["nvidia_smi"] = suite.nvidia_smi()
@@ -438,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cmd += ["--smoke-cpu"] if args.smoke_cpu else []
                 pin = ["--pin-threads", ",".join(map(str, args.pin_threads))] if args.pin_threads else []
                 cmds.append(cmd + pin)
-                envs.append(suite.child_env(side.config, sargs, cfloor_lib))
+                envs.append(suite.child_env(side.config, sargs))
             t0 = time.monotonic()
             firsts = run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
             wall = time.monotonic() - t0

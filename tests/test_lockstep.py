@@ -60,7 +60,7 @@ def run_lockstep(tmp_path: Path, *argv: str, mode: str = "", slow_ms: float = 30
     env = dict(os.environ, STUB_MODE=mode, STUB_BENCH=str(BENCH), STUB_SLOW_MS=str(slow_ms), STUB_FAST_MS=str(fast_ms))
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(BENCH / "lockstep.py"), str(out), "--workload", "resnet50",
-                        "--smoke-cpu", "--workloads-script", str(stub), "--build-dir", str(tmp_path / "build"), *argv],
+                        "--smoke-cpu", "--workloads-script", str(stub), *argv],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     doc = json.loads((out / "lockstep.json").read_text()) if (out / "lockstep.json").exists() else {}
     return p, doc
@@ -110,7 +110,7 @@ def test_a_pair_of_one_configuration_lands_near_one(tmp_path: Path):
 PIN = r'''
 import ctypes, json, os, sys, threading
 sys.path.insert(0, sys.argv[1])
-from hostcount import pin_threads
+from workloads import pin_threads
 libc = ctypes.CDLL(None)
 ready, stop, tids = threading.Barrier(3), threading.Event(), {}
 def worker(name):
@@ -150,8 +150,7 @@ def test_a_process_that_dies_or_hangs_spoils_only_its_pair(tmp_path: Path, monke
         monkeypatch.setenv("STUB_SLOW_MS", "5")
         monkeypatch.setenv("STUB_FAST_MS", "5")
         rc = lockstep.main([str(tmp_path / "out"), "--workload", "resnet50", "--smoke-cpu", "--pair",
-                            "native,goalloc-vmm", "--repeats", "1", "--workloads-script", str(stub),
-                            "--build-dir", str(tmp_path / "build")])
+                            "native,goalloc-vmm", "--repeats", "1", "--workloads-script", str(stub)])
         doc = json.loads((tmp_path / "out" / "lockstep.json").read_text())
     else:
         p, doc = run_lockstep(tmp_path, "--pair", "native,goalloc-vmm", "--repeats", "2", mode=mode)
@@ -202,20 +201,16 @@ def test_workloads_takes_turns_only_when_training():
     assert p.returncode == 2 and "want at least three CPUs of this process's" in p.stderr
 
 
-def test_slim_rewrites_an_older_file_without_its_step_logs(tmp_path: Path):
-    old = {"kind": "lockstep", "pairs": [
+def test_the_written_file_has_no_step_logs(tmp_path: Path):
+    doc = {"kind": "lockstep", "pairs": [
         {"repeat": 0, "status": "ok", "compare": {"throughput": 1.0},
          "sides": [{"label": "a", "output_tail": "...", "result": {"step_log": [1, 2], "units_per_s": 5.0}}]},
         {"repeat": 1, "status": "skipped"}]}
-    (tmp_path / "in.json").write_text(json.dumps(old))
-    assert lockstep.main(["slim", str(tmp_path / "in.json"), str(tmp_path / "out.json")]) == 0
-    new = json.loads((tmp_path / "out.json").read_text())
-    assert new == {"kind": "lockstep", "pairs": [
+    assert lockstep.slim(doc) == {"kind": "lockstep", "pairs": [
         {"repeat": 0, "status": "ok", "compare": {"throughput": 1.0},
          "sides": [{"label": "a", "result": {"units_per_s": 5.0}}]},
         {"repeat": 1, "status": "skipped"}]}
-    assert old["pairs"][0]["sides"][0]["result"]["step_log"] == [1, 2]  # the input is left as it was
-    assert lockstep.main(["slim", str(tmp_path / "in.json")]) == 2
+    assert doc["pairs"][0]["sides"][0]["result"]["step_log"] == [1, 2]  # the input is left as it was
 
 
 def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -246,14 +241,12 @@ def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: 
     assert lockstep.main(["report"]) == 2
 
 
-def test_report_and_slim_refuse_what_is_not_a_lockstep_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_report_refuses_what_is_not_a_lockstep_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     (tmp_path / "bench.json").write_text(json.dumps({"runs": []}))
     (tmp_path / "bad.json").write_text("{")
     for argv, why in ((["report", str(tmp_path / "bench.json")], "is not a bench/lockstep.py lockstep.json"),
                       (["report", str(tmp_path / "bad.json")], "cannot read"),
-                      (["slim", str(tmp_path / "missing.json"), str(tmp_path / "o.json")], "cannot read"),
-                      (["slim", str(tmp_path / "bench.json"), str(tmp_path / "o.json")], "is not a bench/lockstep.py")):
+                      (["report", str(tmp_path / "missing.json")], "cannot read")):
         assert lockstep.main(argv) == 1
         assert why in capsys.readouterr().err
-    assert not (tmp_path / "o.json").exists()
 

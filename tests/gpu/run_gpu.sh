@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] [steady] [cgogap] [coldab] [lockstep] (these seven need naming; multigpu and mgbench need two GPUs)
+#               [ddp] [multigpu] [mgbench] [coldab] [lockstep] (these five need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -163,25 +163,6 @@ fi
 if want bench; then
   step bench
   [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }
-fi
-if want steady; then
-  step steady
-  # Named only: where a ResNet-50 step's time goes (bench/steady.py), native
-  # against goalloc-vmm, three fresh processes each, about two minutes; the
-  # runs' files are packed into steady.tgz.
-  timeout 400 bash bench/steady.sh "$OUT/steady" 3 resnet50 48 192 native goalloc-vmm || status=1
-  tar czf "$OUT/steady.tgz" -C "$OUT" steady && rm -rf "$OUT/steady"
-fi
-if want cgogap; then
-  step cgogap
-  # Named only: what a call into Go costs after a stretch in C on this
-  # machine's CPU (bench/cgo_gap.cpp, on the simulated device), without the
-  # class's yields and with them every 9 ms; about half a minute.
-  c++ -O2 -std=c++17 -Ipython/goalloc/csrc -Itests/c bench/cgo_gap.cpp -o build/cgo_gap -ldl -lpthread || status=1
-  for c in 0 9ms; do
-    echo "yield_every:$c"
-    GOALLOC_CONF=yield_every:$c GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G timeout 120 build/cgo_gap build/libgoalloc.so || status=1
-  done 2>&1 | tee "$OUT/cgo_gap.txt"
 fi
 if want lockstep; then
   step lockstep
