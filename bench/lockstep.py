@@ -264,11 +264,9 @@ def read_lockstep(path: str) -> dict[str, Any]:
 
 
 def report(paths: list[str]) -> str:
-    """Several lockstep.json files merged by workload and pair: each
-    repeat's line, the comparison over all their repeats, where one side
-    went first in some repeats and the other in others the step medians by
-    who went first, and each configuration's median step and CPU a step by
-    thread (medians over its processes)."""
+    """Several lockstep.json files merged by workload and pair: the comparison
+    over all their repeats, each repeat's line, and each configuration's
+    median step and CPU a step by thread (medians over its processes)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for path in paths:
         doc = read_lockstep(path)
@@ -285,13 +283,6 @@ def report(paths: list[str]) -> str:
                      f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
                      f"b faster in {s['b_faster']}")
         lines += [report_line(p["repeat"], p, ("a", "b")) for p in pairs]
-        both = [p["compare"]["by_first"] for p in pairs
-                if all(v is not None for v in p["compare"]["by_first"].values())]
-        if both:  # who went first changed within a repeat
-            fa, fb = [x["a"] for x in both], [x["b"] for x in both]
-            lines.append(f"  by who stepped first, step median: a first {min(fa):.3f}-{max(fa):.3f}, b first "
-                         f"{min(fb):.3f}-{max(fb):.3f}, a first lower in {sum(x['a'] < x['b'] for x in both)} "
-                         f"of {len(both)} repeats")
         for k, label in enumerate(("a", "b")):
             cpu = [c for c in (thread_cpu(p["sides"][k]["result"] or {}) for p in pairs) if c]
             step = [p["compare"]["median_step_s"][label] * 1e3 for p in pairs]

@@ -5,14 +5,8 @@
     python3 bench/render.py A/bench.json B/bench.json [--drop A/bench.json:goalloc]   # several suites, merged
     python3 bench/render.py A/bench.json --lockstep L/lockstep.json --keep bench/results/training.json
 
-Every figure is computed here from the runs (medians over repeats, ratios of
-medians, goals met or missed and by how much). Several files merge: a run is
-known by its workload, configuration, repeat and trace, and one that two
-files have is taken from the later file. --lockstep adds bench/lockstep.py's
-runs: a table, and the throughput goal of a workload where they paired native
-with goalloc's configuration. --keep writes the merged runs, pruned to what
-this renderer reads, as one file that renders the same tables alone.
-Standard library only.
+Every figure is computed here from the runs: medians over repeats, ratios of
+medians, goals met or missed and by how much. Standard library only.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-m
 GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")  # goalloc's own memory; the goals take the better
 DEFAULT_GOALLOC = "goalloc-vmm"  # backend:vmm, goalloc's default backend
 GOALLOC_CONFIGS = GOALLOC_INSTALLED + ("goalloc-mempool",)
-PAIR_CASES = (("4KiB", "4 KiB"), ("1MiB", "1 MiB"), ("64MiB", "64 MiB"), ("burst64", "burst of 64 mixed"))
 TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("llama", "LLaMA 672M (GQA)", "tokens/s"),
          ("resnet50", "ResNet-50", "images/s"))
 # The goals: peak device memory over peak live per workload; throughput against native.
@@ -62,25 +55,14 @@ def number(v: Any) -> Optional[float]:
 
 @dataclass
 class Agg:
-    """The values of one metric over the repeats."""
+    """The values of one metric over the repeats: their count, median, lowest and highest."""
 
     values: list[float]
 
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    @property
-    def median(self) -> Optional[float]:
-        return float(statistics.median(self.values)) if self.values else None
-
-    @property
-    def lo(self) -> Optional[float]:
-        return min(self.values) if self.values else None
-
-    @property
-    def hi(self) -> Optional[float]:
-        return max(self.values) if self.values else None
+    def __post_init__(self) -> None:
+        v = self.values
+        self.n = len(v)
+        self.median, self.lo, self.hi = (float(statistics.median(v)), min(v), max(v)) if v else (None, None, None)
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -272,60 +254,7 @@ def environment(doc: dict[str, Any]) -> list[str]:
         f"- runs: {status_counts(doc.get('runs', []))}"
         + (f"; repository commit {doc['git_commit']}" if doc.get("git_commit") else ""),
     ]
-    if doc.get("dropped"):
-        lines.append(f"- left out (`--drop`): {', '.join(doc['dropped'])}")
-    for when, key in (("before", "nvidia_smi"), ("after", "nvidia_smi_end")):
-        g = doc.get(key) or {}
-        if g.get("clocks.sm") or g.get("temperature.gpu"):
-            lines.append(f"- GPU {when} the runs (nvidia-smi): SM clock {g.get('clocks.sm', '?')} MHz of "
-                         f"{g.get('clocks.max.sm', '?')}, memory clock {g.get('clocks.mem', '?')} MHz, "
-                         f"{g.get('temperature.gpu', '?')} °C, power limit {g.get('power.limit', '?')} W")
-    return lines
-
-
-def section_pairs(doc: dict[str, Any]) -> list[str]:
-    lines = ["## 1. Alloc+free pairs through `torch.empty`", "",
-             "Microseconds per pair (a tensor made and freed at once in a Python loop; a burst makes 64",
-             "tensors of mixed sizes, then frees them shuffled, and counts 64 pairs). Device allocs: how",
-             "many times the allocator went to the driver during the timed rounds (median).", ""]
-    rows = []
-    for key, label in PAIR_CASES:
-        def us(r: dict[str, Any], k: str = key) -> Any:
-            return dig(r, "pairs", k, "us_per_pair")
-
-        base = collect(runs_of(doc, "micro", "native"), us).median
-        for c in present_configs(doc, "micro"):
-            a = collect(runs_of(doc, "micro", c), us)
-            d = collect(runs_of(doc, "micro", c), lambda r, k=key: dig(r, "pairs", k, "device_allocs_during"))
-            rows.append([label, c, fmt_spread(a, fmt), fmt_x(ratio(a.median, base)), fmt(d.median, 0)])
-    return lines + table(["size", "config", "µs per pair", "× native", "device allocs"], rows)
-
-
-def section_cross(doc: dict[str, Any]) -> list[str]:
-    sizes = next((b for r in runs_of(doc, "micro") if isinstance(b := dig(r["result"], "cross_stream", "buffers"), list)
-                  and b), None)
-    lines = ["## 2. Cross-stream producer/consumer", "",
-             "Every iteration a producer stream allocates buffers of "
-             + (", ".join(fmt_bytes(float(x)) for x in sizes) if sizes else "several sizes")
-             + " and fills them; a consumer stream reads",
-             "them after it; `record_stream` marks them, and the producer frees them at once. Memory: peak",
-             "reserved on the training tables' basis, the driver's peak over the idle baseline, peak live.",
-             "'correct': the consumer's sums came out exact in every run (a buffer reused too early breaks them).", ""]
-    base = collect(runs_of(doc, "micro", "native"), lambda r: dig(r, "cross_stream", "iterations_per_s")).median
-    rows = []
-    for c in present_configs(doc, "micro"):
-        runs = [r for r in runs_of(doc, "micro", c) if dig(r["result"], "cross_stream") is not None]
-        it = collect(runs, lambda r: dig(r, "cross_stream", "iterations_per_s"))
-        res = collect(runs, lambda r, c=c: memory_of_record(c, r["cross_stream"]))
-        dev = collect(runs, lambda r: dig(r, "cross_stream", "device", "peak_over_baseline"))
-        live = collect(runs, lambda r: dig(r, "cross_stream", "allocator", "allocated_peak"))
-        correct = [dig(r["result"], "cross_stream", "correct") for r in runs]
-        ok = "—" if not correct else ("yes" if all(x is True for x in correct) else
-                                     f"NO ({sum(x is not True for x in correct)} of {len(correct)})")
-        rows.append([c, fmt_spread(it, lambda v: fmt(v, 0)), fmt_x(ratio(it.median, base)), fmt_bytes(res.median),
-                     fmt_bytes(dev.median), fmt_bytes(live.median), ok])
-    return lines + table(["config", "iterations/s", "× native", "peak reserved", "device peak over idle",
-                          "peak live", "correct"], rows)
+    return lines + ([f"- left out (`--drop`): {', '.join(doc['dropped'])}"] if doc.get("dropped") else [])
 
 
 def train_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg]:
@@ -463,12 +392,6 @@ def goals(doc: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     for workload, label, unit in TRAIN:
         if workload in planned:
             train_goals(doc, workload, label, unit, add, lines)
-    for key, label in PAIR_CASES if "micro" in planned else ():
-        ga, asy = (collect(runs_of(doc, "micro", c), lambda r, k=key: dig(r, "pairs", k, "us_per_pair")).median
-                   for c in ("goalloc", "async"))
-        ra = ratio(ga, asy)
-        add(f"pair ({label}) below async", None if ra is None else ra < 1,
-            "No figures for goalloc or async." if ra is None else f"goalloc {ga:.2f} µs vs async {asy:.2f} µs = {ra:.3f}×.")
     counts = [sum(d["met"] is v for d in data) for v in (True, False, None)]
     lines += ["", f"{counts[0]} met, {counts[1]} missed, {counts[2]} not measured."]
     return lines, data
@@ -653,8 +576,6 @@ def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[t
 def render(doc: dict[str, Any]) -> str:
     lines = section_header(doc)
     planned = {p.get("workload") for p in doc.get("plan", [])} | {r.get("workload") for r in doc.get("runs", [])}
-    if "micro" in planned:
-        lines += [""] + section_pairs(doc) + [""] + section_cross(doc)
     for i, (workload, label, unit) in enumerate(TRAIN):
         if workload in planned:
             lines += [""] + section_train(doc, workload, label, unit, "3" + "abc"[i])
@@ -695,7 +616,7 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
             "plan": list(plan.values())}
 
 
-WORKLOAD_NAMES = ("env", "micro", "replay") + tuple(w for w, _, _ in TRAIN)
+WORKLOAD_NAMES = ("env", "replay") + tuple(w for w, _, _ in TRAIN)
 
 
 def drop_runs(docs: list[dict[str, Any]], specs: list[str], paths: list[str]) -> None:
@@ -737,8 +658,6 @@ def keep_result(workload: Any, res: Any) -> Any:
         return res
     if workload == "replay":
         return pick(res, KEEP_REPLAY)
-    if workload == "micro":
-        return pick(res, ("pairs", "cross_stream"))
     out = pick(res, KEEP_RESULT)
     a = res.get("allocator") or {}
     out["allocator"] = pick(a, KEEP_ALLOCATOR)

@@ -43,7 +43,7 @@ CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-m
 # Training under these by default; goalloc-mempool by name (--train-configs).
 DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm", "goalloc-mempool")
-WORKLOADS = ("micro", "gpt2", "llama", "resnet50", "replay")
+WORKLOADS = ("gpt2", "llama", "resnet50", "replay")
 TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
 REPLAY_POLICIES = ("goalloc", "passthrough")
 DEFAULT_TRACES = ("traces/gpt2-train.jsonl.gz", "traces/resnet50-train.jsonl.gz")
@@ -52,7 +52,7 @@ DEFAULT_BUDGET_S = 480.0
 # Estimated seconds per run on an H200 (a process start, then a cost per
 # training step), for the plan and, until a run of the kind has finished, for
 # the budget.
-ESTIMATE_FIXED_S = {"env": 20.0, "micro": 6.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5, "replay": 2.0}
+ESTIMATE_FIXED_S = {"env": 20.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5, "replay": 2.0}
 ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "llama": 0.35, "resnet50": 0.12}
 # LlamaConfig's max_position_embeddings in bench/workloads.py.
 LLAMA_MAX_SEQ = 4096
@@ -82,6 +82,11 @@ class Run:
     def name(self) -> str:
         t = f"-{Path(self.trace).name.split('.')[0]}" if self.trace else ""
         return f"{self.id:03d}-{self.workload}{t}-{self.config}-r{self.repeat}"
+
+    def record(self, **more: Any) -> dict[str, Any]:
+        """The run's record for bench.json, with more."""
+        return {"id": self.id, "name": self.name, "workload": self.workload, "config": self.config,
+                "repeat": self.repeat} | ({"trace": self.trace} if self.trace else {}) | more
 
 
 @dataclass
@@ -137,8 +142,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--first-repeat", type=nonneg_int, default=0,
                    help="the first repeat's index (default 0): the runs are repeats N..N+REPEATS-1, so another "
                         "call (or GPU) given the next N draws other shapes and its runs merge without colliding")
-    p.add_argument("--configs", type=csv_list(CONFIGS), default=list(CONFIGS),
-                   help="configurations of the microbenchmarks (default: all six)")
     p.add_argument("--train-configs", type=csv_list(CONFIGS), default=list(DEFAULT_TRAIN_CONFIGS),
                    help=f"configurations of the training workloads (default: {','.join(DEFAULT_TRAIN_CONFIGS)})")
     p.add_argument("--workloads", type=csv_list(WORKLOADS), default=list(WORKLOADS))
@@ -151,8 +154,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.add_argument(f"--{w}-plan-shapes", action="store_true",
                        help=f"{w} runs first take one untimed step of every shape they train (a shape's first "
                             "step, cuDNN planning it, costs 100-250 ms more under every allocator)")
-    p.add_argument("--micro-rounds", type=positive_int, default=5, help="timed rounds per pair size")
-    p.add_argument("--cross-iters", type=positive_int, default=1000, help="timed cross-stream iterations")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
     p.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES), help="traces to replay")
     p.add_argument("--replay-policies", type=csv_list(REPLAY_POLICIES), default=list(REPLAY_POLICIES))
@@ -163,7 +164,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"seconds the whole suite may take (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--timeout", type=float, help="a fixed per-run timeout in seconds (default: from the estimates)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 1 repeat, 1+2 training steps, small shapes, short microbenchmarks")
+                   help="smoke run: 1 repeat, 1+2 training steps, small shapes")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
     p.add_argument("--python", default=sys.executable, help="interpreter for the workload processes")
     p.add_argument("--goalloc-tool", default=str(REPO / "build" / "goalloc"), help="the replay tool")
@@ -179,7 +180,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.gpt2_batch, args.gpt2_seq = [2, 4], [128, 256]
         args.llama_batch, args.llama_seq = [1, 2], [128, 256]
         args.resnet_batch, args.resnet_res = [16, 32], [128, 160]
-        args.micro_rounds, args.cross_iters = 2, 200
     for name, _, _ in SHAPE_RANGES:
         lo, hi = getattr(args, name.replace("-", "_"))
         if lo > hi:
@@ -210,8 +210,6 @@ def estimate(workload: str, args: argparse.Namespace) -> float:
         # Planning: at most one step per distinct shape (25 with the default ranges).
         planned = 25 if args.resnet_plan_shapes else 0
         s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup + planned)
-    elif workload == "micro" and args.quick:
-        s -= 1.0
     return s
 
 
@@ -233,8 +231,7 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
                     for pol in rotated(list(args.replay_policies), r):
                         plan.append(Run(len(plan) + 1, w, pol, r, trace=t, estimate_s=estimate(w, args)))
                 continue
-            configs = args.configs if w == "micro" else args.train_configs
-            for c in rotated(list(configs), r):
+            for c in rotated(list(args.train_configs), r):
                 plan.append(Run(len(plan) + 1, w, c, r, estimate_s=estimate(w, args)))
     return plan
 
@@ -299,11 +296,7 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
         return [args.goalloc_tool, "replay", str(run.trace), "--device", "cuda", "--policy", run.config, "--json"]
     cmd = [args.python, args.workloads_script, "--workload", run.workload, "--config", run.config,
            "--repeat", str(run.repeat), "--out", str(out), "--sample-ms", str(args.sample_ms)]
-    if run.workload == "micro":
-        cmd += ["--micro-rounds", str(args.micro_rounds), "--cross-iters", str(args.cross_iters)]
-        if args.quick:
-            cmd += ["--micro-round-s", "0.02", "--cross-warmup", "20"]
-    elif run.workload == "gpt2":
+    if run.workload == "gpt2":
         cmd += ["--steps", str(args.gpt2_steps), "--warmup", str(args.gpt2_warmup),
                 "--gpt2-batch", *map(str, args.gpt2_batch), "--gpt2-seq", *map(str, args.gpt2_seq)]
     elif run.workload == "llama":
@@ -361,14 +354,9 @@ def execute(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, O
 def run_one(run: Run, args: argparse.Namespace, results: Path, timeout: float) -> dict[str, Any]:
     """Run one planned process and return its record for bench.json."""
     out = results / f"{run.name}.json"
-    rec: dict[str, Any] = {"id": run.id, "name": run.name, "workload": run.workload, "config": run.config,
-                           "repeat": run.repeat, "timeout_s": round(timeout, 1)}
-    if run.trace:
-        rec["trace"] = run.trace
     cmd = workload_command(run, args, out)
-    rec["command"] = shlex.join(cmd)
-    env = child_env(run.config, args)
-    status, rc, output, seconds = execute(cmd, env, timeout)
+    rec = run.record(timeout_s=round(timeout, 1), command=shlex.join(cmd))
+    status, rc, output, seconds = execute(cmd, child_env(run.config, args), timeout)
     rec.update(status=status, returncode=rc, wall_s=round(seconds, 3), output_tail=output[-TAIL_CHARS:])
     if run.workload == "replay":
         try:
@@ -416,28 +404,20 @@ def visible_gpu() -> Optional[str]:
 
 
 def nvidia_smi() -> dict[str, Any]:
-    """The GPU as nvidia-smi reports it (name, driver, memory, UUID; apart,
-    so that a field this driver lacks loses only those, its clocks,
-    temperature and power limit), or why it could not. nvidia-smi ignores
-    CUDA_VISIBLE_DEVICES: it is asked (-i) for the first GPU that names."""
-    out: dict[str, Any] = {}
-    gpu = visible_gpu()
-    select = ["-i", gpu] if gpu else []
-    if gpu:
-        out["selected"] = gpu
-    for fields in ("name,driver_version,memory.total,uuid", "clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,power.limit"):
-        try:
-            p = subprocess.run(["nvidia-smi", *select, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError) as e:
-            out.setdefault("error", str(e))
-            break
-        if p.returncode != 0:
-            out.setdefault("error", (p.stderr or p.stdout).strip()[-500:])
-            continue
-        first = p.stdout.strip().splitlines()[0] if p.stdout.strip() else ""
-        out.update(zip(fields.split(","), (v.strip() for v in first.split(","))))
-    return out
+    """The GPU as nvidia-smi reports it (name, driver, memory, UUID), or why
+    it could not. nvidia-smi ignores CUDA_VISIBLE_DEVICES: it is asked (-i)
+    for the first GPU that names."""
+    gpu, fields = visible_gpu(), "name,driver_version,memory.total,uuid"
+    out: dict[str, Any] = {"selected": gpu} if gpu else {}
+    try:
+        p = subprocess.run(["nvidia-smi", *(["-i", gpu] if gpu else []), f"--query-gpu={fields}",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return out | {"error": str(e)}
+    if p.returncode != 0:
+        return out | {"error": (p.stderr or p.stdout).strip()[-500:]}
+    first = p.stdout.strip().splitlines()[0] if p.stdout.strip() else ""
+    return out | dict(zip(fields.split(","), (v.strip() for v in first.split(","))))
 
 
 def git_commit() -> Optional[str]:
@@ -455,13 +435,6 @@ def summary_line(rec: dict[str, Any]) -> str:
         return rec.get("reason", "")[:120] if rec.get("status") != "ok" else ""
     gib = float(1 << 30)
     try:
-        if rec["workload"] == "micro":
-            pairs = r.get("pairs") or {}
-            s = " ".join(f"{k} {v['us_per_pair']:.2f}us" for k, v in pairs.items())
-            cs = r.get("cross_stream") or {}
-            if cs:
-                s += f" | cross {cs['iterations_per_s']:.0f} it/s{'' if cs.get('correct') else ' WRONG SUMS'}"
-            return s
         if rec["workload"] in TRAIN_WORKLOADS:
             a = r.get("allocator") or {}
             d = r.get("device") or {}
@@ -529,11 +502,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             est = state.estimate(run)
             left = args.budget - elapsed
             if est > left:
-                rec = {"id": run.id, "name": run.name, "workload": kind, "config": run.config, "repeat": run.repeat,
-                       "status": "skipped", "reason": f"budget: {elapsed:.0f} s spent, {est:.0f} s needed, "
-                                                      f"{max(left, 0):.0f} s left", "result": None}
-                if run.trace:
-                    rec["trace"] = run.trace
+                rec = run.record(status="skipped", result=None, reason=f"budget: {elapsed:.0f} s spent, "
+                                 f"{est:.0f} s needed, {max(left, 0):.0f} s left")
             else:
                 timeout = args.timeout or max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * est)
                 timeout = min(timeout, left + GRACE_S)
@@ -547,7 +517,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{i + 1:3d}/{len(plan)} {time.monotonic() - start:5.0f}s] {kind:<8} {run.config:<16} "
                   f"r{run.repeat} {rec['status']:<7} {rec.get('wall_s', 0) or 0:5.1f}s  {summary_line(rec)}", flush=True)
         state.doc["status"] = "complete"
-        state.doc["nvidia_smi_end"] = nvidia_smi()  # clocks and temperature after the runs
     except Stopped as e:
         state.doc["status"] = f"stopped ({e})"
         print(f"goalloc bench: stopped by {e}; keeping what finished", flush=True)
@@ -565,13 +534,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for run in plan:
             if run.id not in done:
                 killed = in_flight is not None and run.id == in_flight.id
-                rec = {"id": run.id, "name": run.name, "workload": run.workload, "config": run.config,
-                       "repeat": run.repeat, "status": "killed" if killed else "skipped",
-                       "reason": "the suite was stopped while it ran" if killed else "the suite was stopped",
-                       "result": None}
-                if run.trace:
-                    rec["trace"] = run.trace
-                state.runs.append(rec)
+                state.runs.append(run.record(status="killed" if killed else "skipped", result=None, reason=(
+                    "the suite was stopped while it ran" if killed else "the suite was stopped")))
         state.doc["finished"] = now_iso()
         save()
     counts: dict[str, int] = {}

@@ -6,7 +6,7 @@ each in a fresh process, so that no run inherits another's cached memory or
 allocator swap. torch, transformers and torchvision are imported inside the
 functions that need them, so that --help and the tests work without them.
 
-    python3 bench/workloads.py --workload micro --config goalloc --repeat 0 --out R.json
+    python3 bench/workloads.py --workload resnet50 --config goalloc-vmm --repeat 0 --out R.json
 
 Configurations (the parent sets the environment): native (PyTorch's caching
 allocator), expandable (expandable_segments:True), async (backend:cudaMallocAsync),
@@ -14,11 +14,9 @@ goalloc (goalloc.install("backend:async"), a CUDA stream-ordered pool),
 goalloc-vmm (goalloc.install("backend:vmm"), goalloc's default), goalloc-mempool
 (the workload inside torch.cuda.use_mem_pool(goalloc.mempool())).
 
-Workloads: env (versions and the GPU), micro (alloc+free pairs through
-torch.empty, then a cross-stream producer/consumer loop), gpt2, llama and
-resnet50 (training steps of a shape drawn per step). The result is one JSON
-object written to --out as each section completes; "ok" is true only when the
-whole run finished.
+Workloads: env (versions and the GPU), gpt2, llama and resnet50 (training
+steps of a shape drawn per step). The result is one JSON object written to
+--out; "ok" is true only when the whole run finished.
 """
 
 from __future__ import annotations
@@ -38,18 +36,13 @@ import traceback
 from typing import Any, Callable, Optional
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool")
-WORKLOADS = ("env", "micro", "gpt2", "llama", "resnet50")
+WORKLOADS = ("env", "gpt2", "llama", "resnet50")
 GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")  # figures from goalloc.memory_stats
 GOALLOC_CONFIGS = GOALLOC_INSTALLED + ("goalloc-mempool",)
 TOKEN_WORKLOADS = ("gpt2", "llama")
 SHAPE_SEED = {"gpt2": 1, "resnet50": 2, "llama": 3}  # two workloads of one repeat draw apart
 MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")  # goalloc.device_alloc_ns.*, ns
-KiB, MiB = 1 << 10, 1 << 20
 HISTORY_ENTRIES = 1_000_000  # --record-history: a ResNet-50 run makes about 75,000 allocations
-# The pairs' sizes; the burst: 64 sizes log-uniform in [512 B, 16 MiB], freed shuffled.
-PAIR_SIZES = (("4KiB", 4 * KiB), ("1MiB", MiB), ("64MiB", 64 * MiB))
-BURST_LEN, BURST_SEED = 64, 1234
-CROSS_SIZES = (256 * KiB, 8 * MiB, 32 * MiB)  # what the cross-stream producer allocates each iteration
 
 
 def backend_conf(base: str, backend: str) -> str:
@@ -88,16 +81,6 @@ def driver_totals(stats: dict[str, Any]) -> dict[str, int]:
     out["unmaps"] = int(stats.get("goalloc.driver.cuMemUnmap.count", 0))
     out["creates"] = int(stats.get("goalloc.driver.cuMemCreate.count", 0))
     return out
-
-
-def burst_plan() -> tuple[list[int], list[int]]:
-    """The burst's sizes (multiples of 512 B) and the order they are freed in."""
-    rng = random.Random(BURST_SEED)
-    lo, hi = math.log(512), math.log(16 * MiB)
-    sizes = [max(512, int(math.exp(rng.uniform(lo, hi))) // 512 * 512) for _ in range(BURST_LEN)]
-    order = list(range(BURST_LEN))
-    rng.shuffle(order)
-    return sizes, order
 
 
 def train_shapes(workload: str, repeat: int, count: int, limits: dict[str, int]) -> list[tuple[int, int]]:
@@ -241,14 +224,6 @@ class Allocator:
         self.pool_reserved_max = max(self.pool_reserved_max, v, int(getattr(f, "pool_reserved_high_bytes", 0)))
         return v
 
-    def device_allocs(self) -> Optional[int]:
-        """How many allocations this allocator asked the driver for so far."""
-        if self.config in GOALLOC_INSTALLED:
-            return int(self.goalloc.memory_stats(0).get("num_device_alloc", 0))
-        if self.config == "async":
-            return None  # every call goes to the driver's pool; torch keeps no count
-        return int(self.torch.cuda.memory_stats(0).get("num_device_alloc", 0))
-
     def figures(self) -> dict[str, Any]:
         """The allocator's own figures, in bytes."""
         own = self.config in GOALLOC_INSTALLED
@@ -304,19 +279,15 @@ class DeviceMemory:
         self.lock = threading.Lock()
         free, total = torch.cuda.mem_get_info(0)
         self.total, self.baseline = int(total), int(total - free)
-        self.peak, self.samples, self.sample_seconds = self.baseline, 0, 0.0
+        self.peak = self.baseline
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def sample(self) -> int:
-        t0 = time.perf_counter()
         free, total = self.torch.cuda.mem_get_info(0)
-        used = int(total - free)
         with self.lock:
-            self.samples += 1
-            self.sample_seconds += time.perf_counter() - t0
-            self.peak = max(self.peak, used)
-        return used
+            self.peak = max(self.peak, int(total - free))
+        return int(total - free)
 
     def start(self) -> None:
         if self.interval > 0 and self._thread is None:
@@ -339,8 +310,7 @@ class DeviceMemory:
         with self.lock:
             return {"baseline_used": self.baseline, "peak_used": self.peak,
                     "peak_over_baseline": self.peak - self.baseline, "end_over_baseline": end - self.baseline,
-                    "total": self.total, "samples": self.samples, "interval_ms": self.interval * 1000.0,
-                    "mean_sample_us": self.sample_seconds / self.samples * 1e6 if self.samples else None}
+                    "total": self.total, "interval_ms": self.interval * 1000.0}
 
 
 # --- the workloads ---------------------------------------------------------------
@@ -364,106 +334,6 @@ def run_env(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                    gpu_uuid=str(getattr(p, "uuid", "")) or None)
     return out
-
-
-def time_loop(torch: Any, body: Callable[[int], None], target_s: float, rounds: int, per_call: int) -> dict[str, Any]:
-    """Time body(n) (n iterations of per_call pairs) in rounds of about
-    target_s each; the median over rounds of microseconds per pair."""
-    def timed(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        body(n)
-        return (time.perf_counter_ns() - t0) / 1e9
-
-    n = 16
-    while (t := timed(n)) < target_s / 8 and n < 1 << 20:
-        n *= 4
-    n = max(16, min(int(n * target_s / max(t, 1e-9)), 1 << 20))
-    us = [timed(n) / (n * per_call) * 1e6 for _ in range(rounds)]
-    return {"us_per_pair": median(us), "rounds_us": us, "iterations": n, "pairs_per_iteration": per_call}
-
-
-def run_micro(torch: Any, alloc: Allocator, mem: DeviceMemory, args: argparse.Namespace,
-              checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """The cross-stream loop first, on a fresh allocator (its memory figures
-    are its own), then alloc+free pairs through torch.empty."""
-    dev, empty, u8 = torch.device("cuda", 0), torch.empty, torch.uint8
-    sizes, order = burst_plan()
-
-    def pair_body(size: int) -> Callable[[int], None]:
-        def body(n: int) -> None:
-            for _ in range(n):
-                empty(size, dtype=u8, device=dev)  # made and freed at once: one pair
-        return body
-
-    def burst_body(n: int) -> None:
-        hold: list[Any] = [None] * BURST_LEN
-        for _ in range(n):
-            for i, s in enumerate(sizes):
-                hold[i] = empty(s, dtype=u8, device=dev)
-            for j in order:
-                hold[j] = None
-
-    cases = [(name, pair_body(size), 1) for name, size in PAIR_SIZES] + [(f"burst{BURST_LEN}", burst_body, BURST_LEN)]
-    out: dict[str, Any] = {}
-    with alloc.scope():
-        out["cross_stream"] = run_cross_stream(torch, alloc, mem, args)
-        checkpoint(out)
-        out["pairs"] = {}
-        for name, body, per_call in cases:
-            body(8)  # the first pairs fill the caches
-            before = alloc.device_allocs()
-            r = time_loop(torch, body, args.micro_round_s, args.micro_rounds, per_call)
-            after = alloc.device_allocs()
-            r["device_allocs_during"] = None if before is None or after is None else after - before
-            out["pairs"][name] = r
-            checkpoint(out)
-        out["pairs_allocator"] = alloc.figures()
-    return out
-
-
-def run_cross_stream(torch: Any, alloc: Allocator, mem: DeviceMemory, args: argparse.Namespace) -> dict[str, Any]:
-    """A producer stream allocates and fills buffers every iteration, a
-    consumer stream reads them after it, record_stream tells the allocator.
-    The accumulators' final sums are checked: a buffer reused before its
-    consumer read it shows as a wrong sum."""
-    dev, f32 = torch.device("cuda", 0), torch.float32
-    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
-    passes = args.cross_passes
-    with torch.cuda.stream(consumer):
-        accs = [torch.zeros(b // 4, dtype=f32, device=dev) for b in CROSS_SIZES]
-    torch.cuda.synchronize()
-
-    def iteration(i: int) -> None:
-        with torch.cuda.stream(producer):
-            bufs = [torch.empty(b // 4, dtype=f32, device=dev) for b in CROSS_SIZES]
-            for x in bufs:
-                x.fill_(float(i % 8))
-        consumer.wait_stream(producer)
-        with torch.cuda.stream(consumer):
-            for _ in range(passes):
-                for a, x in zip(accs, bufs):
-                    a.add_(x)
-        for x in bufs:
-            x.record_stream(consumer)
-        del bufs  # freed in the producer's order while the consumer may still read them
-
-    mem.start()
-    warm, iters = args.cross_warmup, args.cross_iters
-    for i in range(warm):
-        iteration(i)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(warm, warm + iters):
-        iteration(i)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    mem.stop()
-    expected = float(passes * sum(i % 8 for i in range(warm + iters)))
-    correct = all(float(a.min().item()) == expected == float(a.max().item()) for a in accs)
-    return {"iterations": iters, "seconds": seconds, "iterations_per_s": iters / seconds,
-            "buffers": list(CROSS_SIZES), "consumer_passes": passes, "correct": correct,
-            "allocator": alloc.figures(), "device": mem.figures()}
 
 
 Model = tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]
@@ -668,11 +538,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=0)
     p.add_argument("--out", required=True, help="the JSON result file")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval; 0: off")
-    p.add_argument("--micro-rounds", type=int, default=5)
-    p.add_argument("--micro-round-s", type=float, default=0.05, help="seconds per timed round")
-    p.add_argument("--cross-iters", type=int, default=1000)
-    p.add_argument("--cross-warmup", type=int, default=50)
-    p.add_argument("--cross-passes", type=int, default=2, help="consumer passes over each buffer")
     p.add_argument("--warmup", type=int, default=3, help="training steps before the timed ones")
     p.add_argument("--steps", type=int, default=10, help="timed training steps")
     for name, lo, hi in (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024), ("llama-batch", 1, 8),
@@ -690,21 +555,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--smoke-cpu", action="store_true",
                    help="train on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
-    if args.smoke_cpu and (args.workload == "micro" or args.config != "native"):
-        p.error("--smoke-cpu runs env, gpt2, llama or resnet50 with --config native only")
-    if args.record_history and (args.smoke_cpu or args.workload in ("env", "micro")):
+    if args.smoke_cpu and args.config != "native":
+        p.error("--smoke-cpu runs with --config native only")
+    if args.record_history and (args.smoke_cpu or args.workload == "env"):
         p.error("--record-history: training on the GPU only (torch records the CUDA allocator's history)")
-    if (args.turns or args.pin_threads) and args.workload in ("env", "micro"):
+    if (args.turns or args.pin_threads) and args.workload == "env":
         p.error("--turns, --pin-threads: only the training workloads take turns or pin threads")
     return args
 
 
 def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """Do the run, filling result; sections are checkpointed to args.out."""
-    def checkpoint(section: dict[str, Any]) -> None:
-        result["result"] = section
-        write_json_atomic(args.out, result)
-
+    """Do the run, filling result."""
     t0 = time.perf_counter()
     import torch
 
@@ -724,10 +585,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     mem = DeviceMemory(torch, args.sample_ms)  # the idle baseline: nothing allocated yet
     alloc.start()
     result["ready_s"] = time.perf_counter() - t0
-    if args.workload == "micro":
-        checkpoint(run_micro(torch, alloc, mem, args, checkpoint))
-    else:
-        checkpoint(run_train(torch, alloc, mem, args))
+    result["result"] = run_train(torch, alloc, mem, args)
     result["verify"] = alloc.verify()
 
 
