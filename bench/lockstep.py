@@ -14,7 +14,7 @@ step (timed between device synchronisations), then B the same step (the same
 shape), and so on, A, B, A, B. With --pin-threads both pin their training
 thread, torch's autograd thread and the rest alike, so that a CPU slowed for
 a while slows both. Per repeat it reports B's throughput over A's, the median
-over the steps of A's step time over B's, and that median by who went first.
+over the steps of A's step time over B's.
 Memory is not measured (the two processes share the device). A pair of one
 configuration (native,native) shows how far from 1 the method itself lands.
 
@@ -131,10 +131,9 @@ class Side:
 
 
 def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]], repeat: int,
-             timeout: float) -> list[Optional[str]]:
-    """Start both processes and give them turns until both are done; which
-    side went first at each step (None where only one stepped)."""
-    firsts: list[Optional[str]] = []
+             timeout: float) -> None:
+    """Start both processes and give them turns until both are done, the
+    first turn of every step to A in even repeats, to B in odd ones."""
     try:
         for side, cmd, env in zip(sides, cmds, envs):
             side.start(cmd, env)
@@ -142,29 +141,22 @@ def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]
         alive = [0, 1]
         first = repeat % 2
         while alive:
-            order = sorted(alive, key=lambda k: (k - first) % 2)
-            stepped = []
-            for k in order:
-                deadline = min(end, time.monotonic() + TURN_TIMEOUT_S)
-                b = sides[k].turn(deadline)
+            for k in sorted(alive, key=lambda k: (k - first) % 2):
+                b = sides[k].turn(min(end, time.monotonic() + TURN_TIMEOUT_S))
                 if b == b"d":
-                    stepped.append(k)
                     continue
                 alive.remove(k)
                 if b == b"":  # it died or hangs: the pair is spoilt
                     for other in sides:
                         if other is not sides[k]:
                             other.fail("failed", f"its partner ({sides[k].label}) {sides[k].status}")
-                    return firsts
-            if stepped:
-                firsts.append(sides[stepped[0]].label if len(stepped) == 2 else None)
+                    return
         for side in sides:
             assert side.proc is not None
             try:
                 side.proc.wait(timeout=EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 side.fail("timeout", f"still running {EXIT_TIMEOUT_S:.0f} s after its last step")
-        return firsts
     finally:
         for side in sides:
             side.kill()
@@ -177,25 +169,22 @@ def median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], firsts: list[Optional[str]], labels: tuple[str, str]) -> dict[str, Any]:
+def compare(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -> dict[str, Any]:
     """B against A over the timed steps both took, from the two processes'
     step logs (each entry: shape, seconds, units, timed, turn)."""
     la, lb = a.get("step_log") or [], b.get("step_log") or []
     if len(la) != len(lb) or any(x["shape"] != y["shape"] for x, y in zip(la, lb)):
         return {"error": "the two processes did not take the same steps"}
-    speed, by_first = [], {labels[0]: [], labels[1]: []}
+    speed: list[float] = []
     sec_a = sec_b = units_a = units_b = 0.0
     overlaps = 0
-    for i, (x, y) in enumerate(zip(la, lb)):
+    for x, y in zip(la, lb):
         tx, ty = x.get("turn"), y.get("turn")
         if tx and ty and tx[0] < ty[1] and ty[0] < tx[1]:
             overlaps += 1  # the two steps ran at the same time: the coordinator failed
         if not (x["timed"] and y["timed"]) or x["seconds"] <= 0 or y["seconds"] <= 0:
             continue
-        r = x["seconds"] / y["seconds"]
-        speed.append(r)
-        if i < len(firsts) and firsts[i] in by_first:
-            by_first[firsts[i]].append(r)
+        speed.append(x["seconds"] / y["seconds"])
         sec_a += x["seconds"]
         sec_b += y["seconds"]
         units_a += x["units"]
@@ -206,7 +195,6 @@ def compare(a: dict[str, Any], b: dict[str, Any], firsts: list[Optional[str]], l
         "steps": len(speed),
         "throughput": (units_b / sec_b) / (units_a / sec_a),
         "step_median": median(speed),
-        "by_first": {k: median(v) for k, v in by_first.items()},
         "median_step_s": {labels[0]: median([e["seconds"] for e in la if e["timed"]]),
                           labels[1]: median([e["seconds"] for e in lb if e["timed"]])},
         "overlapping_steps": overlaps,
@@ -326,11 +314,9 @@ def report_line(rep: int, pair: dict[str, Any], labels: tuple[str, str]) -> str:
     if pair["status"] != "ok" or "error" in c:
         return f"  r{rep:<3} {pair['status']}: {pair.get('reason') or c.get('error')}"
     ms = c["median_step_s"]
-    bf = c["by_first"]
-    fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
     return (f"  r{rep:<3} steps {c['steps']:>3}  {labels[0]} {ms[labels[0]] * 1e3:6.2f} ms  {labels[1]} "
             f"{ms[labels[1]] * 1e3:6.2f} ms  throughput {c['throughput']:.3f}  step median {c['step_median']:.3f}"
-            f"  ({labels[0]} first {fmt(bf[labels[0]])}, {labels[1]} first {fmt(bf[labels[1]])})")
+            f"  ({labels[rep % 2]} first)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -389,18 +375,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cmds.append(cmd + pin)
                 envs.append(suite.child_env(side.config, sargs))
             t0 = time.monotonic()
-            firsts = run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
+            run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
             wall = time.monotonic() - t0
             recs = [s.record() for s in sides]
             bad = [r for r in recs if r["status"] != "ok"]
-            pair.update(status="ok" if not bad else bad[0]["status"], wall_s=round(wall, 3), firsts=firsts, sides=recs)
+            pair.update(status="ok" if not bad else bad[0]["status"], wall_s=round(wall, 3), first="ab"[rep % 2],
+                        sides=recs)
             if bad:
                 pair["reason"] = "; ".join(f"{r['label']}: {r.get('reason')}" for r in bad)
                 status = 1
             else:
                 walls.append(wall)
-                pair["compare"] = compare(recs[0]["result"], recs[1]["result"], firsts,
-                                          (sides[0].label, sides[1].label))
+                pair["compare"] = compare(recs[0]["result"], recs[1]["result"], (sides[0].label, sides[1].label))
         doc["pairs"].append(pair)
         save()
         print(report_line(rep, pair, ("a", "b")), flush=True)

@@ -69,11 +69,10 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def runs_of(doc: dict[str, Any], workload: str, config: Optional[str] = None,
-            trace: Optional[str] = None) -> list[dict[str, Any]]:
-    """The runs of a workload (and configuration, and trace) that left a result."""
+def runs_of(doc: dict[str, Any], workload: str, config: Optional[str] = None) -> list[dict[str, Any]]:
+    """The runs of a workload (and configuration) that left a result."""
     return [r for r in doc.get("runs", []) if r.get("workload") == workload and isinstance(r.get("result"), dict)
-            and config in (None, r.get("config")) and trace in (None, r.get("trace"))]
+            and config in (None, r.get("config"))]
 
 
 def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Agg:
@@ -266,27 +265,21 @@ def train_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg
             "step": collect(runs, lambda r: r.get("median_step_s"))}
 
 
-MODELS = {
-    "gpt2": ["`transformers.GPT2LMHeadModel(GPT2Config())`, random init, bf16 autocast, AdamW; batch and",
-             "sequence length drawn per step (the same draws for every configuration of a repeat)."],
-    "llama": ["`transformers.LlamaForCausalLM`, 12 layers, hidden 2048, MLP 5632, 16 query heads sharing 4",
-              "key/value heads (grouped-query attention), vocabulary 32000; random init, bf16 autocast, AdamW;",
-              "batch and sequence length drawn per step (the same draws for every configuration of a repeat)."],
-    "resnet50": ["`torchvision.models.resnet50(weights=None)`, channels_last, bf16 autocast, SGD with momentum;",
-                 "batch and resolution drawn per step (the same draws for every configuration of a repeat)."]}
+MODELS = {"gpt2": "`transformers.GPT2LMHeadModel(GPT2Config())`, AdamW",
+          "llama": "`transformers.LlamaForCausalLM`, 12 layers, hidden 2048, 16 query heads sharing 4 key/value "
+                   "heads, AdamW",
+          "resnet50": "`torchvision.models.resnet50(weights=None)`, channels_last, SGD with momentum"}
 
 
 def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, heading: str) -> list[str]:
     configs = present_configs(doc, workload)
-    lines = [f"## {heading}. Training: {label}", ""] + MODELS[workload]
-    if any(dig(r, "result", "planned_shapes") for r in runs_of(doc, workload)):
-        lines += ["Every run first took one untimed step of each shape it trains (`--plan-shapes`): a shape's",
-                  "first step (cuDNN's planning, the first sight of a shape) is out of the timed steps."]
-    lines += ["Throughput over the timed steps (wall time between device synchronisations). Peak device",
-              "memory: goalloc, its driver pool's reserved high-water mark; goalloc-vmm, the physical memory",
-              "it mapped; torch's allocators, their max reserved (see 'basis'). 'Device peak over idle' is",
-              "the driver's count (`mem_get_info`, sampled) over the idle baseline; peak live is the",
-              "allocator's peak of allocated bytes.", ""]
+    lines = [f"## {heading}. Training: {label}", "",
+             f"{MODELS[workload]}; random init, bf16 autocast, a shape drawn per step (the same for every",
+             "configuration of a repeat)" + ("; every shape first trained once untimed (`--plan-shapes`)."
+                                             if any(dig(r, "result", "planned_shapes") for r in runs_of(doc, workload))
+                                             else "."),
+             "Throughput over the timed steps. Peak device memory on each configuration's basis; 'device",
+             "peak over idle' by the driver's count (`mem_get_info`, sampled); peak live: allocated bytes.", ""]
     aggs = {c: train_aggs(doc, workload, c) for c in configs}
     base = aggs.get("native")
     rows = []
@@ -336,16 +329,14 @@ def miss_latency_table(doc: dict[str, Any], workload: str, configs: list[str]) -
     if all(a["count"].n == 0 for a in aggs.values()):
         return ["Cache-miss latency: not reported (the library of these runs has no `goalloc.device_alloc_ns.*`",
                 "counters in `goalloc.memory_stats`)."]
-    lines = ["Cache-miss latency: how long goalloc's calls to its memory source took (its cache misses,",
-             "over the whole run, warm-up included; `goalloc.device_alloc_ns.*` in `goalloc.memory_stats`),",
-             "medians over the repeats, in microseconds.", ""]
+    lines = ["Cache misses: goalloc's calls to its memory source over the whole run (`goalloc.device_alloc_ns.*`),",
+             "medians over the repeats.", ""]
     rows = [[c, fmt_spread(a["count"], lambda v: fmt(v, 0)), fmt(a["p50"].median, 1), fmt(a["p99"].median, 1),
              fmt(a["max"].median, 1)] for c, a in aggs.items()]
     head = ["config", "misses", "p50 µs", "p99 µs", "max µs"]
     if any(a["driver_ms"].n for a in aggs.values()):
-        lines[3:3] = ["The last two columns: goalloc's driver calls during the timed steps only, their time and",
-                      "the handles unmapped (`backend:vmm` moves memory by unmapping it where it is free), from the",
-                      "totals logged after every step."]
+        lines[2:2] = ["The last two columns: the timed steps' driver calls (`goalloc.driver.*` after every step), "
+                      "their time and the handles unmapped."]
         head += ["driver ms, timed steps", "unmaps, timed steps"]
         for row, a in zip(rows, aggs.values()):
             row += [fmt(a["driver_ms"].median, 1), fmt(a["moves"].median, 0)]
@@ -354,26 +345,6 @@ def miss_latency_table(doc: dict[str, Any], workload: str, configs: list[str]) -
 
 def none_or(v: Optional[float], scale: float) -> Optional[float]:
     return None if v is None else v * scale
-
-
-def section_replay(doc: dict[str, Any]) -> list[str]:
-    lines = ["## 4. Trace replay on the GPU", "",
-             "`goalloc replay TRACE --device cuda --policy P --json` on the shipped traces, one process each.",
-             "Peak reserved: the driver pool's reserved high-water mark; ratio: peak reserved ÷ peak live;",
-             "'native (recorded)': the native allocator's max reserved ÷ max allocated in the recorded run,",
-             "from the trace header; 'vs native' divides the two ratios.", ""]
-    entries = [p for p in doc.get("plan", []) + doc.get("runs", []) if p.get("workload") == "replay"]
-    rows = []
-    for t in sorted({p["trace"] for p in entries if p.get("trace")}):
-        for p in sorted({p["config"] for p in entries if p.get("config")}):
-            runs = runs_of(doc, "replay", p, t)
-            live, res, rat, nat, ns, ooms = (collect(runs, lambda r, k=k: r.get(k)) for k in (
-                "peak_live_bytes", "peak_reserved_bytes", "ratio", "native_ratio", "ns_per_op", "ooms"))
-            rows.append([Path(t).name, p, fmt_bytes(live.median), fmt_bytes(res.median), fmt(rat.median, 3),
-                         fmt(nat.median, 3), fmt_x(ratio(rat.median, nat.median)),
-                         fmt_spread(ns, lambda v: fmt(v, 0)), fmt(ooms.median, 0)])
-    return lines + table(["trace", "policy", "peak live", "peak reserved", "ratio", "native (recorded)",
-                          "vs native", "ns per event", "OOMs"], rows)
 
 
 # --- goals ---------------------------------------------------------------------------
@@ -533,12 +504,9 @@ def lockstep_summary(compares: list[dict[str, Any]]) -> str:
 
 def section_lockstep(doc: dict[str, Any]) -> list[str]:
     lines = ["### Training in lockstep", "",
-             "`bench/lockstep.py`: the two configurations of a repeat train at the same time, each in a fresh",
-             "process, on one GPU, taking turns step by step (A, B, A, B: the same shapes, each step alone,",
-             "its threads pinned alike in both processes), so that the host's drift falls on both.",
-             "Per repeat: B's throughput over A's over the timed steps, and the median over the steps of",
-             "A's step time over B's; over the repeats, medians (min–max, n). A pair of one configuration",
-             "shows how far from 1 the method itself lands. Memory is not measured this way.", ""]
+             "`bench/lockstep.py`: the two configurations of a repeat in two processes on one GPU, taking turns",
+             "step by step. Per repeat B's throughput over A's and the median of A's step time over B's; over",
+             "the repeats, medians (min–max, n). A pair of one configuration shows the method's own spread.", ""]
     for i, ls in enumerate(doc.get("lockstep", []), 1):
         host, opts, pairs = ls.get("host") or {}, ls.get("options") or {}, ls.get("pairs", [])
         ok = len([p for p in pairs if p.get("status") == "ok"])
@@ -581,8 +549,6 @@ def render(doc: dict[str, Any]) -> str:
             lines += [""] + section_train(doc, workload, label, unit, "3" + "abc"[i])
     if doc.get("lockstep"):
         lines += [""] + section_lockstep(doc)
-    if "replay" in planned:
-        lines += [""] + section_replay(doc)
     return "\n".join(lines + [""] + goals(doc)[0]) + "\n"
 
 
@@ -616,7 +582,7 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
             "plan": list(plan.values())}
 
 
-WORKLOAD_NAMES = ("env", "replay") + tuple(w for w, _, _ in TRAIN)
+WORKLOAD_NAMES = ("env",) + tuple(w for w, _, _ in TRAIN)
 
 
 def drop_runs(docs: list[dict[str, Any]], specs: list[str], paths: list[str]) -> None:
@@ -643,7 +609,6 @@ def drop_runs(docs: list[dict[str, Any]], specs: list[str], paths: list[str]) ->
 KEEP_RUN = ("id", "name", "workload", "config", "repeat", "trace", "status", "reason", "command", "wall_s")
 KEEP_RESULT = ("unit", "warmup", "steps", "planned_shapes", "timed_seconds", "timed_units", "units_per_s",
                "median_step_s", "losses_finite")
-KEEP_REPLAY = ("peak_live_bytes", "peak_reserved_bytes", "ratio", "native_ratio", "ns_per_op", "ooms", "policy", "trace")
 KEEP_ALLOCATOR = ("pool_reserved_max_read", "reserved_peak", "allocated_peak", "requested_peak", "device_alloc_ns",
                   "backend")
 
@@ -652,12 +617,10 @@ def pick(d: Any, keys: Iterable[str]) -> dict[str, Any]:
     return {k: d[k] for k in keys if isinstance(d, dict) and k in d}
 
 
-def keep_result(workload: Any, res: Any) -> Any:
+def keep_result(res: Any) -> Any:
     """A run's result pruned to what render() reads."""
     if not isinstance(res, dict):
         return res
-    if workload == "replay":
-        return pick(res, KEEP_REPLAY)
     out = pick(res, KEEP_RESULT)
     a = res.get("allocator") or {}
     out["allocator"] = pick(a, KEEP_ALLOCATOR)
@@ -702,7 +665,7 @@ def keep(doc: dict[str, Any], argv: list[str]) -> dict[str, Any]:
                         "kept": "python3 bench/render.py " + " ".join(argv)},
     }
     out |= {k: v for k, v in doc.items() if k not in ("runs", "plan", "inputs", "lockstep", "argv", "outdir")}
-    out["runs"] = [pick(r, KEEP_RUN) | {"result": keep_result(r.get("workload"), r.get("result"))}
+    out["runs"] = [pick(r, KEEP_RUN) | {"result": keep_result(r.get("result"))}
                    for r in doc.get("runs", [])]
     out["plan"] = [plan(p) for p in doc.get("plan", [])]
     if doc.get("inputs"):

@@ -4,9 +4,8 @@
 #
 #   bash bench/run.sh OUTDIR [bench/suite.py options]    e.g. --quick, --repeats 3, --budget 480
 #
-# Needs build/libgoalloc.so and build/goalloc (`make lib tool` where Go is;
-# build/ travels with the call), python3 with torch, transformers and
-# torchvision. Leaves four files in OUTDIR: bench.json (everything),
+# Needs build/libgoalloc.so (`make lib` where Go is; build/ travels with the
+# call), python3 with torch, transformers and torchvision. Leaves four files in OUTDIR: bench.json (everything),
 # BENCHMARKS.md (bench/render.py's tables and goals), console.log, and
 # results.tar.gz (one JSON file per run). The suite keeps to its --budget
 # (default 480 s); BENCH_HARD_LIMIT_S (default 525) stops it outright, and it
@@ -25,9 +24,7 @@ HARD=${BENCH_HARD_LIMIT_S:-525}
 LOG=$OUT/console.log
 export PYTHONUNBUFFERED=1
 : >"$LOG"
-for f in build/libgoalloc.so build/goalloc; do
-  [[ -e $f ]] || echo "run.sh: $f is missing: its runs will fail (build it with 'make lib tool' where Go is)" | tee -a "$LOG"
-done
+[[ -e build/libgoalloc.so ]] || echo "run.sh: build/libgoalloc.so is missing: goalloc's runs will fail ('make lib' where Go is)" | tee -a "$LOG"
 
 timeout --signal=TERM --kill-after=15 "$HARD" \
   "$PY" bench/suite.py "$OUT" --command "bash bench/run.sh OUTDIR${*:+ $*}" "$@" 2>&1 | tee -a "$LOG"

@@ -10,8 +10,7 @@ in its own process, and keep every result.
 An 'env' process first (versions, the GPU, every module imported once so that
 no timed process pays for a cold page cache); then the plan, repeat by
 repeat, each workload's configurations in an order rotated by the repeat,
-each run a fresh process (bench/workloads.py, or build/goalloc for trace
-replay) with its own timeout. A failed, crashed or timed-out run is recorded
+each run a fresh process of bench/workloads.py with its own timeout. A failed, crashed or timed-out run is recorded
 with the tail of its output and the suite goes on. A run whose estimate (the
 longest of the last three of its kind, else the default) no longer fits the
 budget is skipped, so the suite ends within it with whole repeats first.
@@ -43,16 +42,13 @@ CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-m
 # Training under these by default; goalloc-mempool by name (--train-configs).
 DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm", "goalloc-mempool")
-WORKLOADS = ("gpt2", "llama", "resnet50", "replay")
-TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
-REPLAY_POLICIES = ("goalloc", "passthrough")
-DEFAULT_TRACES = ("traces/gpt2-train.jsonl.gz", "traces/resnet50-train.jsonl.gz")
+WORKLOADS = TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
 DEFAULT_BUDGET_S = 480.0
 
 # Estimated seconds per run on an H200 (a process start, then a cost per
 # training step), for the plan and, until a run of the kind has finished, for
 # the budget.
-ESTIMATE_FIXED_S = {"env": 20.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5, "replay": 2.0}
+ESTIMATE_FIXED_S = {"env": 20.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5}
 ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "llama": 0.35, "resnet50": 0.12}
 # LlamaConfig's max_position_embeddings in bench/workloads.py.
 LLAMA_MAX_SEQ = 4096
@@ -69,24 +65,22 @@ SHAPE_RANGES = (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024), ("llama-batch", 1
 
 @dataclass
 class Run:
-    """One planned process: a workload under a configuration (for replay, a policy on a trace) in one repeat."""
+    """One planned process: a workload under a configuration in one repeat."""
 
     id: int
     workload: str
     config: str
     repeat: int
-    trace: Optional[str] = None
     estimate_s: float = 0.0
 
     @property
     def name(self) -> str:
-        t = f"-{Path(self.trace).name.split('.')[0]}" if self.trace else ""
-        return f"{self.id:03d}-{self.workload}{t}-{self.config}-r{self.repeat}"
+        return f"{self.id:03d}-{self.workload}-{self.config}-r{self.repeat}"
 
     def record(self, **more: Any) -> dict[str, Any]:
         """The run's record for bench.json, with more."""
         return {"id": self.id, "name": self.name, "workload": self.workload, "config": self.config,
-                "repeat": self.repeat} | ({"trace": self.trace} if self.trace else {}) | more
+                "repeat": self.repeat} | more
 
 
 @dataclass
@@ -155,8 +149,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help=f"{w} runs first take one untimed step of every shape they train (a shape's first "
                             "step, cuDNN planning it, costs 100-250 ms more under every allocator)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
-    p.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES), help="traces to replay")
-    p.add_argument("--replay-policies", type=csv_list(REPLAY_POLICIES), default=list(REPLAY_POLICIES))
     p.add_argument("--goalloc-conf", default="",
                    help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
                         "no backend: goalloc-vmm adds backend:vmm to it")
@@ -167,7 +159,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="smoke run: 1 repeat, 1+2 training steps, small shapes")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
     p.add_argument("--python", default=sys.executable, help="interpreter for the workload processes")
-    p.add_argument("--goalloc-tool", default=str(REPO / "build" / "goalloc"), help="the replay tool")
     p.add_argument("--goalloc-library", default=os.environ.get("GOALLOC_LIBRARY") or str(REPO / "build" / "libgoalloc.so"))
     p.add_argument("--workloads-script", default=str(BENCH / "workloads.py"), help=argparse.SUPPRESS)
     p.add_argument("--command", help="the command line to record (bench/run.sh passes its own)")
@@ -226,11 +217,6 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
         for w in WORKLOADS:
             if w not in args.workloads:
                 continue
-            if w == "replay":
-                for t in args.traces:
-                    for pol in rotated(list(args.replay_policies), r):
-                        plan.append(Run(len(plan) + 1, w, pol, r, trace=t, estimate_s=estimate(w, args)))
-                continue
             for c in rotated(list(args.train_configs), r):
                 plan.append(Run(len(plan) + 1, w, c, r, estimate_s=estimate(w, args)))
     return plan
@@ -241,11 +227,11 @@ def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
     total = ESTIMATE_FIXED_S["env"]
     first = f" (repeats {args.first_repeat}..{args.first_repeat + args.repeats - 1})" if args.first_repeat else ""
     print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s){first}")
-    print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}  trace")
+    print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}")
     print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ESTIMATE_FIXED_S['env']:>6.1f}")
     for run in plan:
         total += run.estimate_s
-        print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}  {run.trace or ''}")
+        print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}")
     per: dict[str, list[float]] = {}
     for run in plan:
         per.setdefault(run.workload, []).append(run.estimate_s)
@@ -292,8 +278,6 @@ def child_env(config: str, args: argparse.Namespace) -> dict[str, str]:
 
 def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]:
     """The command of one run."""
-    if run.workload == "replay":
-        return [args.goalloc_tool, "replay", str(run.trace), "--device", "cuda", "--policy", run.config, "--json"]
     cmd = [args.python, args.workloads_script, "--workload", run.workload, "--config", run.config,
            "--repeat", str(run.repeat), "--out", str(out), "--sample-ms", str(args.sample_ms)]
     if run.workload == "gpt2":
@@ -358,25 +342,19 @@ def run_one(run: Run, args: argparse.Namespace, results: Path, timeout: float) -
     rec = run.record(timeout_s=round(timeout, 1), command=shlex.join(cmd))
     status, rc, output, seconds = execute(cmd, child_env(run.config, args), timeout)
     rec.update(status=status, returncode=rc, wall_s=round(seconds, 3), output_tail=output[-TAIL_CHARS:])
-    if run.workload == "replay":
-        try:
-            rec["result"] = json.loads(output[output.index("{"):output.rindex("}") + 1]) if status == "ok" else None
-        except ValueError as e:
-            rec.update(status="failed", reason=f"replay output is not JSON: {e}", result=None)
+    try:
+        child = json.loads(out.read_text())
+    except (OSError, ValueError):
+        child = None
+    if child is None:
+        rec["result"] = None
+        if status == "ok":
+            rec.update(status="failed", reason="no result file")
     else:
-        try:
-            child = json.loads(out.read_text())
-        except (OSError, ValueError):
-            child = None
-        if child is None:
-            rec["result"] = None
-            if status == "ok":
-                rec.update(status="failed", reason="no result file")
-        else:
-            rec["result"] = child.pop("result", None)
-            rec["meta"] = child
-            if status == "ok" and not child.get("ok"):
-                rec["status"] = "failed"
+        rec["result"] = child.pop("result", None)
+        rec["meta"] = child
+        if status == "ok" and not child.get("ok"):
+            rec["status"] = "failed"
     if rec["status"] != "ok" and "reason" not in rec:
         err = (rec.get("meta") or {}).get("error")
         if err:
@@ -390,7 +368,7 @@ def run_one(run: Run, args: argparse.Namespace, results: Path, timeout: float) -
                     why += f" ({signal.Signals(-rc).name})"
                 except ValueError:
                     pass
-            if run.workload != "replay" and rec.get("meta") is None:
+            if rec.get("meta") is None:
                 why += "; no result file"
             rec["reason"] = why
     write_json_atomic(out, rec)
@@ -435,18 +413,13 @@ def summary_line(rec: dict[str, Any]) -> str:
         return rec.get("reason", "")[:120] if rec.get("status") != "ok" else ""
     gib = float(1 << 30)
     try:
-        if rec["workload"] in TRAIN_WORKLOADS:
-            a = r.get("allocator") or {}
-            d = r.get("device") or {}
-            mem = a.get("pool_reserved_max_read") if rec["config"] in ("goalloc", "goalloc-vmm") else a.get("reserved_peak")
-            return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
-                    f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
-                    f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
-        if rec["workload"] == "replay":
-            return f"ratio {r['ratio']:.3f}  peak reserved {r['peak_reserved_bytes'] / gib:.2f} GiB  {r['ns_per_op']:.0f} ns/op"
+        a, d = r.get("allocator") or {}, r.get("device") or {}
+        mem = a.get("pool_reserved_max_read") if rec["config"] in ("goalloc", "goalloc-vmm") else a.get("reserved_peak")
+        return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
+                f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
+                f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
     except (KeyError, TypeError, ValueError):
-        pass
-    return ""
+        return ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:

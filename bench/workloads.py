@@ -42,7 +42,6 @@ GOALLOC_CONFIGS = GOALLOC_INSTALLED + ("goalloc-mempool",)
 TOKEN_WORKLOADS = ("gpt2", "llama")
 SHAPE_SEED = {"gpt2": 1, "resnet50": 2, "llama": 3}  # two workloads of one repeat draw apart
 MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")  # goalloc.device_alloc_ns.*, ns
-HISTORY_ENTRIES = 1_000_000  # --record-history: a ResNet-50 run makes about 75,000 allocations
 
 
 def backend_conf(base: str, backend: str) -> str:
@@ -433,8 +432,6 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
         out["build_s"] = time.perf_counter() - t_build
         if mem is not None:
             mem.start()
-        if args.record_history:  # torch's snapshot form, no stack traces, for `goalloc replay FILE`
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context=None)
         threads_before: dict[int, tuple[str, float]] = {}
         turns = Turns(args.turns) if args.turns else None
         for i, shape in enumerate(shapes):
@@ -469,10 +466,6 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             log.append(entry)
         if turns is not None:
             turns.finish()
-        if args.record_history:
-            torch.cuda.memory._dump_snapshot(args.record_history)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            out["history"] = args.record_history
         if threads_before:
             out["threads"] = thread_delta(threads_before, thread_times(), threading.get_native_id())
         if mem is not None:
@@ -549,16 +542,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="training steps in lockstep with another process: the pipes bench/lockstep.py hands down")
     p.add_argument("--pin-threads", type=cpu_roles, metavar="MAIN,AUTOGRAD,OTHER[,OTHER...]",
                    help="training: pin the training thread, torch's autograd thread and the others to these CPUs")
-    p.add_argument("--record-history", metavar="FILE.pickle",
-                   help="training: record the allocations with torch's _record_memory_history into FILE "
-                        "(goalloc replay reads it)")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="train on the CPU with no allocator (a check of the model code, no figures)")
     args = p.parse_args(argv)
     if args.smoke_cpu and args.config != "native":
         p.error("--smoke-cpu runs with --config native only")
-    if args.record_history and (args.smoke_cpu or args.workload == "env"):
-        p.error("--record-history: training on the GPU only (torch records the CUDA allocator's history)")
     if (args.turns or args.pin_threads) and args.workload == "env":
         p.error("--turns, --pin-threads: only the training workloads take turns or pin threads")
     return args

@@ -1,7 +1,7 @@
 """The GPU benchmark suite (bench/), tested without a GPU.
 
 What runs here: the plan and its time budget (suite.py --dry-run), argument
-handling, the whole suite driving stand-in workload and replay programs
+handling, the whole suite driving a stand-in workload program
 (failures, crashes, timeouts, the budget, SIGTERM: every run recorded, partial
 results kept), and the renderer on a bench.json with known numbers. Only the
 CPU smoke run of the training code needs torch, and skips without it.
@@ -53,20 +53,20 @@ def dry_run(*argv: str) -> tuple[int, list[str], float]:
 
 def test_dry_run_lists_every_run():
     rc, lines, total = dry_run()
-    assert lines[0] == "plan: 57 runs + 1 env run, 3 repeat(s)"
+    assert lines[0] == "plan: 45 runs + 1 env run, 3 repeat(s)"
     rows = [ln.split() for ln in lines if ln.strip()[:1].isdigit()]
-    assert len(rows) == 57
+    assert len(rows) == 45
     count: dict[str, int] = {}
     for r in rows:
         count[r[1]] = count.get(r[1], 0) + 1
-    # 5 (native, expandable, async, goalloc, goalloc-vmm) x 3 per training model, 2 policies x 2 traces x 3.
-    assert count == {"gpt2": 15, "llama": 15, "resnet50": 15, "replay": 12}
+    # 5 (native, expandable, async, goalloc, goalloc-vmm) x 3 per training model.
+    assert count == {"gpt2": 15, "llama": 15, "resnet50": 15}
     # Everything is more than one 10-minute call holds: the README splits it over GPUs or calls.
     assert rc == 3 and total > suite.DEFAULT_BUDGET_S
 
 
 def test_dry_run_of_a_split_fits_the_budget():
-    rc, lines, total = dry_run("--workloads", "gpt2,resnet50,replay")
+    rc, lines, total = dry_run("--workloads", "gpt2,resnet50")
     assert rc == 0 and total <= suite.DEFAULT_BUDGET_S <= 9 * 60
     # The issue's step counts: GPT-2 5 + 45, ResNet-50 5 + 35.
     assert "gpt2 15 x 16.5 s" in lines[-1] and "resnet50 15 x 11.3 s" in lines[-1]
@@ -83,7 +83,7 @@ def test_quick_is_one_short_repeat():
     plan = suite.build_plan(args)
     assert args.repeats == 1 and args.gpt2_steps == 2 and args.resnet_steps == 2 and args.llama_steps == 2
     assert args.llama_seq == [128, 256]
-    assert len(plan) == 5 + 5 + 5 + 4
+    assert len(plan) == 5 + 5 + 5
     assert sum(r.estimate_s for r in plan) + suite.ESTIMATE_FIXED_S["env"] < 240
 
 
@@ -243,13 +243,6 @@ def test_nvidia_smi_is_asked_for_the_visible_gpu(monkeypatch: pytest.MonkeyPatch
     assert suite.visible_gpu() is None
 
 
-def test_replay_command():
-    args = suite.parse_args(["OUT", "--goalloc-tool", "/t/goalloc"])
-    run = suite.Run(1, "replay", "passthrough", 0, trace="traces/gpt2-train.jsonl.gz")
-    assert suite.workload_command(run, args, Path("x.json")) == [
-        "/t/goalloc", "replay", "traces/gpt2-train.jsonl.gz", "--device", "cuda", "--policy", "passthrough", "--json"]
-
-
 def test_workloads_help_and_shapes_need_no_torch():
     p = run_py(str(BENCH / "workloads.py"), "--help")
     assert p.returncode == 0 and "goalloc-mempool" in p.stdout
@@ -316,29 +309,13 @@ else:
 json.dump(res, open(args.out, "w"))
 '''
 
-STUB_TOOL = r'''#!/bin/sh
-case "$*" in
-  *resnet50*) echo "goalloc replay: --device cuda: no GPU" >&2; exit 1;;
-esac
-echo 'goalloc replay: warning: something'  >&2
-cat <<EOF
-{"trace": "$2", "policy": "$6", "peak_live_bytes": 1000, "peak_reserved_bytes": 1010, "ratio": 1.01,
- "native_ratio": 1.106, "ns_per_op": 500, "ooms": 0}
-EOF
-'''
-
-
 def stub_suite(tmp_path: Path, *extra: str, mode: str = "") -> tuple[subprocess.Popen[str], Path]:
     stub = tmp_path / "stub_workloads.py"
     stub.write_text(STUB_WORKLOADS)
-    tool = tmp_path / "goalloc"
-    tool.write_text(STUB_TOOL)
-    tool.chmod(0o755)
     out = tmp_path / "out"
     env = dict(os.environ, STUB_MODE=mode)
     proc = subprocess.Popen(
-        [sys.executable, str(BENCH / "suite.py"), str(out), "--workloads-script", str(stub), "--goalloc-tool", str(tool),
-         "--repeats", "2", "--command", "bash bench/run.sh OUTDIR", *extra],
+        [sys.executable, str(BENCH / "suite.py"), str(out), "--workloads-script", str(stub), "--repeats", "2", "--command", "bash bench/run.sh OUTDIR", *extra],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, out
 
@@ -351,7 +328,7 @@ def test_suite_records_every_run_and_goes_on_after_failures(tmp_path: Path):
     assert doc["status"] == "complete" and doc["command"] == "bash bench/run.sh OUTDIR"
     assert doc["env"]["gpu"] == "Stub GPU"
     runs = {r["name"]: r for r in doc["runs"]}
-    assert len(runs) == len(doc["plan"]) == 38
+    assert len(runs) == len(doc["plan"]) == 30
     status = {(r["workload"], r["config"]): r["status"] for r in doc["runs"]}
     assert status[("gpt2", "async")] == "failed"
     assert status[("resnet50", "expandable")] == "timeout"
@@ -361,13 +338,9 @@ def test_suite_records_every_run_and_goes_on_after_failures(tmp_path: Path):
     assert all(r["reason"] == "exit status -6 (SIGABRT); no result file" for r in crashed), crashed[0]["reason"]
     failed = next(r for r in doc["runs"] if r["workload"] == "gpt2" and r["config"] == "async")
     assert failed["reason"] == "RuntimeError: stub failure"
-    replay = [r for r in doc["runs"] if r["workload"] == "replay"]
-    assert {r["status"] for r in replay if "gpt2" in r["trace"]} == {"ok"}
-    assert {r["status"] for r in replay if "resnet50" in r["trace"]} == {"failed"}
-    assert next(r for r in replay if r["status"] == "ok")["result"]["ratio"] == 1.01
     # One file per run as well, the same record.
     files = sorted(p.name for p in (out / "results").glob("0*.json"))
-    assert len(files) == 39  # 38 runs and env
+    assert len(files) == 31  # 30 runs and env
     one = json.loads((out / "results" / f"{failed['name']}.json").read_text())
     assert one["status"] == "failed"
     # And it renders, with the failures listed and the goals computed.
@@ -425,20 +398,17 @@ def test_run_sh_leaves_four_files(tmp_path: Path):
     """The device tool brings back few files: run.sh packs the per-run files into one."""
     stub = tmp_path / "stub_workloads.py"
     stub.write_text(STUB_WORKLOADS)
-    tool = tmp_path / "goalloc"
-    tool.write_text(STUB_TOOL)
-    tool.chmod(0o755)
     out = tmp_path / "out"
-    p = subprocess.run(["bash", str(BENCH / "run.sh"), str(out), "--repeats", "1", "--workloads", "gpt2,replay",
-                        "--train-configs", "native,goalloc", "--workloads-script", str(stub), "--goalloc-tool", str(tool)],
+    p = subprocess.run(["bash", str(BENCH / "run.sh"), str(out), "--repeats", "1", "--workloads", "gpt2",
+                        "--train-configs", "native,async", "--workloads-script", str(stub)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHON=sys.executable))
-    assert p.returncode == 1, p.stdout + p.stderr  # the resnet50 replays fail in the stub
+    assert p.returncode == 1, p.stdout + p.stderr  # gpt2 under async fails in the stub
     assert sorted(x.name for x in out.iterdir()) == ["BENCHMARKS.md", "bench.json", "console.log", "results.tar.gz"]
     names = subprocess.run(["tar", "-tzf", str(out / "results.tar.gz")], capture_output=True, text=True).stdout.split()
-    assert "results/000-env.json" in names and len([n for n in names if n.endswith(".json")]) == 1 + 2 + 4
+    assert "results/000-env.json" in names and len([n for n in names if n.endswith(".json")]) == 1 + 2
     doc = json.loads((out / "bench.json").read_text())
-    assert doc["command"] == ("bash bench/run.sh OUTDIR --repeats 1 --workloads gpt2,replay --train-configs native,goalloc "
-                              f"--workloads-script {stub} --goalloc-tool {tool}")
+    assert doc["command"] == ("bash bench/run.sh OUTDIR --repeats 1 --workloads gpt2 --train-configs native,async "
+                              f"--workloads-script {stub}")
     assert (out / "BENCHMARKS.md").read_text().startswith("# goalloc benchmarks")
     assert "# goalloc benchmarks" in p.stdout and "suite exit status 1" in (out / "console.log").read_text()
 
@@ -451,16 +421,13 @@ def fake_doc() -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     plan: list[dict[str, Any]] = []
 
-    def add(workload: str, config: str, repeat: int, result: Optional[dict[str, Any]], status: str = "ok",
-            trace: Optional[str] = None) -> None:
+    def add(workload: str, config: str, repeat: int, result: Optional[dict[str, Any]], status: str = "ok") -> None:
         rec = {"id": len(runs) + 1, "name": f"{len(runs) + 1:03d}-{workload}-{config}-r{repeat}", "workload": workload,
                "config": config, "repeat": repeat, "status": status, "result": result}
-        if trace:
-            rec["trace"] = trace
         if status != "ok":
             rec["reason"] = "RuntimeError: boom"
         runs.append(rec)
-        plan.append({k: rec[k] for k in ("id", "workload", "config", "repeat")} | ({"trace": trace} if trace else {}))
+        plan.append({k: rec[k] for k in ("id", "workload", "config", "repeat")})
 
     # GPT-2: goalloc 10.4 GiB pool over 10 GiB live (1.04), goalloc-vmm 10.2 GiB mapped (1.02: the
     # better one, and the goal met); goalloc-vmm at 0.975 x native speed (missed), goalloc 0.985.
@@ -476,11 +443,6 @@ def fake_doc() -> dict[str, Any]:
             add("gpt2", c, r, {"unit": "tokens", "units_per_s": s, "median_step_s": 1 / s,
                                "allocator": alloc, "device": {"peak_over_baseline": 13 * GiB}})
     add("gpt2", "async", 3, None, status="failed")
-    for r in range(3):
-        for t in ("traces/gpt2-train.jsonl.gz",):
-            for pol, ratio_ in (("goalloc", 1.0088), ("passthrough", 1.037)):
-                add("replay", pol, r, {"peak_live_bytes": 100 * GiB // 100, "peak_reserved_bytes": int(ratio_ * GiB),
-                                       "ratio": ratio_, "native_ratio": 1.106, "ns_per_op": 400 + r, "ooms": 0}, trace=t)
     return {"schema": 1, "command": "bash bench/run.sh OUTDIR", "started": "2026-01-01T00:00:00Z", "elapsed_s": 400,
             "budget_s": 480, "options": {"repeats": 3}, "env": {"gpu": "Stub GPU", "torch": "2.11.0"},
             "nvidia_smi": {"name": "NVIDIA H200", "driver_version": "580.0"}, "plan": plan, "runs": runs,
@@ -489,8 +451,10 @@ def fake_doc() -> dict[str, Any]:
 
 def test_aggregation_medians_and_ratios():
     doc = fake_doc()
-    a = render.collect(render.runs_of(doc, "replay", "goalloc"), lambda r: r["ns_per_op"])
-    assert a.values == [400, 401, 402] and a.median == 401 and (a.lo, a.hi, a.n) == (400, 402, 3)
+    a = render.collect(render.runs_of(doc, "gpt2", "goalloc-vmm"), lambda r: r["units_per_s"])
+    assert a.values == [975.0] * 3 and a.median == 975.0 and (a.lo, a.hi, a.n) == (975.0, 975.0, 3)
+    a = render.Agg([3.0, 2.8, 3.4])
+    assert a.median == 3.0 and (a.lo, a.hi, a.n) == (2.8, 3.4, 3)
     assert render.Agg([1.0, 4.0]).median == 2.5 and render.Agg([]).median is None
     assert render.ratio(3.6, 3.4) == pytest.approx(1.0588, abs=1e-4)
     assert render.ratio(None, 1.0) is None and render.ratio(1.0, 0) is None
@@ -504,14 +468,13 @@ def test_aggregation_medians_and_ratios():
 def test_render_tables_and_goals():
     doc = fake_doc()
     text = render.render(doc)
-    for heading in ("## 3a. Training: GPT-2 124M", "## 4. Trace replay", "## Goals"):
+    for heading in ("## 3a. Training: GPT-2 124M", "## Goals"):
         assert heading in text
     assert "Training: ResNet-50" not in text  # not planned, not shown
     assert "NVIDIA H200; driver 580.0" in text and "`bash bench/run.sh OUTDIR`" in text
     assert "repository commit abc123" in text
     # GPT-2 goalloc: 985 tokens/s, 0.985x native; 10.40 GiB, 1.040x live, 0.867x native's 12 GiB.
     assert "| goalloc | 985 (985–985, n=3) | 0.985× | 10.40 GiB | 1.040× | 0.867× | 13.00 GiB | 10.00 GiB |" in text
-    assert "| gpt2-train.jsonl.gz | goalloc | 1.00 GiB | 1.01 GiB | 1.009 | 1.106 | 0.912× |" in text
     assert "| goalloc-vmm | 975 (975–975, n=3) | 0.975× | 10.20 GiB | 1.020× | 0.850× |" in text
     assert "physical memory mapped, high-water mark" in text
     _, goals = render.goals(doc)
@@ -996,7 +959,7 @@ def test_render_keeps_the_lockstep_runs_a_merged_document_carries(tmp_path: Path
 def test_keep_writes_a_file_that_renders_the_same_tables(tmp_path: Path):
     """--keep: the merged runs and lockstep runs, pruned, render alone as the inputs did."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps(fake_doc()))  # training, replay
+    a.write_text(json.dumps(fake_doc()))
     b.write_text(json.dumps(suite_doc("1", 3, 2, ["llama", "resnet50"])))
     ls = tmp_path / "ls.json"
     ls.write_text(json.dumps(lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01], workload="resnet50")))
@@ -1010,10 +973,3 @@ def test_keep_writes_a_file_that_renders_the_same_tables(tmp_path: Path):
     assert doc["produced_by"]["kept"].startswith("python3 bench/render.py ") and "--keep" in doc["produced_by"]["kept"]
     assert len(doc["produced_by"]["suites"]) == 2 and len(doc["lockstep"]) == 1
     assert all(set(r) <= set(render.KEEP_RUN) | {"result"} for r in doc["runs"])
-
-
-@pytest.mark.parametrize("extra", [["--workload", "env"], ["--workload", "resnet50", "--smoke-cpu"]])
-def test_workloads_records_history_only_when_training_on_the_gpu(extra: list[str]):
-    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--out", "x.json", "--record-history", "h.pickle",
-                        *extra], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "--record-history: training on the GPU only" in p.stderr, p.stderr
