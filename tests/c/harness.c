@@ -15,6 +15,8 @@
 #include <string.h>
 #include <sys/types.h>
 
+#include "stderr_file.h"
+
 typedef void *(*malloc_fn)(ssize_t, int, void *);
 typedef void (*free_fn)(void *, ssize_t, int, void *);
 typedef void (*init_fn)(int);
@@ -239,7 +241,11 @@ int main(int argc, char **argv) {
 	capture(1);
 	if (my_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
 	if (my_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
-	if (my_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
+	stderr_to_file(); /* the refusal prints its out-of-memory line, as PyTorch's would */
+	void *absurd = my_malloc((ssize_t)1 << 62, 0, NULL);
+	if (stderr_back("goalloc: CUDA out of memory. Tried to allocate more than 1EB memory.") != 1)
+		fail("no out-of-memory line for an absurd size", 0);
+	if (absurd) fail("absurd size gave a pointer", 0);
 	my_free(NULL, 0, 0, NULL);
 	my_free((void *)0x1234, 512, 0, NULL);
 	void *z = my_malloc(0, 0, NULL);
@@ -290,7 +296,12 @@ int main(int argc, char **argv) {
 		long long want = stat(js, keys[k]);
 		if (stat_one(0, k) != want || fig[k] != want) fail(keys[k], (uintptr_t)stat_one(0, k));
 	}
+	capture(1); /* a bad key warns: queued and checked, not printed */
 	if (stat_one(0, 4) != -1 || stat_one(99, 0) != -1) fail("goalloc_stat accepted a bad key or device", 0);
+	char *bad_key = take();
+	if (!bad_key || !strstr(bad_key, "\"kind\":\"invalid_argument\"")) fail("no warning of a bad statistic", 0);
+	strfree(bad_key);
+	capture(0);
 	empty();
 	char *js2 = stats(0);
 	long long reserved = stat(js2, "reserved_bytes.all.current");
