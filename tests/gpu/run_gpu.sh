@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] [coldab] [lockstep] (these five need naming; multigpu and mgbench need two GPUs)
+#               [ddp] [multigpu] [mgbench] [coldab] [lockstep] [stress] (these six need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -197,6 +197,25 @@ if want coldab; then
   # BASE, where Go is), alternating; under a minute.
   timeout 300 python3 tests/gpu/cold_ab.py --run --rounds 9 --json "$OUT/cold_ab.json" 2>&1 | tee "$OUT/cold_ab.txt"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if want stress; then
+  step stress
+  # Named only: the Go tests that `make test` samples under -short (the
+  # packages of STRESS_PKGS in the Makefile), in full under -race, from the
+  # test binaries `make stressbuild` leaves in build/stress (no Go here); all
+  # at once, each from its package's folder, its output in $OUT/stress.txt.
+  if compgen -G "build/stress/*.test" > /dev/null; then
+    out=$(cd "$OUT" && pwd)
+    for t in build/stress/*.test; do
+      p=$(basename "$t" .test)
+      (cd "$p" && timeout 900 "../$t" -test.count=1 > "$out/stress-$p.log" 2>&1; echo "stress $p: exit $?" >> "$out/stress-$p.log") &
+    done
+    wait
+    for f in "$out"/stress-*.log; do tail -3 "$f"; grep -q ': exit 0$' "$f" || status=1; done
+    cat "$out"/stress-*.log > "$out/stress.txt" && rm -f "$out"/stress-*.log
+  else
+    echo "build/stress missing: make stressbuild"; status=1
+  fi
 fi
 step done
 # The device tool brings back at most 8 files: pack the small JSON results
