@@ -8,7 +8,7 @@ GOFILES := $(shell find . -name '*.go' -not -path './build/*' -not -path './.ven
 # export/header_test.go).
 CGOFILES := $(wildcard export/*.h export/*.c export/*.cpp) python/goalloc/csrc/goalloc.h
 
-.PHONY: all lib tool gpubuild test gotest ctest pytest demo bench clean
+.PHONY: all lib tool gpubuild test testrest gotest govet goarena gorest ctest pytest stress stressbuild demo bench clean
 
 all: lib tool
 
@@ -29,13 +29,37 @@ $(BUILD)/goalloc: $(GOFILES) python/goalloc/__init__.py
 gpubuild: lib tool
 	$(GO) test -c -tags goalloc_cudatest -o $(BUILD)/arena.test ./arena
 
-## test: everything CI runs, on the simulated device, no GPU needed
-test: gotest ctest pytest
+## test: everything CI runs, on the simulated device, no GPU needed: the Go
+## tests under -race with -short (the long property and trace tests take a
+## sample: `make stress` runs them in full), the C tests and the Python
+## tests. About two minutes on two cores with warm caches: arena's Go tests,
+## the longest, run beside all the others, and their result prints last.
+test:
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/arena-test.log
+	@$(MAKE) --no-print-directory -j3 goarena testrest ARENA_LOG=$(BUILD)/arena-test.log; \
+		status=$$?; ! test -f $(BUILD)/arena-test.log || cat $(BUILD)/arena-test.log; exit $$status
+testrest: govet gorest ctest
+	@$(MAKE) --no-print-directory pytest
 
-gotest:
+gotest: govet goarena gorest
+govet:
 	$(GO) vet ./...
 	$(GO) vet -tags goalloc_cudatest ./arena
-	$(GO) test -race ./...
+goarena:
+	$(GO) test -race -short ./arena $(if $(ARENA_LOG),> $(ARENA_LOG) 2>&1)
+gorest:
+	$(GO) test -race -short $$($(GO) list ./... | grep -v '/arena$$')
+
+## stress: the Go tests in full under -race, every seed, step and trace line
+## (several minutes on two cores). On a GPU machine without Go, `make
+## stressbuild` here, carry build/, and `bash tests/gpu/run_gpu.sh stress`.
+stress:
+	$(GO) test -race -count=1 ./...
+
+STRESS_PKGS := arena caching replay
+stressbuild:
+	@mkdir -p $(BUILD)/stress
+	for p in $(STRESS_PKGS); do $(GO) test -c -race -ldflags='-s -w' -o $(BUILD)/stress/$$p.test ./$$p || exit 1; done
 
 ctest: lib
 	cc -O2 -Wall -Ipython/goalloc/csrc tests/c/harness.c -o $(BUILD)/harness -ldl -lpthread
@@ -63,9 +87,10 @@ SIM_ENV    := env -u GOALLOC_CONF -u GOALLOC_LIBRARY GOALLOC_DEVICE=sim GOALLOC_
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+PIP := $(VENV)/bin/python -m pip --disable-pip-version-check
 pytest: $(VENV)/bin/python
-	$(VENV)/bin/python -m pip install -q pytest build "setuptools>=70.1"
-	env -u GOALLOC_LIBRARY $(VENV)/bin/python -m pip install -q --force-reinstall --no-deps .
+	$(PIP) install -q pytest build "setuptools>=70.1"
+	env -u GOALLOC_LIBRARY $(PIP) install -q --force-reinstall --no-deps .
 	$(SIM_ENV) $(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
 
 ## cxxtest: goalloc's C++ allocator class for PyTorch on the simulated device,

@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
-# Suites on several GPUs of one host at once, each lane on its own GPU and its
-# own share of the CPUs, so that one call of the device tool covers more:
+# Suites on several GPUs of one host at once:
 #
 #   bash bench/lanes.sh OUTDIR 'SUITE ARGS [| SUITE ARGS ...]' ['SUITE ARGS [| ...]' ...]
 #
-# Lane i runs on GPU i (CUDA_VISIBLE_DEVICES=i), pinned with taskset to the
-# i-th of as many equal slices of the CPUs as there are lanes: the workloads
-# are bound by the host (a training step lasts as long as launching it), so
-# two suites sharing every CPU slow and disturb each other. Within a lane the
-# suites given between '|' run one after another, each with bench/run.sh into
-# OUTDIR/laneI-J; give each its own --budget (and BENCH_HARD_LIMIT_S for the
-# whole lane's worth) so that the lane fits the call. The host's CPU and GPU
-# layout goes to OUTDIR/topology.txt.
+# Lane i runs on GPU i, pinned (taskset) to the i-th equal slice of the CPUs:
+# the steps are bound by the host, and suites sharing CPUs disturb each other.
+# A lane's suites (between '|') run one after another with bench/run.sh into
+# OUTDIR/laneI-J; the host's CPU and GPU layout goes to OUTDIR/topology.txt.
 set -uo pipefail
 if [[ $# -lt 2 || $1 == -* ]]; then
   echo "usage: bash bench/lanes.sh OUTDIR 'SUITE ARGS [| SUITE ARGS ...]' ..." >&2

@@ -2,42 +2,24 @@
 """Two configurations training in lockstep on one GPU, step by step in turns.
 
     python3 bench/lockstep.py OUTDIR --pair native,goalloc-vmm --workload resnet50 \\
-        [--repeats 8] [--first-repeat 0] [--budget 480] [bench/suite.py options ...]
+        [--repeats 8] [--first-repeat 0] [--budget 480] [--pin-threads 1,2,3,4] [bench/suite.py options ...]
+    python3 bench/lockstep.py report OUTDIR/lockstep.json [MORE.json ...]
 
-Why. The training steps of these workloads are bound by the host, and the
-lent host drifts: in one suite, native's own median ResNet-50 step went
-from 14.9 to 29.6 ms between repeats a minute apart, far more than the 2%
-a throughput goal asks about. Runs made one after the other therefore
-compare hosts as much as allocators, and two runs at once on two GPUs slow
-each other. Here both configurations of a repeat run at the same time, each
-in a fresh process of its own, on one GPU, but never at once: the
-coordinator lets one process take one training step (timed between device
-synchronisations, as in every run), then the other the same step (the same
-shape: the same repeat draws the same shapes), and so on: A, B, A, B, so
-that every step follows one of the other process (which one starts
-alternates between repeats). Two steps compared are a few milliseconds
-apart, so a slow stretch of the host falls on both. With --pin-threads both
-processes pin their threads alike (the training thread, torch's autograd
-thread, the rest: bench/hostcount.py's pin_threads), so that a CPU slowed
-for a while slows both too.
+The training steps are bound by the host, and the host drifts (native's own
+median ResNet-50 step went from 14.9 to 29.6 ms between repeats a minute
+apart), so runs made one after another compare hosts as much as allocators.
+Here the two configurations of a repeat run at the same time, each in a fresh
+process, on one GPU, never at once: the coordinator lets A take one training
+step (timed between device synchronisations), then B the same step (the same
+shape), and so on, A, B, A, B. With --pin-threads both pin their training
+thread, torch's autograd thread and the rest alike, so that a CPU slowed for
+a while slows both. Per repeat it reports B's throughput over A's, the median
+over the steps of A's step time over B's.
+Memory is not measured (the two processes share the device). A pair of one
+configuration (native,native) shows how far from 1 the method itself lands.
 
-Per repeat it reports B against A (--pair A,B):
-  throughput   B's units per second over the timed steps, over A's;
-  step median  the median over the timed steps of A's time for the step
-               over B's (above 1: B was faster);
-  by first     the same median over the repeats where A went first, and
-               where B did.
-and, over the repeats, the median and range of each.
-
-What it does not measure: memory (the two processes share the device, so
-mem_get_info cannot say which holds what: its sampling is off); and work a
-process does between its steps (a background thread) runs while the other
-one steps, on another CPU. A pair of one configuration (--pair
-native,native) shows how far from 1 the method itself lands.
-
-Writes OUTDIR/lockstep.json (options, every process's figures, the
-comparison; bench/render.py --lockstep reads it), OUTDIR/results/NAME.json
-per process (with its step log) and OUTDIR/NAME.log, its output. Standard library only; torch is imported by the processes only.
+Writes OUTDIR/lockstep.json (bench/render.py --lockstep reads it),
+OUTDIR/results/NAME.json per process (with its step log) and OUTDIR/NAME.log.
 """
 
 from __future__ import annotations
@@ -58,17 +40,11 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite  # noqa: E402  (bench/suite.py: the processes' commands and environments)
-from hostcount import cpu_roles  # noqa: E402  (bench/hostcount.py: the CPUs --pin-threads takes)
+from workloads import cpu_roles  # noqa: E402  (the CPUs --pin-threads takes)
 
-# A turn's reply may take this long: the first one holds the process's
-# start (import torch, the CUDA context, the model) and, with planning, a
-# new shape's first step.
-TURN_TIMEOUT_S = 300.0
-# After its last step a process reports its figures and exits within this.
-EXIT_TIMEOUT_S = 120.0
-# Before a pair has run, its estimate is this many times one run's: the
-# steps run in series, the two starts at once.
-PAIR_ESTIMATE_FACTOR = 1.6
+TURN_TIMEOUT_S = 300.0  # a turn's reply; the first holds the process's start and, planned, a new shape
+EXIT_TIMEOUT_S = 120.0  # after its last step a process reports and exits within this
+PAIR_ESTIMATE_FACTOR = 1.6  # before a pair has run: the steps in series, the two starts at once
 
 
 class Side:
@@ -155,10 +131,9 @@ class Side:
 
 
 def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]], repeat: int,
-             timeout: float) -> list[Optional[str]]:
-    """Start both processes and give them turns until both are done; which
-    side went first at each step (None where only one stepped)."""
-    firsts: list[Optional[str]] = []
+             timeout: float) -> None:
+    """Start both processes and give them turns until both are done, the
+    first turn of every step to A in even repeats, to B in odd ones."""
     try:
         for side, cmd, env in zip(sides, cmds, envs):
             side.start(cmd, env)
@@ -166,29 +141,22 @@ def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]
         alive = [0, 1]
         first = repeat % 2
         while alive:
-            order = sorted(alive, key=lambda k: (k - first) % 2)
-            stepped = []
-            for k in order:
-                deadline = min(end, time.monotonic() + TURN_TIMEOUT_S)
-                b = sides[k].turn(deadline)
+            for k in sorted(alive, key=lambda k: (k - first) % 2):
+                b = sides[k].turn(min(end, time.monotonic() + TURN_TIMEOUT_S))
                 if b == b"d":
-                    stepped.append(k)
                     continue
                 alive.remove(k)
                 if b == b"":  # it died or hangs: the pair is spoilt
                     for other in sides:
                         if other is not sides[k]:
                             other.fail("failed", f"its partner ({sides[k].label}) {sides[k].status}")
-                    return firsts
-            if stepped:
-                firsts.append(sides[stepped[0]].label if len(stepped) == 2 else None)
+                    return
         for side in sides:
             assert side.proc is not None
             try:
                 side.proc.wait(timeout=EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 side.fail("timeout", f"still running {EXIT_TIMEOUT_S:.0f} s after its last step")
-        return firsts
     finally:
         for side in sides:
             side.kill()
@@ -201,25 +169,22 @@ def median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], firsts: list[Optional[str]], labels: tuple[str, str]) -> dict[str, Any]:
+def compare(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -> dict[str, Any]:
     """B against A over the timed steps both took, from the two processes'
     step logs (each entry: shape, seconds, units, timed, turn)."""
     la, lb = a.get("step_log") or [], b.get("step_log") or []
     if len(la) != len(lb) or any(x["shape"] != y["shape"] for x, y in zip(la, lb)):
         return {"error": "the two processes did not take the same steps"}
-    speed, by_first = [], {labels[0]: [], labels[1]: []}
+    speed: list[float] = []
     sec_a = sec_b = units_a = units_b = 0.0
     overlaps = 0
-    for i, (x, y) in enumerate(zip(la, lb)):
+    for x, y in zip(la, lb):
         tx, ty = x.get("turn"), y.get("turn")
         if tx and ty and tx[0] < ty[1] and ty[0] < tx[1]:
             overlaps += 1  # the two steps ran at the same time: the coordinator failed
         if not (x["timed"] and y["timed"]) or x["seconds"] <= 0 or y["seconds"] <= 0:
             continue
-        r = x["seconds"] / y["seconds"]
-        speed.append(r)
-        if i < len(firsts) and firsts[i] in by_first:
-            by_first[firsts[i]].append(r)
+        speed.append(x["seconds"] / y["seconds"])
         sec_a += x["seconds"]
         sec_b += y["seconds"]
         units_a += x["units"]
@@ -230,7 +195,6 @@ def compare(a: dict[str, Any], b: dict[str, Any], firsts: list[Optional[str]], l
         "steps": len(speed),
         "throughput": (units_b / sec_b) / (units_a / sec_a),
         "step_median": median(speed),
-        "by_first": {k: median(v) for k, v in by_first.items()},
         "median_step_s": {labels[0]: median([e["seconds"] for e in la if e["timed"]]),
                           labels[1]: median([e["seconds"] for e in lb if e["timed"]])},
         "overlapping_steps": overlaps,
@@ -252,27 +216,20 @@ def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def slim(doc: dict[str, Any]) -> dict[str, Any]:
-    """doc without the processes' step logs and output (results/NAME.json
-    and NAME.log beside it keep them): what bench/render.py reads, a few
-    kilobytes a repeat where the logs are a hundred."""
+    """doc without the processes' step logs and output (results/NAME.json and NAME.log keep them)."""
     out = dict(doc, pairs=[])
     for p in doc.get("pairs", []):
         q = dict(p)
         if "sides" in p:
-            q["sides"] = []
-            for side in p["sides"]:
-                s = {k: v for k, v in side.items() if k != "output_tail"}
-                if isinstance(side.get("result"), dict):
-                    s["result"] = {k: v for k, v in side["result"].items() if k != "step_log"}
-                q["sides"].append(s)
+            q["sides"] = [{k: v for k, v in side.items() if k != "output_tail"}
+                          | ({"result": {k: v for k, v in side["result"].items() if k != "step_log"}}
+                             if isinstance(side.get("result"), dict) else {}) for side in p["sides"]]
         out["pairs"].append(q)
     return out
 
 
 def thread_cpu(result: dict[str, Any]) -> Optional[dict[str, float]]:
-    """CPU ms a timed step of one process, by thread: the training thread,
-    torch's autograd thread, the others (bench/hostcount.py's reading over
-    the timed steps)."""
+    """CPU ms a timed step of one process, by thread: the training thread, torch's autograd thread, the others."""
     threads, steps = result.get("threads"), result.get("steps")
     if not threads or not steps:
         return None
@@ -295,11 +252,9 @@ def read_lockstep(path: str) -> dict[str, Any]:
 
 
 def report(paths: list[str]) -> str:
-    """Several lockstep.json files merged by workload and pair: each
-    repeat's line, the comparison over all their repeats, where one side
-    went first in some repeats and the other in others the step medians by
-    who went first, and each configuration's median step and CPU a step by
-    thread (medians over its processes)."""
+    """Several lockstep.json files merged by workload and pair: the comparison
+    over all their repeats, each repeat's line, and each configuration's
+    median step and CPU a step by thread (medians over its processes)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for path in paths:
         doc = read_lockstep(path)
@@ -316,13 +271,6 @@ def report(paths: list[str]) -> str:
                      f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
                      f"b faster in {s['b_faster']}")
         lines += [report_line(p["repeat"], p, ("a", "b")) for p in pairs]
-        both = [p["compare"]["by_first"] for p in pairs
-                if all(v is not None for v in p["compare"]["by_first"].values())]
-        if both:  # who went first changed within a repeat
-            fa, fb = [x["a"] for x in both], [x["b"] for x in both]
-            lines.append(f"  by who stepped first, step median: a first {min(fa):.3f}-{max(fa):.3f}, b first "
-                         f"{min(fb):.3f}-{max(fb):.3f}, a first lower in {sum(x['a'] < x['b'] for x in both)} "
-                         f"of {len(both)} repeats")
         for k, label in enumerate(("a", "b")):
             cpu = [c for c in (thread_cpu(p["sides"][k]["result"] or {}) for p in pairs) if c]
             step = [p["compare"]["median_step_s"][label] * 1e3 for p in pairs]
@@ -337,7 +285,7 @@ def report(paths: list[str]) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other option goes to bench/suite.py (steps, shapes, --resnet-plan-shapes, "
-                                       "--goalloc-conf, --call-clock, --goalloc-library, ...).")
+                                       "--goalloc-conf, --goalloc-library, ...).")
     p.add_argument("outdir")
     p.add_argument("--pair", required=True, metavar="A,B", help="the two configurations (the same twice: an A/A check)")
     p.add_argument("--workload", required=True, choices=suite.TRAIN_WORKLOADS)
@@ -366,25 +314,13 @@ def report_line(rep: int, pair: dict[str, Any], labels: tuple[str, str]) -> str:
     if pair["status"] != "ok" or "error" in c:
         return f"  r{rep:<3} {pair['status']}: {pair.get('reason') or c.get('error')}"
     ms = c["median_step_s"]
-    bf = c["by_first"]
-    fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
     return (f"  r{rep:<3} steps {c['steps']:>3}  {labels[0]} {ms[labels[0]] * 1e3:6.2f} ms  {labels[1]} "
             f"{ms[labels[1]] * 1e3:6.2f} ms  throughput {c['throughput']:.3f}  step median {c['step_median']:.3f}"
-            f"  ({labels[0]} first {fmt(bf[labels[0]])}, {labels[1]} first {fmt(bf[labels[1]])})")
+            f"  ({labels[rep % 2]} first)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["slim"]:  # an older lockstep.json, that held the step logs, as it is written now
-        if len(argv) != 3:
-            print("usage: python3 bench/lockstep.py slim IN.json OUT.json", file=sys.stderr)
-            return 2
-        try:
-            suite.write_json_atomic(Path(argv[2]), slim(read_lockstep(argv[1])))
-        except (OSError, ValueError) as e:
-            print(f"lockstep: {e}", file=sys.stderr)
-            return 1
-        return 0
     if argv[:1] == ["report"]:  # lockstep.json files merged: python3 bench/lockstep.py report FILE...
         if len(argv) < 2:
             print("usage: python3 bench/lockstep.py report LOCKSTEP.json ...", file=sys.stderr)
@@ -401,14 +337,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     a, b = args.pair
     labels = (f"a:{a}", f"b:{b}")
-    cfloor_doc, cfloor_lib = (suite.build_cfloor(sargs) if "c-floor" in args.pair else ({}, None))
     doc: dict[str, Any] = {
         "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *argv]),
         "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": labels,
         "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
-        "git_commit": suite.git_commit(), "cfloor": cfloor_doc, "pairs": [],
+        "git_commit": suite.git_commit(), "pairs": [],
     }
     if not args.smoke_cpu:
         doc["nvidia_smi"] = suite.nvidia_smi()
@@ -438,20 +373,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cmd += ["--smoke-cpu"] if args.smoke_cpu else []
                 pin = ["--pin-threads", ",".join(map(str, args.pin_threads))] if args.pin_threads else []
                 cmds.append(cmd + pin)
-                envs.append(suite.child_env(side.config, sargs, cfloor_lib))
+                envs.append(suite.child_env(side.config, sargs))
             t0 = time.monotonic()
-            firsts = run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
+            run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
             wall = time.monotonic() - t0
             recs = [s.record() for s in sides]
             bad = [r for r in recs if r["status"] != "ok"]
-            pair.update(status="ok" if not bad else bad[0]["status"], wall_s=round(wall, 3), firsts=firsts, sides=recs)
+            pair.update(status="ok" if not bad else bad[0]["status"], wall_s=round(wall, 3), first="ab"[rep % 2],
+                        sides=recs)
             if bad:
                 pair["reason"] = "; ".join(f"{r['label']}: {r.get('reason')}" for r in bad)
                 status = 1
             else:
                 walls.append(wall)
-                pair["compare"] = compare(recs[0]["result"], recs[1]["result"], firsts,
-                                          (sides[0].label, sides[1].label))
+                pair["compare"] = compare(recs[0]["result"], recs[1]["result"], (sides[0].label, sides[1].label))
         doc["pairs"].append(pair)
         save()
         print(report_line(rep, pair, ("a", "b")), flush=True)

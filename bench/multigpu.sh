@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# Two-GPU benchmark: DDP, FSDP and the model-parallel example, each under
-# goalloc, PyTorch's native allocator and native with expandable_segments, one
-# fresh process (or torchrun job) per run, configurations interleaved and
-# their order rotated from round to round. Appends one JSON line per rank (DDP,
-# FSDP) or per run (model parallel) to OUT/multigpu.jsonl, tagged with the
-# round; bench/multigpu_render.py takes medians over rounds.
+# Two-GPU benchmark: DDP, FSDP and the model-parallel example under goalloc,
+# native and expandable_segments, a fresh process (or torchrun job) per run,
+# the order rotated by round. Appends a JSON line per rank (or model-parallel
+# run) to OUT/multigpu.jsonl; bench/multigpu_render.py takes medians over rounds.
 #
 #   bash bench/multigpu.sh OUT FIRST_ROUND LAST_ROUND [STEPS]
 #

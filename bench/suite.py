@@ -4,29 +4,19 @@ in its own process, and keep every result.
 
     python3 bench/suite.py OUTDIR [options]        # normally through bench/run.sh OUTDIR
     python3 bench/suite.py OUTDIR --dry-run        # the plan and its estimated time, nothing run
-    python3 bench/suite.py OUTDIR --quick          # a smoke run: one repeat, few steps
     CUDA_VISIBLE_DEVICES=1 python3 bench/suite.py OUT1 --workloads llama --first-repeat 3
                                                    # another GPU or call; bench/render.py merges
 
-What it does, in order:
-
-1. builds the c-floor allocator (bench/cfloor.c) with gcc;
-2. one 'env' process: versions, the GPU, and every module imported once
-   (so that the first timed process does not pay for a cold page cache);
-3. the plan, repeat by repeat: for each workload, every configuration in a
-   rotated order (repeat r starts at the r-th configuration), each run a
-   fresh process (bench/workloads.py, or build/goalloc for trace replay)
-   with its own timeout. A failed, crashed or timed-out run is recorded
-   with the tail of its output, and the suite goes on;
-4. a time budget: a run whose estimated time (the longest of the last three
-   runs of its kind, or the default estimate before any) no longer fits is skipped
-   and recorded as such, so the suite ends within the budget with whole
-   repeats first;
-5. after every run, OUTDIR/results/NAME.json (the run) and OUTDIR/bench.json
-   (everything: environment, options, plan, every run) are rewritten, so a
-   suite stopped at any point (SIGTERM, SIGINT) leaves all it finished.
-
-Standard library only; torch is imported only by the child processes.
+An 'env' process first (versions, the GPU, every module imported once so that
+no timed process pays for a cold page cache); then the plan, repeat by
+repeat, each workload's configurations in an order rotated by the repeat,
+each run a fresh process of bench/workloads.py with its own timeout. A failed, crashed or timed-out run is recorded
+with the tail of its output and the suite goes on. A run whose estimate (the
+longest of the last three of its kind, else the default) no longer fits the
+budget is skipped, so the suite ends within it with whole repeats first.
+After every run OUTDIR/results/NAME.json and OUTDIR/bench.json are rewritten,
+so a suite stopped at any point (SIGTERM, SIGINT) keeps all it finished.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -37,7 +27,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,27 +38,17 @@ from typing import Any, Optional
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool", "c-floor")
-# Training under these by default; goalloc-mempool by name (--train-configs),
-# c-floor too (by default it runs the microbenchmarks only).
+CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool")
+# Training under these by default; goalloc-mempool by name (--train-configs).
 DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm", "goalloc-mempool")
-CLASS_CONFIGS = ("goalloc", "goalloc-vmm")  # goalloc.install(): torch's allocator is goalloc's C++ class
-WORKLOADS = ("micro", "gpt2", "llama", "resnet50", "replay")
-TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
-REPLAY_POLICIES = ("goalloc", "passthrough")
-DEFAULT_TRACES = ("traces/gpt2-train.jsonl.gz", "traces/resnet50-train.jsonl.gz")
+WORKLOADS = TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
 DEFAULT_BUDGET_S = 480.0
 
-# Estimated seconds per run, used for the plan and, until a run of the kind
-# has finished, for the budget (afterwards the longest of the last three runs of the
-# kind is used). A process start (python, import torch, CUDA context) is a
-# few seconds of each; transformers adds a few more. Training adds a cost per
-# step (GPT-2 up to batch 8 x 1024 tokens, ResNet-50 up to 64 x 224 px on an
-# H200, with the first steps' kernel loading in the fixed part). LLaMA's are
-# a guess, before any run of it (up to 8 x 3072 tokens through 672M parameters,
-# and building those on the device); the suite adapts once it has run one.
-ESTIMATE_FIXED_S = {"env": 20.0, "micro": 6.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5, "replay": 2.0}
+# Estimated seconds per run on an H200 (a process start, then a cost per
+# training step), for the plan and, until a run of the kind has finished, for
+# the budget.
+ESTIMATE_FIXED_S = {"env": 20.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5}
 ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "llama": 0.35, "resnet50": 0.12}
 # LlamaConfig's max_position_embeddings in bench/workloads.py.
 LLAMA_MAX_SEQ = 4096
@@ -78,24 +57,30 @@ TIMEOUT_FACTOR, MIN_TIMEOUT_S, ENV_TIMEOUT_S = 5.0, 45.0, 150.0
 # Seconds a run may still start within past the budget's end, for its timeout.
 GRACE_S = 15.0
 TAIL_CHARS = 3000
+# The shapes drawn per training step: batch, then sequence length (in
+# multiples of 64) or resolution (of 16).
+SHAPE_RANGES = (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024), ("llama-batch", 1, 8), ("llama-seq", 512, 3072),
+                ("resnet-batch", 32, 64), ("resnet-res", 160, 224))
 
 
 @dataclass
 class Run:
-    """One planned process: a workload under a configuration (for replay, a
-    policy on a trace) in one repeat."""
+    """One planned process: a workload under a configuration in one repeat."""
 
     id: int
     workload: str
     config: str
     repeat: int
-    trace: Optional[str] = None
     estimate_s: float = 0.0
 
     @property
     def name(self) -> str:
-        t = f"-{Path(self.trace).name.split('.')[0]}" if self.trace else ""
-        return f"{self.id:03d}-{self.workload}{t}-{self.config}-r{self.repeat}"
+        return f"{self.id:03d}-{self.workload}-{self.config}-r{self.repeat}"
+
+    def record(self, **more: Any) -> dict[str, Any]:
+        """The run's record for bench.json, with more."""
+        return {"id": self.id, "name": self.name, "workload": self.workload, "config": self.config,
+                "repeat": self.repeat} | more
 
 
 @dataclass
@@ -151,51 +136,30 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--first-repeat", type=nonneg_int, default=0,
                    help="the first repeat's index (default 0): the runs are repeats N..N+REPEATS-1, so another "
                         "call (or GPU) given the next N draws other shapes and its runs merge without colliding")
-    p.add_argument("--configs", type=csv_list(CONFIGS), default=list(CONFIGS),
-                   help="configurations of the microbenchmarks (default: all seven)")
     p.add_argument("--train-configs", type=csv_list(CONFIGS), default=list(DEFAULT_TRAIN_CONFIGS),
                    help=f"configurations of the training workloads (default: {','.join(DEFAULT_TRAIN_CONFIGS)})")
     p.add_argument("--workloads", type=csv_list(WORKLOADS), default=list(WORKLOADS))
-    p.add_argument("--gpt2-steps", type=positive_int, default=45, help="timed GPT-2 steps per run (default 45)")
-    p.add_argument("--gpt2-warmup", type=nonneg_int, default=5)
-    p.add_argument("--llama-steps", type=positive_int, default=27, help="timed LLaMA steps per run (default 27)")
-    p.add_argument("--llama-warmup", type=nonneg_int, default=3)
-    p.add_argument("--resnet-steps", type=positive_int, default=35, help="timed ResNet-50 steps per run (default 35)")
-    p.add_argument("--resnet-warmup", type=nonneg_int, default=5)
-    p.add_argument("--gpt2-batch", type=positive_int, nargs=2, default=[4, 8], metavar=("MIN", "MAX"))
-    p.add_argument("--gpt2-seq", type=positive_int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--llama-batch", type=positive_int, nargs=2, default=[1, 8], metavar=("MIN", "MAX"))
-    p.add_argument("--llama-seq", type=positive_int, nargs=2, default=[512, 3072], metavar=("MIN", "MAX"),
-                   help="LLaMA sequence lengths, drawn in multiples of 64 from MIN")
-    p.add_argument("--resnet-batch", type=positive_int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"))
-    p.add_argument("--resnet-res", type=positive_int, nargs=2, default=[160, 224], metavar=("MIN", "MAX"))
-    p.add_argument("--resnet-plan-shapes", action="store_true",
-                   help="ResNet-50 runs first take one untimed step of every shape they train, so that cuDNN's "
-                        "per-shape planning (100-250 ms a shape, on the host) is out of the timed steps")
-    p.add_argument("--llama-plan-shapes", action="store_true",
-                   help="LLaMA runs first take one untimed step of every shape they train: a shape's first step "
-                        "took 130-150 ms longer than its later ones under every configuration on the H200")
-    p.add_argument("--micro-rounds", type=positive_int, default=5, help="timed rounds per pair size")
-    p.add_argument("--cross-iters", type=positive_int, default=1000, help="timed cross-stream iterations")
+    for w, steps, warmup in (("gpt2", 45, 5), ("llama", 27, 3), ("resnet", 35, 5)):
+        p.add_argument(f"--{w}-steps", type=positive_int, default=steps, help=f"timed steps per run (default {steps})")
+        p.add_argument(f"--{w}-warmup", type=nonneg_int, default=warmup)
+    for name, lo, hi in SHAPE_RANGES:
+        p.add_argument(f"--{name}", type=positive_int, nargs=2, default=[lo, hi], metavar=("MIN", "MAX"))
+    for w in ("resnet", "llama"):
+        p.add_argument(f"--{w}-plan-shapes", action="store_true",
+                       help=f"{w} runs first take one untimed step of every shape they train (a shape's first "
+                            "step, cuDNN planning it, costs 100-250 ms more under every allocator)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
-    p.add_argument("--traces", nargs="+", default=list(DEFAULT_TRACES), help="traces to replay")
-    p.add_argument("--replay-policies", type=csv_list(REPLAY_POLICIES), default=list(REPLAY_POLICIES))
     p.add_argument("--goalloc-conf", default="",
                    help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
                         "no backend: goalloc-vmm adds backend:vmm to it")
-    p.add_argument("--call-clock", choices=("off", "on", "probe"), default="off",
-                   help="training runs of goalloc and goalloc-vmm time the C++ class's calls into Go over their "
-                        "timed steps (bench/call_clock.py reads them); probe adds an empty call into Go before each")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole suite may take (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--timeout", type=float, help="a fixed per-run timeout in seconds (default: from the estimates)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 1 repeat, 1+2 training steps, small shapes, short microbenchmarks")
+                   help="smoke run: 1 repeat, 1+2 training steps, small shapes")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated time; run nothing")
     p.add_argument("--python", default=sys.executable, help="interpreter for the workload processes")
-    p.add_argument("--goalloc-tool", default=str(REPO / "build" / "goalloc"), help="the replay tool")
     p.add_argument("--goalloc-library", default=os.environ.get("GOALLOC_LIBRARY") or str(REPO / "build" / "libgoalloc.so"))
-    p.add_argument("--build-dir", default=str(REPO / "build"), help="where libcfloor.so is built")
     p.add_argument("--workloads-script", default=str(BENCH / "workloads.py"), help=argparse.SUPPRESS)
     p.add_argument("--command", help="the command line to record (bench/run.sh passes its own)")
     args = p.parse_args(argv)
@@ -207,11 +171,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.gpt2_batch, args.gpt2_seq = [2, 4], [128, 256]
         args.llama_batch, args.llama_seq = [1, 2], [128, 256]
         args.resnet_batch, args.resnet_res = [16, 32], [128, 160]
-        args.micro_rounds, args.cross_iters = 2, 200
-    for name in ("gpt2_batch", "gpt2_seq", "llama_batch", "llama_seq", "resnet_batch", "resnet_res"):
-        lo, hi = getattr(args, name)
+    for name, _, _ in SHAPE_RANGES:
+        lo, hi = getattr(args, name.replace("-", "_"))
         if lo > hi:
-            p.error(f"--{name.replace('_', '-')}: MIN {lo} is above MAX {hi}")
+            p.error(f"--{name}: MIN {lo} is above MAX {hi}")
     if args.gpt2_seq[1] > 1024:
         p.error("--gpt2-seq: GPT-2's context is 1024 tokens")
     if args.llama_seq[1] > LLAMA_MAX_SEQ:
@@ -238,16 +201,12 @@ def estimate(workload: str, args: argparse.Namespace) -> float:
         # Planning: at most one step per distinct shape (25 with the default ranges).
         planned = 25 if args.resnet_plan_shapes else 0
         s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup + planned)
-    elif workload == "micro" and args.quick:
-        s -= 1.0
     return s
 
 
 def rotated(items: list[str], r: int) -> list[str]:
     """items starting at index r (mod len): repeat r's order."""
-    if not items:
-        return []
-    k = r % len(items)
+    k = r % len(items) if items else 0
     return items[k:] + items[:k]
 
 
@@ -258,13 +217,7 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
         for w in WORKLOADS:
             if w not in args.workloads:
                 continue
-            if w == "replay":
-                for t in args.traces:
-                    for pol in rotated(list(args.replay_policies), r):
-                        plan.append(Run(len(plan) + 1, w, pol, r, trace=t, estimate_s=estimate(w, args)))
-                continue
-            configs = args.configs if w == "micro" else args.train_configs
-            for c in rotated(list(configs), r):
+            for c in rotated(list(args.train_configs), r):
                 plan.append(Run(len(plan) + 1, w, c, r, estimate_s=estimate(w, args)))
     return plan
 
@@ -274,11 +227,11 @@ def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
     total = ESTIMATE_FIXED_S["env"]
     first = f" (repeats {args.first_repeat}..{args.first_repeat + args.repeats - 1})" if args.first_repeat else ""
     print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s){first}")
-    print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}  trace")
+    print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}")
     print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ESTIMATE_FIXED_S['env']:>6.1f}")
     for run in plan:
         total += run.estimate_s
-        print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}  {run.trace or ''}")
+        print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}")
     per: dict[str, list[float]] = {}
     for run in plan:
         per.setdefault(run.workload, []).append(run.estimate_s)
@@ -302,11 +255,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def child_env(config: str, args: argparse.Namespace, cfloor_lib: Optional[str]) -> dict[str, str]:
+def child_env(config: str, args: argparse.Namespace) -> dict[str, str]:
     """The environment of a workload process under a configuration."""
     env = dict(os.environ)
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "GOALLOC_CONF", "GOALLOC_DEVICE",
-              "GOALLOC_SIM_DEVICES", "GOALLOC_SIM_MEMORY", "BENCH_CFLOOR_LIB"):
+              "GOALLOC_SIM_DEVICES", "GOALLOC_SIM_MEMORY"):
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "python"), os.environ.get("PYTHONPATH")]))
     env["GOALLOC_LIBRARY"] = args.goalloc_library
@@ -318,8 +271,6 @@ def child_env(config: str, args: argparse.Namespace, cfloor_lib: Optional[str]) 
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     elif config == "async":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-    elif config == "c-floor" and cfloor_lib:
-        env["BENCH_CFLOOR_LIB"] = cfloor_lib
     elif config in GOALLOC_CONFIGS and args.goalloc_conf:
         env["GOALLOC_CONF"] = args.goalloc_conf  # goalloc-vmm adds its backend to it (bench/workloads.py)
     return env
@@ -327,15 +278,9 @@ def child_env(config: str, args: argparse.Namespace, cfloor_lib: Optional[str]) 
 
 def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]:
     """The command of one run."""
-    if run.workload == "replay":
-        return [args.goalloc_tool, "replay", str(run.trace), "--device", "cuda", "--policy", run.config, "--json"]
     cmd = [args.python, args.workloads_script, "--workload", run.workload, "--config", run.config,
            "--repeat", str(run.repeat), "--out", str(out), "--sample-ms", str(args.sample_ms)]
-    if run.workload == "micro":
-        cmd += ["--micro-rounds", str(args.micro_rounds), "--cross-iters", str(args.cross_iters)]
-        if args.quick:
-            cmd += ["--micro-round-s", "0.02", "--cross-warmup", "20"]
-    elif run.workload == "gpt2":
+    if run.workload == "gpt2":
         cmd += ["--steps", str(args.gpt2_steps), "--warmup", str(args.gpt2_warmup),
                 "--gpt2-batch", *map(str, args.gpt2_batch), "--gpt2-seq", *map(str, args.gpt2_seq)]
     elif run.workload == "llama":
@@ -348,8 +293,6 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
                 "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]
         if args.resnet_plan_shapes:
             cmd.append("--plan-shapes")
-    if run.workload in TRAIN_WORKLOADS and run.config in CLASS_CONFIGS and args.call_clock != "off":
-        cmd += ["--call-clock", args.call_clock]
     return cmd
 
 
@@ -392,41 +335,26 @@ def execute(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, O
     return status, proc.returncode, out or "", time.monotonic() - t0
 
 
-def run_one(run: Run, args: argparse.Namespace, results: Path, cfloor_lib: Optional[str],
-            timeout: float) -> dict[str, Any]:
+def run_one(run: Run, args: argparse.Namespace, results: Path, timeout: float) -> dict[str, Any]:
     """Run one planned process and return its record for bench.json."""
     out = results / f"{run.name}.json"
-    rec: dict[str, Any] = {"id": run.id, "name": run.name, "workload": run.workload, "config": run.config,
-                           "repeat": run.repeat, "timeout_s": round(timeout, 1)}
-    if run.trace:
-        rec["trace"] = run.trace
-    if run.config == "c-floor" and not cfloor_lib:
-        rec.update(status="failed", reason="c-floor was not built", result=None)
-        return rec
     cmd = workload_command(run, args, out)
-    rec["command"] = shlex.join(cmd)
-    env = child_env(run.config, args, cfloor_lib)
-    status, rc, output, seconds = execute(cmd, env, timeout)
+    rec = run.record(timeout_s=round(timeout, 1), command=shlex.join(cmd))
+    status, rc, output, seconds = execute(cmd, child_env(run.config, args), timeout)
     rec.update(status=status, returncode=rc, wall_s=round(seconds, 3), output_tail=output[-TAIL_CHARS:])
-    if run.workload == "replay":
-        try:
-            rec["result"] = json.loads(output[output.index("{"):output.rindex("}") + 1]) if status == "ok" else None
-        except ValueError as e:
-            rec.update(status="failed", reason=f"replay output is not JSON: {e}", result=None)
+    try:
+        child = json.loads(out.read_text())
+    except (OSError, ValueError):
+        child = None
+    if child is None:
+        rec["result"] = None
+        if status == "ok":
+            rec.update(status="failed", reason="no result file")
     else:
-        try:
-            child = json.loads(out.read_text())
-        except (OSError, ValueError):
-            child = None
-        if child is None:
-            rec["result"] = None
-            if status == "ok":
-                rec.update(status="failed", reason="no result file")
-        else:
-            rec["result"] = child.pop("result", None)
-            rec["meta"] = child
-            if status == "ok" and not child.get("ok"):
-                rec["status"] = "failed"
+        rec["result"] = child.pop("result", None)
+        rec["meta"] = child
+        if status == "ok" and not child.get("ok"):
+            rec["status"] = "failed"
     if rec["status"] != "ok" and "reason" not in rec:
         err = (rec.get("meta") or {}).get("error")
         if err:
@@ -440,77 +368,34 @@ def run_one(run: Run, args: argparse.Namespace, results: Path, cfloor_lib: Optio
                     why += f" ({signal.Signals(-rc).name})"
                 except ValueError:
                     pass
-            if run.workload != "replay" and rec.get("meta") is None:
+            if rec.get("meta") is None:
                 why += "; no result file"
             rec["reason"] = why
     write_json_atomic(out, rec)
     return rec
 
 
-def build_cfloor(args: argparse.Namespace) -> tuple[dict[str, Any], Optional[str]]:
-    """Compile bench/cfloor.c with gcc (cc where there is no gcc); returns its
-    record and the library's path, or None if it did not build."""
-    build = Path(args.build_dir)
-    lib = build / "libcfloor.so"
-    # Built under a name of its own, then renamed over lib: two suites started
-    # at once (one per GPU) share build/, and neither may load the other's
-    # half-written library; a process that has it loaded keeps its copy.
-    tmp = build / f"libcfloor.so.tmp{os.getpid()}"
-    cc = "cc" if shutil.which("gcc") is None and shutil.which("cc") else "gcc"
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", str(tmp), str(BENCH / "cfloor.c"), "-ldl", "-lpthread"]
-    rec: dict[str, Any] = {"command": shlex.join(cmd)}
-    try:
-        build.mkdir(parents=True, exist_ok=True)
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        rec["ok"] = p.returncode == 0 and tmp.is_file()
-        if rec["ok"]:
-            os.replace(tmp, lib)
-        if not rec["ok"]:
-            rec["error"] = (p.stderr or p.stdout)[-TAIL_CHARS:]
-        v = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        rec["compiler"] = v.stdout.splitlines()[0] if v.stdout else None
-    except (OSError, subprocess.SubprocessError) as e:
-        rec.update(ok=False, error=str(e))
-    finally:
-        tmp.unlink(missing_ok=True)
-    return rec, (str(lib) if rec.get("ok") else None)
-
-
 def visible_gpu() -> Optional[str]:
-    """The first entry of CUDA_VISIBLE_DEVICES (an index or a UUID): the GPU
-    that is cuda:0 to the runs; None when the variable is unset or empty."""
+    """The first entry of CUDA_VISIBLE_DEVICES (an index or a UUID), cuda:0 to the runs; None if unset or empty."""
     v = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     return v or None
 
 
 def nvidia_smi() -> dict[str, Any]:
-    """The GPU as nvidia-smi reports it (name, driver, memory, UUID; then its
-    clocks, temperature and power limit, asked apart so that a field this
-    driver lacks loses only those), or why it could not.
-
-    nvidia-smi ignores CUDA_VISIBLE_DEVICES, so it is asked for the first GPU
-    that variable names (-i) when it is set: the GPU the runs use. (nvidia-smi
-    numbers GPUs in PCI order, CUDA by default fastest first; on a machine of
-    identical GPUs the two agree, and the env run records the UUID CUDA sees.)
-    """
-    out: dict[str, Any] = {}
-    gpu = visible_gpu()
-    select = ["-i", gpu] if gpu else []
-    if gpu:
-        out["selected"] = gpu
-    for fields in ("name,driver_version,memory.total,uuid", "clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,power.limit"):
-        try:
-            p = subprocess.run(["nvidia-smi", *select, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError) as e:
-            out.setdefault("error", str(e))
-            break
-        if p.returncode != 0:
-            out.setdefault("error", (p.stderr or p.stdout).strip()[-500:])
-            continue
-        first = p.stdout.strip().splitlines()[0] if p.stdout.strip() else ""
-        out.update(zip(fields.split(","), (v.strip() for v in first.split(","))))
-    return out
+    """The GPU as nvidia-smi reports it (name, driver, memory, UUID), or why
+    it could not. nvidia-smi ignores CUDA_VISIBLE_DEVICES: it is asked (-i)
+    for the first GPU that names."""
+    gpu, fields = visible_gpu(), "name,driver_version,memory.total,uuid"
+    out: dict[str, Any] = {"selected": gpu} if gpu else {}
+    try:
+        p = subprocess.run(["nvidia-smi", *(["-i", gpu] if gpu else []), f"--query-gpu={fields}",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return out | {"error": str(e)}
+    if p.returncode != 0:
+        return out | {"error": (p.stderr or p.stdout).strip()[-500:]}
+    first = p.stdout.strip().splitlines()[0] if p.stdout.strip() else ""
+    return out | dict(zip(fields.split(","), (v.strip() for v in first.split(","))))
 
 
 def git_commit() -> Optional[str]:
@@ -528,25 +413,13 @@ def summary_line(rec: dict[str, Any]) -> str:
         return rec.get("reason", "")[:120] if rec.get("status") != "ok" else ""
     gib = float(1 << 30)
     try:
-        if rec["workload"] == "micro":
-            pairs = r.get("pairs") or {}
-            s = " ".join(f"{k} {v['us_per_pair']:.2f}us" for k, v in pairs.items())
-            cs = r.get("cross_stream") or {}
-            if cs:
-                s += f" | cross {cs['iterations_per_s']:.0f} it/s{'' if cs.get('correct') else ' WRONG SUMS'}"
-            return s
-        if rec["workload"] in TRAIN_WORKLOADS:
-            a = r.get("allocator") or {}
-            d = r.get("device") or {}
-            mem = a.get("pool_reserved_max_read") if rec["config"] in ("goalloc", "goalloc-vmm") else a.get("reserved_peak")
-            return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
-                    f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
-                    f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
-        if rec["workload"] == "replay":
-            return f"ratio {r['ratio']:.3f}  peak reserved {r['peak_reserved_bytes'] / gib:.2f} GiB  {r['ns_per_op']:.0f} ns/op"
+        a, d = r.get("allocator") or {}, r.get("device") or {}
+        mem = a.get("pool_reserved_max_read") if rec["config"] in ("goalloc", "goalloc-vmm") else a.get("reserved_peak")
+        return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
+                f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
+                f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
     except (KeyError, TypeError, ValueError):
-        pass
-    return ""
+        return ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -593,9 +466,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     in_flight: Optional[Run] = None
     try:
         state.doc["nvidia_smi"] = nvidia_smi()
-        state.doc["cfloor"], cfloor_lib = build_cfloor(args)
-        print(f"c-floor: {'built' if cfloor_lib else 'NOT built: ' + str(state.doc['cfloor'].get('error'))[:300]}", flush=True)
-        save()
         state.doc["env"] = run_env(args, results)
         print(f"env: {json.dumps(state.doc['env'])[:400]}", flush=True)
         save()
@@ -605,16 +475,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             est = state.estimate(run)
             left = args.budget - elapsed
             if est > left:
-                rec = {"id": run.id, "name": run.name, "workload": kind, "config": run.config, "repeat": run.repeat,
-                       "status": "skipped", "reason": f"budget: {elapsed:.0f} s spent, {est:.0f} s needed, "
-                                                      f"{max(left, 0):.0f} s left", "result": None}
-                if run.trace:
-                    rec["trace"] = run.trace
+                rec = run.record(status="skipped", result=None, reason=f"budget: {elapsed:.0f} s spent, "
+                                 f"{est:.0f} s needed, {max(left, 0):.0f} s left")
             else:
                 timeout = args.timeout or max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * est)
                 timeout = min(timeout, left + GRACE_S)
                 in_flight = run
-                rec = run_one(run, args, results, cfloor_lib, timeout)
+                rec = run_one(run, args, results, timeout)
                 in_flight = None
                 if rec.get("wall_s") is not None and rec["status"] == "ok":
                     state.measured.setdefault(kind, []).append(float(rec["wall_s"]))
@@ -623,7 +490,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{i + 1:3d}/{len(plan)} {time.monotonic() - start:5.0f}s] {kind:<8} {run.config:<16} "
                   f"r{run.repeat} {rec['status']:<7} {rec.get('wall_s', 0) or 0:5.1f}s  {summary_line(rec)}", flush=True)
         state.doc["status"] = "complete"
-        state.doc["nvidia_smi_end"] = nvidia_smi()  # clocks and temperature after the runs
     except Stopped as e:
         state.doc["status"] = f"stopped ({e})"
         print(f"goalloc bench: stopped by {e}; keeping what finished", flush=True)
@@ -641,13 +507,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for run in plan:
             if run.id not in done:
                 killed = in_flight is not None and run.id == in_flight.id
-                rec = {"id": run.id, "name": run.name, "workload": run.workload, "config": run.config,
-                       "repeat": run.repeat, "status": "killed" if killed else "skipped",
-                       "reason": "the suite was stopped while it ran" if killed else "the suite was stopped",
-                       "result": None}
-                if run.trace:
-                    rec["trace"] = run.trace
-                state.runs.append(rec)
+                state.runs.append(run.record(status="killed" if killed else "skipped", result=None, reason=(
+                    "the suite was stopped while it ran" if killed else "the suite was stopped")))
         state.doc["finished"] = now_iso()
         save()
     counts: dict[str, int] = {}
@@ -664,7 +525,7 @@ def run_env(args: argparse.Namespace, results: Path) -> dict[str, Any]:
     """The env process: versions, the GPU, and a warm page cache."""
     out = results / "000-env.json"
     cmd = [args.python, args.workloads_script, "--workload", "env", "--out", str(out)]
-    status, rc, output, seconds = execute(cmd, child_env("native", args, None), ENV_TIMEOUT_S)
+    status, rc, output, seconds = execute(cmd, child_env("native", args), ENV_TIMEOUT_S)
     env: dict[str, Any] = {"status": status, "wall_s": round(seconds, 3)}
     try:
         child = json.loads(out.read_text())

@@ -16,8 +16,13 @@ var errInjected = errors.New("injected driver failure")
 // allocations fail with out-of-memory or with a broken-driver error, event
 // records and queries fail, and one stream hangs forever. Every failure must
 // fail the single request cleanly (or be survived), and every invariant the
-// model checks must hold after every step.
+// model checks must hold after every step. Under -short each seed takes a
+// fifth of the steps (`make stress` takes them all).
 func TestFaultInjection(t *testing.T) {
+	steps := 3000
+	if testing.Short() {
+		steps /= 5
+	}
 	for seed := uint64(1); seed <= 4; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
 			m := newModel(t, seed, DefaultConfig(), 4<<30)
@@ -48,7 +53,7 @@ func TestFaultInjection(t *testing.T) {
 			m.sim.Stall(hung)
 			m.stalled[hung] = true
 			var failedOOM, failedDriver int
-			for i := 0; i < 3000; i++ {
+			for i := 0; i < steps; i++ {
 				m.ops++
 				switch r := m.rng.IntN(100); {
 				case r < 45 || len(m.live) < 4:

@@ -184,6 +184,10 @@ func TestGeneralRetentionEmptySegmentPerStream(t *testing.T) {
 // and a graph pool in use never gives back any memory, whatever the
 // general cache does around it.
 func TestRetentionRandomOps(t *testing.T) {
+	steps := 1500
+	if testing.Short() {
+		steps /= 5 // `make stress` takes them all
+	}
 	for seed := uint64(1); seed <= 4; seed++ {
 		cfg := DefaultConfig()
 		cfg.LargeCache = 8 << 20
@@ -199,7 +203,7 @@ func TestRetentionRandomOps(t *testing.T) {
 		var lives []live
 		users := map[PoolID]int{}
 		held := map[PoolID]uint64{} // a pool's reserved bytes while it has users
-		for step := 0; step < 1500; step++ {
+		for step := 0; step < steps; step++ {
 			id := ids[rng.IntN(len(ids))]
 			switch op := rng.IntN(20); {
 			case op == 0 && id != (PoolID{}):

@@ -60,7 +60,7 @@ def run_lockstep(tmp_path: Path, *argv: str, mode: str = "", slow_ms: float = 30
     env = dict(os.environ, STUB_MODE=mode, STUB_BENCH=str(BENCH), STUB_SLOW_MS=str(slow_ms), STUB_FAST_MS=str(fast_ms))
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, str(BENCH / "lockstep.py"), str(out), "--workload", "resnet50",
-                        "--smoke-cpu", "--workloads-script", str(stub), "--build-dir", str(tmp_path / "build"), *argv],
+                        "--smoke-cpu", "--workloads-script", str(stub), *argv],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     doc = json.loads((out / "lockstep.json").read_text()) if (out / "lockstep.json").exists() else {}
     return p, doc
@@ -80,18 +80,14 @@ def test_pairs_take_turns_step_by_step(tmp_path: Path):
         turns = sorted([tuple(e["turn"]) + ("a",) for e in a] + [tuple(e["turn"]) + ("b",) for e in b])
         assert all(x[1] <= y[0] for x, y in zip(turns, turns[1:])), turns
         # A, B, A, B: every step follows one of the other process; which starts alternates by repeat.
-        firsts = q["firsts"]
-        assert len(firsts) == 8 and firsts == [("a", "b")[q["repeat"] % 2]] * 8
+        assert q["first"] == "ab"[q["repeat"] % 2]
         assert "".join(t[2] for t in turns) == ("ab" if q["repeat"] % 2 == 0 else "ba") * 8
-        for i, f in enumerate(firsts):
-            ea, eb = a[i]["turn"], b[i]["turn"]
-            assert (ea[1] <= eb[0]) == (f == "a") and (eb[1] <= ea[0]) == (f == "b")
+        for ea, eb in zip((e["turn"] for e in a), (e["turn"] for e in b)):
+            assert (ea[1] <= eb[0]) == (q["first"] == "a") and (eb[1] <= ea[0]) == (q["first"] == "b")
         c = q["compare"]
         assert c["steps"] == 6 and c["overlapping_steps"] == 0
         # b (10 ms a step) against a (30 ms): three times as fast, whichever went first.
         assert 2.0 < c["step_median"] < 3.6 and 2.0 < c["throughput"] < 3.6, c
-        first = ("a", "b")[q["repeat"] % 2]
-        assert 2.0 < c["by_first"][first] < 3.6 and c["by_first"]["ab".replace(first, "")] is None, c
     s = doc["summary"]
     assert s["repeats"] == 2 and s["b_faster"] == 2 and s["overlapping_steps"] == 0
     assert "b=goalloc-vmm against a=native over 2 repeats: throughput" in p.stdout
@@ -110,7 +106,7 @@ def test_a_pair_of_one_configuration_lands_near_one(tmp_path: Path):
 PIN = r'''
 import ctypes, json, os, sys, threading
 sys.path.insert(0, sys.argv[1])
-from hostcount import pin_threads
+from workloads import pin_threads
 libc = ctypes.CDLL(None)
 ready, stop, tids = threading.Barrier(3), threading.Event(), {}
 def worker(name):
@@ -150,8 +146,7 @@ def test_a_process_that_dies_or_hangs_spoils_only_its_pair(tmp_path: Path, monke
         monkeypatch.setenv("STUB_SLOW_MS", "5")
         monkeypatch.setenv("STUB_FAST_MS", "5")
         rc = lockstep.main([str(tmp_path / "out"), "--workload", "resnet50", "--smoke-cpu", "--pair",
-                            "native,goalloc-vmm", "--repeats", "1", "--workloads-script", str(stub),
-                            "--build-dir", str(tmp_path / "build")])
+                            "native,goalloc-vmm", "--repeats", "1", "--workloads-script", str(stub)])
         doc = json.loads((tmp_path / "out" / "lockstep.json").read_text())
     else:
         p, doc = run_lockstep(tmp_path, "--pair", "native,goalloc-vmm", "--repeats", "2", mode=mode)
@@ -171,9 +166,9 @@ def test_a_process_that_dies_or_hangs_spoils_only_its_pair(tmp_path: Path, monke
 def test_compare_needs_the_same_steps():
     a = {"step_log": [{"shape": [1, 2], "seconds": 1.0, "units": 1, "timed": True}]}
     b = {"step_log": [{"shape": [1, 3], "seconds": 1.0, "units": 1, "timed": True}]}
-    assert lockstep.compare(a, b, ["a"], ("a", "b")) == {"error": "the two processes did not take the same steps"}
-    c = lockstep.compare(a, {"step_log": [{"shape": [1, 2], "seconds": 0.5, "units": 1, "timed": True}]}, ["b"], ("a", "b"))
-    assert c["step_median"] == 2.0 and c["throughput"] == 2.0 and c["by_first"] == {"a": None, "b": 2.0}
+    assert lockstep.compare(a, b, ("a", "b")) == {"error": "the two processes did not take the same steps"}
+    c = lockstep.compare(a, {"step_log": [{"shape": [1, 2], "seconds": 0.5, "units": 1, "timed": True}]}, ("a", "b"))
+    assert c["step_median"] == 2.0 and c["throughput"] == 2.0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -191,7 +186,7 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, argv: list[str], message
 
 
 def test_workloads_takes_turns_only_when_training():
-    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "micro", "--out", "x.json",
+    p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "env", "--out", "x.json",
                         "--turns", "3,4"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "only the training workloads take turns or pin threads" in p.stderr
     p = subprocess.run([sys.executable, str(BENCH / "workloads.py"), "--workload", "resnet50", "--out", "x.json",
@@ -202,20 +197,16 @@ def test_workloads_takes_turns_only_when_training():
     assert p.returncode == 2 and "want at least three CPUs of this process's" in p.stderr
 
 
-def test_slim_rewrites_an_older_file_without_its_step_logs(tmp_path: Path):
-    old = {"kind": "lockstep", "pairs": [
+def test_the_written_file_has_no_step_logs(tmp_path: Path):
+    doc = {"kind": "lockstep", "pairs": [
         {"repeat": 0, "status": "ok", "compare": {"throughput": 1.0},
          "sides": [{"label": "a", "output_tail": "...", "result": {"step_log": [1, 2], "units_per_s": 5.0}}]},
         {"repeat": 1, "status": "skipped"}]}
-    (tmp_path / "in.json").write_text(json.dumps(old))
-    assert lockstep.main(["slim", str(tmp_path / "in.json"), str(tmp_path / "out.json")]) == 0
-    new = json.loads((tmp_path / "out.json").read_text())
-    assert new == {"kind": "lockstep", "pairs": [
+    assert lockstep.slim(doc) == {"kind": "lockstep", "pairs": [
         {"repeat": 0, "status": "ok", "compare": {"throughput": 1.0},
          "sides": [{"label": "a", "result": {"units_per_s": 5.0}}]},
         {"repeat": 1, "status": "skipped"}]}
-    assert old["pairs"][0]["sides"][0]["result"]["step_log"] == [1, 2]  # the input is left as it was
-    assert lockstep.main(["slim", str(tmp_path / "in.json")]) == 2
+    assert doc["pairs"][0]["sides"][0]["result"]["step_log"] == [1, 2]  # the input is left as it was
 
 
 def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -239,21 +230,18 @@ def test_report_merges_files_by_pair_with_cpu_by_thread(tmp_path: Path, capsys: 
     assert out[0] == ("resnet50: b=goalloc-vmm against a=native, 3 repeats: throughput 1.000 (0.900-1.100), "
                       "step median 1.000 (0.900-1.100), b faster in 1")
     assert [line.split()[0] for line in out[1:4]] == ["r0", "r1", "r0"]  # every repeat of both files
-    assert "throughput 0.900  step median 0.900  (a first 0.800, b first 1.000)" in out[1]
-    assert out[4] == "  by who stepped first, step median: a first 0.800-1.000, b first 1.000-1.200, a first lower in 3 of 3 repeats"
-    assert out[5:] == ["  a=native: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 0.00",
+    assert "throughput 0.900  step median 0.900  (a first)" in out[1] and "(b first)" in out[2]
+    assert out[4:] == ["  a=native: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 0.00",
                        "  b=goalloc-vmm: median step 20.00 ms, CPU ms a step: training 10.00, autograd 5.00, others 1.00"]
     assert lockstep.main(["report"]) == 2
 
 
-def test_report_and_slim_refuse_what_is_not_a_lockstep_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_report_refuses_what_is_not_a_lockstep_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     (tmp_path / "bench.json").write_text(json.dumps({"runs": []}))
     (tmp_path / "bad.json").write_text("{")
     for argv, why in ((["report", str(tmp_path / "bench.json")], "is not a bench/lockstep.py lockstep.json"),
                       (["report", str(tmp_path / "bad.json")], "cannot read"),
-                      (["slim", str(tmp_path / "missing.json"), str(tmp_path / "o.json")], "cannot read"),
-                      (["slim", str(tmp_path / "bench.json"), str(tmp_path / "o.json")], "is not a bench/lockstep.py")):
+                      (["report", str(tmp_path / "missing.json")], "cannot read")):
         assert lockstep.main(argv) == 1
         assert why in capsys.readouterr().err
-    assert not (tmp_path / "o.json").exists()
 

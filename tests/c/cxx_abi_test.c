@@ -17,6 +17,7 @@
 #include <sys/types.h>
 
 #include "open_library.h"
+#include "stderr_file.h"
 
 typedef unsigned long long ull;
 
@@ -68,7 +69,11 @@ int main(int argc, char **argv) {
 
 	/* goalloc_malloc: NULL for a refusal, never an exception. */
 	EXPECT(cmalloc(-5, 0, S) == NULL, "negative size");
-	EXPECT(cmalloc((ssize_t)1 << 40, 0, S) == NULL, "out of memory");
+	stderr_to_file(); /* the refusal prints its out-of-memory line, as PyTorch's would */
+	void *big = cmalloc((ssize_t)1 << 40, 0, S);
+	int printed = stderr_back("goalloc: CUDA out of memory. Tried to allocate 1024.00 GiB.");
+	EXPECT(big == NULL, "out of memory");
+	EXPECT(printed == 1, "%d out-of-memory lines on stderr, not 1", printed);
 
 	/* goalloc_pool_malloc: the message, and whether it was an out-of-memory. */
 	struct { size_t size; ull pool; int oom; const char *want; } refused[] = {

@@ -236,10 +236,19 @@ int main(int argc, char** argv) {
   table_against_reference();
 
   // Bad devices: no log, a drain refused with goalloc's message, and the
-  // device that exists goes on working.
+  // device that exists goes on working. Their warning is queued and
+  // checked, not printed.
   {
+    auto capture = reinterpret_cast<int (*)(int)>(dlsym(lib, "goalloc_warnings_capture"));
+    auto take = reinterpret_cast<char* (*)()>(dlsym(lib, "goalloc_warnings_take"));
+    EXPECT(capture != nullptr && take != nullptr && capture(1) == 0, "goalloc_warnings_capture");
     EXPECT(front_log(99) == nullptr && front_log(-1) == nullptr, "a log for a device that does not exist");
     EXPECT(front_drain(99) == -1 && front_drain(-1) == -1, "a drain of a device that does not exist");
+    char* warned = take != nullptr ? take() : nullptr;
+    EXPECT(warned != nullptr && std::strstr(warned, "\"kind\":\"bad_device\"") != nullptr, "no bad_device warning: %s",
+           warned != nullptr ? warned : "(none)");
+    if (warned != nullptr) string_free(warned);
+    if (capture != nullptr) capture(0);
     char* msg = last_error();
     EXPECT(msg != nullptr && std::strstr(msg, "device -1 does not exist") != nullptr, "last error: %s", msg ? msg : "");
     if (msg != nullptr) string_free(msg);

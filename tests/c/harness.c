@@ -16,6 +16,7 @@
 #include <sys/types.h>
 
 #include "open_library.h"
+#include "stderr_file.h"
 
 static GOALLOC_FN(goalloc_malloc) c_malloc; /* my_malloc throws; C callers get NULL */
 static GOALLOC_FN(my_free) c_free;
@@ -231,7 +232,11 @@ int main(int argc, char **argv) {
 	capture(1);
 	if (c_malloc(-1, 0, NULL)) fail("negative size gave a pointer", 0);
 	if (c_malloc(1, 99, NULL)) fail("unknown device gave a pointer", 99);
-	if (c_malloc((ssize_t)1 << 62, 0, NULL)) fail("absurd size gave a pointer", 0);
+	stderr_to_file(); /* the refusal prints its out-of-memory line, as PyTorch's would */
+	void *absurd = c_malloc((ssize_t)1 << 62, 0, NULL);
+	if (stderr_back("goalloc: CUDA out of memory. Tried to allocate more than 1EB memory.") != 1)
+		fail("no out-of-memory line for an absurd size", 0);
+	if (absurd) fail("absurd size gave a pointer", 0);
 	c_free(NULL, 0, 0, NULL);
 	c_free((void *)0x1234, 512, 0, NULL);
 	void *z = c_malloc(0, 0, NULL);
@@ -282,7 +287,12 @@ int main(int argc, char **argv) {
 		long long want = stat(js, keys[k]);
 		if (stat_one(0, k) != want || fig[k] != want) fail(keys[k], (uintptr_t)stat_one(0, k));
 	}
+	capture(1); /* a bad key warns: queued and checked, not printed */
 	if (stat_one(0, 4) != -1 || stat_one(99, 0) != -1) fail("goalloc_stat accepted a bad key or device", 0);
+	char *bad_key = take();
+	if (!bad_key || !strstr(bad_key, "\"kind\":\"invalid_argument\"")) fail("no warning of a bad statistic", 0);
+	strfree(bad_key);
+	capture(0);
 	empty();
 	char *js2 = stats(0);
 	long long reserved = stat(js2, "reserved_bytes.all.current");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] [steady] [cgogap] [coldab] [lockstep] (these seven need naming; multigpu and mgbench need two GPUs)
+#               [ddp] [multigpu] [mgbench] [coldab] [lockstep] [stress] (these six need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -164,25 +164,6 @@ if want bench; then
   step bench
   [[ -x bench/run.sh ]] && { timeout 600 bash bench/run.sh "$OUT" || status=1; }
 fi
-if want steady; then
-  step steady
-  # Named only: where a ResNet-50 step's time goes (bench/steady.py), native
-  # against goalloc-vmm, three fresh processes each, about two minutes; the
-  # runs' files are packed into steady.tgz.
-  timeout 400 bash bench/steady.sh "$OUT/steady" 3 resnet50 48 192 native goalloc-vmm || status=1
-  tar czf "$OUT/steady.tgz" -C "$OUT" steady && rm -rf "$OUT/steady"
-fi
-if want cgogap; then
-  step cgogap
-  # Named only: what a call into Go costs after a stretch in C on this
-  # machine's CPU (bench/cgo_gap.cpp, on the simulated device), without the
-  # class's yields and with them every 9 ms; about half a minute.
-  c++ -O2 -std=c++17 -Ipython/goalloc/csrc -Itests/c bench/cgo_gap.cpp -o build/cgo_gap -ldl -lpthread || status=1
-  for c in 0 9ms; do
-    echo "yield_every:$c"
-    GOALLOC_CONF=yield_every:$c GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G timeout 120 build/cgo_gap build/libgoalloc.so || status=1
-  done 2>&1 | tee "$OUT/cgo_gap.txt"
-fi
 if want lockstep; then
   step lockstep
   # Named only: native and goalloc-vmm training ResNet-50 in turns on this GPU,
@@ -216,6 +197,25 @@ if want coldab; then
   # BASE, where Go is), alternating; under a minute.
   timeout 300 python3 tests/gpu/cold_ab.py --run --rounds 9 --json "$OUT/cold_ab.json" 2>&1 | tee "$OUT/cold_ab.txt"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+if want stress; then
+  step stress
+  # Named only: the Go tests that `make test` samples under -short (the
+  # packages of STRESS_PKGS in the Makefile), in full under -race, from the
+  # test binaries `make stressbuild` leaves in build/stress (no Go here); all
+  # at once, each from its package's folder, its output in $OUT/stress.txt.
+  if compgen -G "build/stress/*.test" > /dev/null; then
+    out=$(cd "$OUT" && pwd)
+    for t in build/stress/*.test; do
+      p=$(basename "$t" .test)
+      (cd "$p" && timeout 900 "../$t" -test.count=1 > "$out/stress-$p.log" 2>&1; echo "stress $p: exit $?" >> "$out/stress-$p.log") &
+    done
+    wait
+    for f in "$out"/stress-*.log; do tail -3 "$f"; grep -q ': exit 0$' "$f" || status=1; done
+    cat "$out"/stress-*.log > "$out/stress.txt" && rm -f "$out"/stress-*.log
+  else
+    echo "build/stress missing: make stressbuild"; status=1
+  fi
 fi
 step done
 # The device tool brings back at most 8 files: pack the small JSON results
