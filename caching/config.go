@@ -198,26 +198,17 @@ func ParseConfig(s string) (Config, error) {
 // largeCacheDefault is large_cache when GOALLOC_CONF does not give it.
 //
 // backend:vmm caches up to 256 MiB of large blocks: a hit then skips the
-// placement's Go work, and the placement itself keeps the device at
-// 1.006-1.013x of the live peak with it (BENCHMARKS.md).
+// placement's Go work, and the placement keeps the device close to the live
+// peak with it.
 //
 // backend:async caches none: the stream-ordered pool below already keeps
 // what is freed to it (release threshold at maximum) and hands it to any
 // size, while a block cached above it stays allocated from the pool's view
-// and splits its chunks. In ResNet-50 training on an H200 (bench/,
-// --resnet-plan-shapes, three runs each, the same shapes) the pool's
-// high-water mark under a 256 MiB cache was 3.16 GiB, 1.071x of the live
-// peak, and 2.97 GiB (1.008x) with none, where torch's own cudaMallocAsync
-// backend reserved at most 2.97 GiB; by the driver's count, 3.40, 3.21 and
-// 3.28 GiB above the idle process. goalloc's cache held next to nothing at
-// the peak (goalloc's reserved peak was 3.2 MiB above its allocated peak):
-// what the pool kept was the layout the cached blocks had made it take
-// earlier. (Those were two suites of the same call, one after the other;
-// a later suite interleaving all five configurations, six repeats, had
-// goalloc without the cache and torch's backend both at 2.97 GiB, and the
-// driver's count at 3.21 and 3.28 GiB.) Without the cache, a large
-// request costs a cuMemAllocFromPoolAsync and its free a cuMemFreeAsync,
-// as under torch's backend.
+// and splits the pool's chunks, so that the pool's high-water mark grows
+// with the layout the cached blocks made it take. Without the cache, a large
+// request costs a cuMemAllocFromPoolAsync and its free a cuMemFreeAsync, as
+// under torch's own cudaMallocAsync backend. BENCHMARKS.md, "Trace replay on
+// the GPU", has both measured.
 func largeCacheDefault(backend string) uint64 {
 	if backend == "async" {
 		return 0

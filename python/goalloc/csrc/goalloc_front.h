@@ -2,14 +2,13 @@
 // block again, to the next request of its stream and size, without calling
 // into Go, and hands frees to Go in batches.
 //
-// A call from C into Go costs 60-90 ns on the H200 machine; a tensor's
+// A call from C into Go costs tens of nanoseconds; a tensor's
 // allocation and free made two of them, plus Go's own work, which put a
 // torch.empty pair above PyTorch's own allocator. Every free now saves its
 // own call (it reaches Go with the next call that is made anyway), and a
 // request right after a free of its stream and size makes none: all of a
 // torch.empty loop, but a small share of a training step, whose requests go
-// to Go in between (bench/front_coverage.py: 16.7% of GPT-2's allocations
-// and 1.8% of ResNet-50's in the bundled traces).
+// to Go in between (BENCHMARKS.md, "What the front can serve").
 //
 // The front shares a log per device with Go (Go's caching.FrontLog, in Go
 // memory that Go keeps in place): a spinlock, an enabled flag Go sets, and

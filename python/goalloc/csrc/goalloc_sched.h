@@ -4,7 +4,7 @@
 // processor's scheduling tick has gone 10 ms unmoved, and then a call that
 // follows a stretch of C code pays for getting one back: microseconds
 // where the call itself costs under a tenth of one (export/sched.go says
-// why, bench/cgo_gap.cpp measures it). Yielding to Go's scheduler moves the
+// why; BENCHMARKS.md has it measured). Yielding to Go's scheduler moves the
 // tick, but costs a thread switch, so each thread yields at most once per
 // interval (GOALLOC_CONF's yield_every; 0, the default, never), and reads
 // the clock only every kCheckEvery calls.
