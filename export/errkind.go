@@ -7,28 +7,11 @@ import (
 	"github.com/goalloc/goalloc/caching"
 )
 
-// errorKind says what kind of failure a call met, so that a caller can
-// choose its response (the Python package, its exception type) without
-// reading the message, which is for people and may be reworded. Every
-// failed call sets it together with the message (lasterror.go);
-// goalloc_last_error_kind reads the calling thread's. The numbers are part
-// of the C ABI: a kind keeps its number, and new kinds are appended.
-//
-//	0  none          no call of this thread has failed
-//	1  bad_argument  an argument the call refuses: a negative or absurd size,
-//	                 a device that does not exist, a fraction outside [0, 1],
-//	                 a pointer or pool goalloc does not hold, ...
-//	2  bad_config    a bad GOALLOC_CONF string (or goalloc_configure's), or a
-//	                 bad GOALLOC_DEVICE, GOALLOC_SIM_DEVICES, GOALLOC_SIM_MEMORY
-//	3  out_of_memory the device, or the cap on it, has no room for the request
-//	4  failed        the driver or the device failed (no CUDA device, a
-//	                 device that cannot be set up, a driver call that
-//	                 failed), or the allocator found itself inconsistent
-//	5  too_late      a call that must come before the first allocation came
-//	                 after it (goalloc_configure)
-//
-// Kinds 1 and 2 are the caller's to fix (Python raises ValueError); the
-// others are GoallocError.
+// errorKind says what kind of failure a call met: goalloc.h's
+// GOALLOC_ERROR_KINDS, which says what each kind means and keeps the
+// numbers (export/header_test.go holds this copy to it). Every failed call
+// sets it together with the message (lasterror.go); goalloc_last_error_kind
+// reads the calling thread's.
 type errorKind int32
 
 const (
@@ -40,8 +23,8 @@ const (
 	errTooLate
 )
 
-// errorKindNames names the kinds, by number, for goalloc_config_json's
-// "error_kinds" (the Python package checks its copy of the numbers against it).
+// errorKindNames names the kinds, by number: goalloc.h's names, and
+// goalloc_config_json's "error_kinds".
 var errorKindNames = [...]string{
 	errNone:        "none",
 	errBadArgument: "bad_argument",

@@ -41,7 +41,7 @@ func headerFunctions(t *testing.T) map[string]string {
 	fns := map[string]string{}
 	for _, decl := range strings.Split(text, ";") {
 		decl = strings.Join(strings.Fields(decl), " ")
-		if decl == "" || strings.HasPrefix(decl, "typedef ") {
+		if decl == "" || strings.HasPrefix(decl, "typedef ") || strings.HasPrefix(decl, "enum ") {
 			continue
 		}
 		m := cDeclaration.FindStringSubmatch(decl)
@@ -146,6 +146,10 @@ func TestStatTablesMatchTheHeader(t *testing.T) {
 	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_ARRAYS")), arrays, "GOALLOC_STAT_ARRAYS")
 	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_POOLS")), pools, "GOALLOC_STAT_POOLS")
 	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_VALUES")), values, "GOALLOC_STAT_VALUES")
-	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_COUNTERS")), counters, "GOALLOC_STAT_COUNTERS")
+	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_COUNTERS")), counters, "GOALLOC_STAT_COUNTERS")}
 
+// The error kinds are goalloc.h's: the same names at the same numbers, as C
+// callers and the Python package read them from there.
+func TestErrorKindsMatchTheHeader(t *testing.T) {
+	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_ERROR_KINDS")), errorKindNames[:], "GOALLOC_ERROR_KINDS")
 }

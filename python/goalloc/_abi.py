@@ -57,7 +57,7 @@ def functions() -> dict[str, tuple[str, tuple[str, ...]]]:
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
     for decl in text.split(";"):
         decl = " ".join(decl.split())
-        if not decl or decl.startswith("typedef "):
+        if not decl or decl.startswith(("typedef ", "enum ")):
             continue
         m = re.fullmatch(r"(.+?)\b(\w+)\s*\(([^()]*)\)", decl)
         if m is None:

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import _warnings
+from . import _abi, _warnings
 
 LIBRARY_ENV = "GOALLOC_LIBRARY"
 LIBRARY_NAME = "libgoalloc.so"
@@ -41,12 +41,12 @@ class GoallocError(RuntimeError):
     """The library refused a call; the message is goalloc_last_error()."""
 
 
-# The library's error kinds, by number (export/errkind.go has the table;
-# config()["error_kinds"] is the library's own list, which a test keeps equal),
+# The library's error kinds, by number (goalloc.h's GOALLOC_ERROR_KINDS, which
+# says what each means; config()["error_kinds"] is the library's own list),
 # and the exception each becomes: the caller's mistakes, a bad argument or a
 # bad setting, are ValueError; out of memory, a failed driver or device, and
 # a call made too late are GoallocError, as is a failure of no kind (none).
-ERROR_KINDS = ("none", "bad_argument", "bad_config", "out_of_memory", "failed", "too_late")
+ERROR_KINDS = _abi.names("GOALLOC_ERROR_KINDS")
 _EXCEPTION_OF_KIND: dict[str, Callable[[str], Exception]] = {
     "bad_argument": ValueError,
     "bad_config": ValueError,

@@ -63,7 +63,7 @@ int main(int argc, char **argv) {
 	 * taken as "": GOALLOC_CONF, read at initialisation, keeps its cap of
 	 * 4 GiB of the 8 (checked below). */
 	setenv("GOALLOC_CONF", "fraction:0.5", 1);
-	EXPECT(configure(NULL) == -1 && kind() == 1, "configure(NULL): kind %d", kind());
+	EXPECT(configure(NULL) == -1 && kind() == GOALLOC_ERROR_bad_argument, "configure(NULL): kind %d", kind());
 	init(1);
 	void *const S = (void *)0x10;
 
@@ -99,7 +99,7 @@ int main(int argc, char **argv) {
 	EXPECT(dstats(0, f, GOALLOC_TORCH_STAT_FIGURES) == 0 && f[allocated] == 3000320, "allocated_bytes.all.current %lld",
 	       f[allocated]);
 	EXPECT(dstats(0, f, GOALLOC_TORCH_STAT_FIGURES - 1) == -1, "a wrong figure count is refused");
-	EXPECT(dstats(0, NULL, GOALLOC_TORCH_STAT_FIGURES) == -1 && kind() == 1, "no buffer is refused: kind %d", kind());
+	EXPECT(dstats(0, NULL, GOALLOC_TORCH_STAT_FIGURES) == -1 && kind() == GOALLOC_ERROR_bad_argument, "no buffer is refused: kind %d", kind());
 	EXPECT(fp(p) == 0, "free by pointer");
 	EXPECT(fp(p) == -1, "a double free is refused");
 	EXPECT(fp(NULL) == 0, "an empty tensor's deleter");

@@ -101,8 +101,7 @@ static void *worker(void *arg) {
 
 /* Each thread's refusals are its own: goalloc_last_error on a thread reads
  * the message of that thread's last failed call, never another thread's,
- * and goalloc_last_error_kind its kind (export/errkind.go: 1 bad argument,
- * 2 bad configuration, 5 too late); a warning (a free with the wrong size,
+ * and goalloc_last_error_kind its kind (goalloc.h's GOALLOC_ERROR_KINDS); a warning (a free with the wrong size,
  * done all the same) replaces neither. Six threads, each with its own
  * refusal. */
 static GOALLOC_FN(goalloc_set_fraction) set_fraction;
@@ -115,12 +114,12 @@ static volatile int workers_done;
 
 struct refusal { const char *want; int kind; int error_kind; };
 static const struct refusal refusals[] = {
-	{"malloc of a negative size", 0, 1},
-	{"free of a NULL pointer", 1, 1},
-	{"device 99 does not exist", 2, 1},
-	{"memory fraction 2 is outside", 3, 1},
-	{"GOALLOC_CONF", 4, 2},
-	{"configure after the first allocation", 5, 5},
+	{"malloc of a negative size", 0, GOALLOC_ERROR_bad_argument},
+	{"free of a NULL pointer", 1, GOALLOC_ERROR_bad_argument},
+	{"device 99 does not exist", 2, GOALLOC_ERROR_bad_argument},
+	{"memory fraction 2 is outside", 3, GOALLOC_ERROR_bad_argument},
+	{"GOALLOC_CONF", 4, GOALLOC_ERROR_bad_config},
+	{"configure after the first allocation", 5, GOALLOC_ERROR_too_late},
 };
 #define NREFUSALS (int)(sizeof refusals / sizeof refusals[0])
 static int wrong_messages, wrong_kinds;
@@ -155,7 +154,7 @@ static void *refuser(void *arg) {
 }
 
 /* fresh_kind is the kind a thread reads before any call of its own has
- * failed: 0, whatever other threads did. */
+ * failed: none, whatever other threads did. */
 static void *fresh_kind(void *arg) {
 	*(int *)arg = last_error_kind();
 	return NULL;
@@ -166,7 +165,7 @@ static void check_last_error_per_thread(void) {
 	pthread_t ft;
 	pthread_create(&ft, NULL, fresh_kind, &fresh);
 	pthread_join(ft, NULL);
-	if (fresh != 0) fail("a fresh thread read an error kind", (uintptr_t)fresh);
+	if (fresh != GOALLOC_ERROR_none) fail("a fresh thread read an error kind", (uintptr_t)fresh);
 	pthread_t th[NREFUSALS];
 	for (int t = 0; t < NREFUSALS; t++) pthread_create(&th[t], NULL, refuser, (void *)(intptr_t)t);
 	for (int t = 0; t < NREFUSALS; t++) pthread_join(th[t], NULL);

@@ -152,9 +152,7 @@ int goalloc_check_invariants(int device);
 char *goalloc_last_error(void);
 
 /* goalloc_last_error_kind is the kind of that failure, set together with
- * its message: 0 none, 1 bad argument, 2 bad configuration, 3 out of
- * memory, 4 the driver, the device or the allocator failed, 5 too late
- * (export/errkind.go). A kind keeps its number; new kinds are appended. */
+ * its message: its number in GOALLOC_ERROR_KINDS, below. */
 int goalloc_last_error_kind(void);
 
 /* goalloc_string_free frees a string the library handed out; NULL, as with
@@ -350,6 +348,44 @@ int goalloc_warnings_notify(goalloc_notify_fn fn);
 #ifdef __cplusplus
 }
 #endif
+
+/* --- the error kinds ------------------------------------------------------
+ *
+ * What kind of failure a call met, so that a caller can choose its response
+ * (the Python package, its exception type) without reading the message,
+ * which is for people and may be reworded. A kind's number is its place in
+ * this table: a kind keeps its number, and new kinds are appended.
+ *
+ *   none          no call of this thread has failed
+ *   bad_argument  an argument the call refuses: a negative or absurd size,
+ *                 a device that does not exist, a fraction outside [0, 1],
+ *                 a pointer or pool goalloc does not hold, ...
+ *   bad_config    a bad GOALLOC_CONF string (or goalloc_configure's), or a
+ *                 bad GOALLOC_DEVICE, GOALLOC_SIM_DEVICES, GOALLOC_SIM_MEMORY
+ *   out_of_memory the device, or the cap on it, has no room for the request
+ *   failed        the driver or the device failed (no CUDA device, a device
+ *                 that cannot be set up, a driver call that failed), or the
+ *                 allocator found itself inconsistent
+ *   too_late      a call that must come before the first allocation came
+ *                 after it (goalloc_configure)
+ *
+ * Kinds bad_argument and bad_config are the caller's to fix (Python raises
+ * ValueError); the others are GoallocError. Go's copy is
+ * export/errkind.go's, which export/header_test.go holds to this one; the
+ * Python package reads this table. */
+
+/* X(name) */
+#define GOALLOC_ERROR_KINDS(X) \
+	X(none)                \
+	X(bad_argument)        \
+	X(bad_config)          \
+	X(out_of_memory)       \
+	X(failed)              \
+	X(too_late)
+
+#define GOALLOC_ERROR_KIND_ENUM_(name) GOALLOC_ERROR_##name,
+/* The kinds as C constants: GOALLOC_ERROR_none, GOALLOC_ERROR_bad_argument, ... */
+enum goalloc_error_kind { GOALLOC_ERROR_KINDS(GOALLOC_ERROR_KIND_ENUM_) };
 
 /* --- the statistics -------------------------------------------------------
  *
