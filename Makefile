@@ -72,8 +72,6 @@ ctest: lib
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/front_test $(BUILD)/libgoalloc.so
 	c++ -O2 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/sched_test.cpp -o $(BUILD)/sched_test -ldl -lpthread
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/sched_test $(BUILD)/libgoalloc.so
-	c++ -O2 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/clock_test.cpp -o $(BUILD)/clock_test -lpthread
-	$(BUILD)/clock_test
 	c++ -O1 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/split_test.cpp -o $(BUILD)/split_test
 	$(BUILD)/split_test
 

@@ -37,7 +37,7 @@ from typing import Optional
 SOURCE = Path(__file__).resolve().parent / "csrc" / "goalloc_torch.cpp"
 #: What SOURCE includes from its folder: part of the source text.
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / h
-                for h in ("goalloc.h", "goalloc_clock.h", "goalloc_contexts.h", "goalloc_front.h", "goalloc_sched.h",
+                for h in ("goalloc.h", "goalloc_contexts.h", "goalloc_front.h", "goalloc_sched.h",
                           "goalloc_split.h"))
 PACKAGE_BUILDS = Path(__file__).resolve().parent / "cxxbuild"
 
@@ -284,39 +284,6 @@ def install(module: ModuleType) -> bool:
 def installed(module: Optional[ModuleType] = None) -> bool:
     mod = module or _module
     return bool(mod is not None and mod.is_installed())
-
-
-#: The call clock's modes (csrc/goalloc_clock.h), by name.
-CALL_CLOCK_MODES = {"off": 0, "on": 1, "probe": 2}
-#: The call clock's kinds of call into Go.
-CALL_CLOCK_KINDS = ("malloc", "free", "drain", "probe")
-
-
-def set_call_clock(mode: str) -> None:
-    """Start or stop the call clock, a diagnostic: how long the class's calls
-    into Go take where torch makes them. "on" times every call; "probe" also
-    makes and times an empty call into Go before each (the crossing alone);
-    "off" stops it, keeping what it holds. Starting clears it. Needs the
-    class to be torch's allocator."""
-    if mode not in CALL_CLOCK_MODES:
-        raise ValueError(f"goalloc: call clock mode {mode!r} is not one of {', '.join(CALL_CLOCK_MODES)}")
-    if not installed():
-        raise RuntimeError("goalloc: the call clock needs goalloc's C++ allocator class installed "
-                           f"({_failure or 'goalloc.install() has not put it in place'})")
-    assert _module is not None
-    _module.set_call_clock(CALL_CLOCK_MODES[mode])
-
-
-def read_call_clock() -> dict[str, dict[str, object]]:
-    """What the call clock holds, by kind of call: calls, ns (their total)
-    and hist (hist[b]: calls of 2**b to 2**(b+1) ns; the last bucket also
-    counts longer ones)."""
-    if not installed():
-        raise RuntimeError("goalloc: the call clock needs goalloc's C++ allocator class installed")
-    assert _module is not None
-    raw = _module.read_call_clock()
-    return {k: {"calls": int(raw[k][0]), "ns": int(raw[k][1]), "hist": [int(x) for x in raw[k][2]]}
-            for k in CALL_CLOCK_KINDS}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-// What the C++ tests of the class's headers share (sched_test.cpp,
-// clock_test.cpp): EXPECT, which counts a failure and goes on, and a clock
+// What the C++ tests of the class's headers share (sched_test.cpp):
+// EXPECT, which counts a failure and goes on, and a clock
 // that moves only when the test moves it.
 #pragma once
 

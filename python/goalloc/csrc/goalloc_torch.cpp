@@ -44,7 +44,6 @@
 #include <dlfcn.h>
 
 #include "goalloc.h"
-#include "goalloc_clock.h"
 #include "goalloc_contexts.h"
 #include "goalloc_front.h"
 #include "goalloc_sched.h"
@@ -289,19 +288,12 @@ void sched_yield() { lib.sched_yield(); }
 long long yield_every_ns() { return lib.yield_every_ns(); }
 goalloc_sched::Keeper<>& keeper = *new goalloc_sched::Keeper<>(&yield_every_ns, &sched_yield);
 
-// The call clock (goalloc_clock.h): the class's calls into Go timed where
-// they are made, when asked (set_call_clock in the module below). Its probe
-// is the cheapest call into Go there is. Never destroyed: frees made while
-// the process exits pass through it.
-void probe_go() { (void)lib.yield_every_ns(); }
-goalloc_clock::CallClock<>& call_clock = *new goalloc_clock::CallClock<>(&probe_go);
-
 // The front (goalloc_front.h): a freed block served again to the next
 // request of its stream and size, and frees handed to Go in batches.
 void* front_log_of(int device) { return lib.front_log(device); }
 int front_drain(int device) {
   keeper.before_go_call();
-  return call_clock.time(goalloc_clock::kDrain, [&] { return lib.front_drain(device); });
+  return lib.front_drain(device);
 }
 // Never destroyed: torch frees tensors it keeps in its own statics (cuBLAS
 // workspaces) while the process exits, after this library's statics would
@@ -776,7 +768,7 @@ int free_block(void* ptr) {
   auto ctx = contexts.on_free(ptr);
   int device = -1;
   keeper.before_go_call();
-  int st = call_clock.time(goalloc_clock::kFree, [&] { return lib.free_ptr(ptr, ctx.id, &device); });
+  int st = lib.free_ptr(ptr, ctx.id, &device);
   contexts.freed(ctx, device);
   return st;
 }
@@ -843,8 +835,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     int oom = 0;
     char* err = nullptr;
     keeper.before_go_call();
-    void* p = call_clock.time(goalloc_clock::kMalloc,
-                              [&] { return lib.pool_malloc(size, block, device, stream, id0, id1, ctx.id, &oom, &err); });
+    void* p = lib.pool_malloc(size, block, device, stream, id0, id1, ctx.id, &oom, &err);
     contexts.allocated(p, device, ctx);
     if (p != nullptr && reuse) capture_reuse.allocated(p, stream);
     if (p != nullptr) {
@@ -1494,23 +1485,6 @@ void install(const std::string& path) {
 
 bool is_installed() { return installed != nullptr && CCA::get() == installed.get(); }
 
-// set_call_clock starts (1: on, 2: probing) or stops (0) the call clock.
-void set_call_clock(int mode) {
-  TORCH_CHECK(mode == goalloc_clock::kOff || mode == goalloc_clock::kOn || mode == goalloc_clock::kProbing,
-              "goalloc: call clock mode ", mode, " is not 0 (off), 1 (on) or 2 (probing)");
-  call_clock.set_mode(mode);
-}
-
-// read_call_clock: what the clock holds, by kind: {kind: (calls, ns, histogram)}.
-std::map<std::string, std::tuple<uint64_t, uint64_t, std::vector<uint64_t>>> read_call_clock() {
-  static const char* names[goalloc_clock::kKinds] = {"malloc", "free", "drain", "probe"};
-  std::map<std::string, std::tuple<uint64_t, uint64_t, std::vector<uint64_t>>> out;
-  for (int k = 0; k < goalloc_clock::kKinds; k++) {
-    goalloc_clock::Reading r = call_clock.read(static_cast<goalloc_clock::Kind>(k));
-    out[names[k]] = {r.calls, r.ns, std::vector<uint64_t>(r.hist, r.hist + goalloc_clock::kBuckets)};
-  }
-  return out;
-}
 #endif  // GOALLOC_TORCH_NO_MODULE
 
 }  // namespace goalloc_torch
@@ -1521,9 +1495,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &goalloc_torch::install, "Make goalloc (libgoalloc.so at path) torch's CUDA allocator");
   m.def("is_installed", &goalloc_torch::is_installed, "Whether goalloc's class is torch's CUDA allocator now");
   m.attr("stat_figures") = goalloc_torch::kStatFigures;
-  m.def("set_call_clock", &goalloc_torch::set_call_clock,
-        "Start (1: on, 2: probing) or stop (0) timing the class's calls into Go (goalloc_clock.h)");
-  m.def("read_call_clock", &goalloc_torch::read_call_clock,
-        "The call clock's figures by kind: (calls, ns, histogram of 2^b ns buckets)");
 }
 #endif  // GOALLOC_TORCH_NO_MODULE
