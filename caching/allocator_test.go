@@ -459,6 +459,47 @@ func TestSnapshotMatchesStats(t *testing.T) {
 	_, _ = p, q
 }
 
+// An inactive block reports the size last requested in it, as PyTorch's
+// allocator does (its merged free block keeps the requested size of the
+// block freed last): the snapshot of a freed allocation still names its
+// size, which torch's own test of memory plots looks for once the trace's
+// alloc-free pairs are filtered out.
+func TestSnapshotInactiveBlocksKeepTheLastRequest(t *testing.T) {
+	a, _ := newTestAllocator(t, DefaultConfig())
+	x, err := a.Malloc(65536, 0) // a small slot
+	require.NoError(t, err)
+	var tmp []uintptr
+	for i := 0; i < 3; i++ {
+		p, err := a.Malloc(60000, 0)
+		require.NoError(t, err)
+		tmp = append(tmp, p)
+	}
+	for _, p := range tmp {
+		require.NoError(t, a.Free(p, 60000, 0))
+	}
+	require.NoError(t, a.Free(x, 65536, 0)) // freed last
+	big, err := a.Malloc(3<<20+1000, 0)     // a large block
+	require.NoError(t, err)
+	require.NoError(t, a.Free(big, 3<<20+1000, 0))
+
+	var small, large []SnapshotBlock
+	for _, seg := range a.Snapshot().Segments {
+		for _, b := range seg.Blocks {
+			require.Equal(t, "inactive", b.State)
+			if seg.SegmentType == "small" {
+				small = append(small, b)
+			} else {
+				large = append(large, b)
+			}
+		}
+		assert.Zero(t, seg.RequestedSize, "a segment counts only its active blocks' requests")
+	}
+	require.Len(t, small, 1, "the free slots are one inactive block")
+	assert.EqualValues(t, 65536, small[0].RequestedSize, "the slot freed last")
+	require.Len(t, large, 1)
+	assert.EqualValues(t, 3<<20+1000, large[0].RequestedSize)
+}
+
 // A cap is a cap: a fraction of 0, as torch.cuda.set_per_process_memory_fraction
 // takes it, or one so small that fraction x device rounds to 0 bytes, must
 // not turn into a limit of 0, which means "no cap".

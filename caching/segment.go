@@ -34,7 +34,9 @@ type Segment struct {
 	emptyPrev, emptyNext *Segment
 	inEmpty              bool
 
-	// requested[i] is the size the user asked for in live slot i.
+	// requested[i] is the size the user asked for in slot i, while live
+	// and, once free, the last one (snapshots report it, as PyTorch does
+	// for an inactive block); 0 for a slot never handed out.
 	requested []uint32
 	// ctx[i] is the context id of the call that allocated slot i; nil
 	// until a call brought one (setCtx), so that a caller that passes none
@@ -67,6 +69,17 @@ func newSegment(addr uintptr, class uint8, l *StreamFreeList) *Segment {
 		seg.freeSlots[i] = n - 1 - i
 	}
 	return seg
+}
+
+// freeOrder is, for each free slot, its place in freeSlots: higher was
+// freed later (the stack's bottom holds the slots never handed out, in
+// the order they will be). For snapshots, which may allocate.
+func (seg *Segment) freeOrder() []int32 {
+	at := make([]int32, seg.nslots)
+	for pos, i := range seg.freeSlots {
+		at[i] = int32(pos)
+	}
+	return at
 }
 
 // slotOf returns the slot index of ptr, or -1 when ptr is not the start of a slot.

@@ -75,7 +75,9 @@ func (a *Allocator) Snapshot() Snapshot {
 		}
 		seg := SnapshotSegment{Device: dev, Address: uint64(b.addr), TotalSize: b.size,
 			Stream: uint64(b.stream), SegmentType: "large", SegmentPoolID: b.list.pool.id, Frames: []any{}}
-		blk := SnapshotBlock{Address: uint64(b.addr), Size: b.size, State: "inactive", Frames: []any{}}
+		// An inactive block keeps the size last requested in it (as
+		// PyTorch's does); a segment counts only its active blocks'.
+		blk := SnapshotBlock{Address: uint64(b.addr), Size: b.size, RequestedSize: b.requested, State: "inactive", Frames: []any{}}
 		switch b.state {
 		case blockLive:
 			blk.State, blk.RequestedSize, blk.Ctx = "active_allocated", b.requested, b.ctx
@@ -91,6 +93,8 @@ func (a *Allocator) Snapshot() Snapshot {
 	for _, s := range a.segments {
 		seg := SnapshotSegment{Device: dev, Address: uint64(s.addr), TotalSize: s.size,
 			Stream: uint64(s.stream), SegmentType: "small", SegmentPoolID: s.list.pool.id, Frames: []any{}, Ctx: s.segCtx}
+		freedAt := s.freeOrder()
+		lastFreed := int32(-1) // of the current run of free slots
 		for i := int32(0); i < s.nslots; i++ {
 			addr := uint64(s.slotAddr(i))
 			blk := SnapshotBlock{Address: addr, Size: s.slotSize, State: "inactive", Frames: []any{}}
@@ -104,11 +108,25 @@ func (a *Allocator) Snapshot() Snapshot {
 				blk.State, blk.Ctx = "active_pending_free", s.slotCtx(i)
 				seg.ActiveSize += s.slotSize
 			}
-			if n := len(seg.Blocks); n > 0 && blk.State == "inactive" && seg.Blocks[n-1].State == "inactive" {
-				seg.Blocks[n-1].Size += s.slotSize
+			if blk.State != "inactive" {
+				seg.Blocks = append(seg.Blocks, blk)
 				continue
 			}
-			seg.Blocks = append(seg.Blocks, blk)
+			// A run of free slots is one inactive block, which keeps the
+			// size last requested in the slot of the run freed last, as
+			// PyTorch's merged free block keeps its last-freed block's.
+			n := len(seg.Blocks)
+			if n == 0 || seg.Blocks[n-1].State != "inactive" {
+				seg.Blocks = append(seg.Blocks, blk)
+				n++
+				lastFreed = -1
+			} else {
+				seg.Blocks[n-1].Size += s.slotSize
+			}
+			if s.state[i] == slotFree && (lastFreed < 0 || freedAt[i] > freedAt[lastFreed]) {
+				lastFreed = i
+				seg.Blocks[n-1].RequestedSize = uint64(s.requested[i])
+			}
 		}
 		if tail := s.size - uint64(s.nslots)*s.slotSize; tail > 0 {
 			n := len(seg.Blocks)
