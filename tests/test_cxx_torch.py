@@ -62,6 +62,15 @@ CHILD = textwrap.dedent("""
         torch._C._cuda_memoryStats(5)
     except RuntimeError as e:
         out["bad_device"] = str(e).splitlines()[0]
+    # torch's test_memory_plots: a freed allocation's size is still in the
+    # snapshot once trace_plot(filter_freed=True) drops the alloc-free pairs.
+    from torch.cuda._memory_viz import trace_plot
+    x = L.goalloc_malloc(128 * 128 * 4, 0, 0x10)
+    torch._C._cuda_cudaCachingAllocator_raw_delete(x)
+    ss = torch._C._cuda_memorySnapshot(None)
+    trace_plot(ss, filter_freed=True)
+    out["plotted"] = [[e["action"], e["size"]] for e in ss["device_traces"][0]]
+    out["freed_size_shown"] = str(128 * 128 * 4) in json.dumps(ss)
     out["p"], out["q"] = p, q
     print(json.dumps(out))
 """)
@@ -91,3 +100,5 @@ def test_the_class_answers_torchs_own_calls(tmp_path):
     assert out["after_delete"] == 1
     assert out["peak"] == 3_000_320
     assert "device 5 does not exist" in out["bad_device"]
+    assert ["alloc", 65536] not in out["plotted"], "trace_plot(filter_freed=True) dropped the pair"
+    assert out["freed_size_shown"], "the inactive block keeps the size last requested in it"
