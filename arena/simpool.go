@@ -32,11 +32,10 @@ import (
 //     opportunistic reuse). Until then it sits in s's pending list and still
 //     pins its chunks.
 //
-// Replaying the shipped traces straight onto this model gives 1.006 (GPT-2)
-// and 1.017 (ResNet-50) of the live peak; the GPU gave 1.037 and 1.017. The
-// model follows the GPU's first training step within 1.5% on GPT-2 but not
-// the slow growth of its later steps (350 MiB over 39 steps), whose cause is
-// not known; TestSimPoolTracksTheGPU holds it to that.
+// The model follows the GPU's pool on the shipped traces, except for a slow
+// growth of GPT-2's later steps on the GPU whose cause is not known
+// (BENCHMARKS.md, "The simulated pool, checked against the GPU");
+// TestSimPoolTracksTheGPU holds it to that.
 type simPool struct {
 	base       uint64 // the first address of the virtual range (chunk aligned)
 	span       uint64 // the virtual range's length: [base, base+span) is the device's

@@ -44,9 +44,8 @@ type Config struct {
 	// Backend is where device memory comes from: "vmm" (the default),
 	// physical handles goalloc maps itself (arena's VMM device), or
 	// "async", a private stream-ordered pool per device. vmm is the
-	// default because it holds the least: 1.006-1.013x of the live peak
-	// in GPT-2, LLaMA and ResNet-50 training on an H200, against
-	// 1.008-1.085x for async, at least as fast (BENCHMARKS.md).
+	// default because it holds the least in training, at least as fast
+	// (BENCHMARKS.md, "Training on one GPU").
 	Backend string
 	// VMM is how the vmm backend lays memory out: the size of its
 	// physical handles.

@@ -12,7 +12,7 @@ import (
 //
 // Stats is kept in plain fields under the mutex, where the hot path updates
 // dozens of them per call; making each an atomic would put a locked
-// instruction on every update (about 5 ns each on a 2-core x86-64 machine).
+// instruction on every update.
 // Instead the mutex's Unlock copies the few published figures from Stats
 // into atomics, storing only those that changed: a cache hit changes
 // allocated_bytes.all.current and, at a new high, its peak, so it pays one

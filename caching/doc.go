@@ -37,10 +37,10 @@
 // # Why a cache above the pool
 //
 // A private CUDA pool alone is frugal: replaying the shipped traces straight
-// onto one held 1.017-1.037x the live peak, where PyTorch's caching allocator
-// held 1.106-1.281x (traces/README.md). What the pool does not give is speed:
-// each cuMemAllocFromPoolAsync/cuMemFreeAsync pair is a driver call of about
-// a microsecond, on a path PyTorch takes for every tensor. So goalloc puts a
+// onto one holds a few percent above the live peak, far less than PyTorch's
+// caching allocator (BENCHMARKS.md, "Trace replay on the GPU"). What the
+// pool does not give is speed: each cuMemAllocFromPoolAsync/cuMemFreeAsync
+// pair is a driver call, on a path PyTorch takes for every tensor. So goalloc puts a
 // cache above the pool whose hit costs no driver call, and makes sure the
 // cache does not spend the pool's frugality:
 //
@@ -149,22 +149,19 @@
 // without it). What the numbers taught:
 //
 //   - A cache that keeps what it is given trades memory for hits at a bad
-//     rate: a 1 GiB bound without MissRelease held 1.12x (GPT-2) and 1.22x
-//     (ResNet-50) of the live peak in the pool on the GPU, where the bare
-//     pool held 1.037x and 1.017x. Variable shapes make most sizes rare.
+//     rate: without MissRelease the pool held several times the bare pool's
+//     excess over the live peak. Variable shapes make most sizes rare.
 //   - Giving the pool the cached block it will reuse in place, at each miss,
 //     keeps the pool at its own frugality while the cache still serves about
 //     half of the large requests and nearly all small ones.
 //   - Small segments must be small: a segment pins the pool's 32 MiB
 //     physical chunk it lies in while one slot is live.
 //   - Training on the GPU taught what the replays did not: under a 256 MiB
-//     cache the stream-ordered pool held 1.071x of ResNet-50's live peak,
-//     with none 1.008x (torch's own cudaMallocAsync backend: 1.008x), though
-//     the cache held next to nothing at the peak: blocks cached earlier had
-//     made the pool lay its chunks out worse. The replays put the two
-//     within 0.6%. So backend:async caches no large block by default
-//     (largeCacheDefault, config.go); backend:vmm places memory itself and
-//     keeps its 256 MiB.
+//     cache the stream-ordered pool held more of ResNet-50's live peak than
+//     with none, though the cache held next to nothing at the peak: blocks
+//     cached earlier had made the pool lay its chunks out worse. So
+//     backend:async caches no large block by default (largeCacheDefault,
+//     config.go); backend:vmm places memory itself and keeps its 256 MiB.
 //
 // # Backends
 //

@@ -31,10 +31,9 @@ import (
 //     statistics of a free and a cache hit of the same block
 //     (countRecycled).
 //
-// Why: a call from C into Go costs 60-90 ns on the H200 machine, and a
-// PyTorch tensor's allocation and free crossed twice, for about 100 ns of
-// Go work, which put the torch.empty pair 0.1-0.3 us above PyTorch's own
-// allocator's (BENCHMARKS.md). Through the front a recycled pair crosses
+// Why: a PyTorch tensor's allocation and free crossed from C into Go
+// twice, plus Go's work, which put the torch.empty pair above PyTorch's own
+// allocator's (BENCHMARKS.md, "The alloc+free pair through torch.empty"). Through the front a recycled pair crosses
 // never, and pending frees ride on the next call into Go, or cross once
 // for FrontCap of them.
 //

@@ -85,10 +85,9 @@ type statRow struct {
 // each row: four (six) 64-byte lines in all. Stats' layout, by field then pool
 // type, spread the same updates over eight (ten) lines. Each line is a
 // memory access when the allocator's lines went cold between two calls, as
-// they do in training; the functions that updated the statistics took 18%
-// of the simulated first-level cache misses of goalloc's calls
-// (tests/misspath_compare.sh: callgrind, the ResNet-50 replay with 256 KiB
-// walked between calls, at 837cd7e). A statCells is allocated alone: 768 bytes, a size class
+// they do in training, where the functions that updated the statistics
+// were a large share of goalloc's first-level cache misses
+// (tests/misspath_compare.sh measures them). A statCells is allocated alone: 768 bytes, a size class
 // of Go's allocator whose objects start on 64-byte boundaries, so each row
 // starts a line.
 type statCells [numStatTypes]statRow

@@ -128,9 +128,8 @@ SIGNATURES: dict[str, tuple[Any, Optional[list[Any]]]] = {
     "goalloc_record_history": (_c_int, [_c_int]),
     # The per-step figures (STAT_KEYS): a number, -1 on error. No
     # argtypes: converting each argument through c_int.from_param
-    # tripled the cost of the call (about 0.4 us without, 1.2 us with,
-    # on a 2-core x86-64 machine); stat()'s callers pass ints that fit
-    # a C int.
+    # would cost more than the call itself; stat()'s callers pass ints
+    # that fit a C int.
     "goalloc_stat": (ctypes.c_longlong, None),
     "goalloc_stat_scalars": (_c_int, [_c_int, ctypes.POINTER(ctypes.c_int64), _c_int]),
     "goalloc_stat_keys_json": (_c_void_p, []),

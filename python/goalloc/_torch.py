@@ -349,10 +349,10 @@ def unpatch_torch(torch: ModuleType) -> None:
 #
 # torch.cuda.memory_allocated() and its three siblings build the whole
 # memory_stats() dict (a nested dict, flattened and sorted) to return one
-# number: over 100 us with goalloc behind _cuda_memoryStats. A training loop
-# may ask every step, so install() replaces the four functions themselves,
-# in torch.cuda.memory and in torch.cuda, with ones that read goalloc's
-# published figure (about a microsecond). torch's deprecated memory_cached()
+# number. A training loop may ask every step, so install() replaces the four
+# functions themselves, in torch.cuda.memory and in torch.cuda, with ones
+# that read goalloc's published figure (BENCHMARKS.md, "The per-step
+# statistics"). torch's deprecated memory_cached()
 # and max_memory_cached() call memory_reserved() and max_memory_reserved()
 # of torch.cuda.memory, so they follow.
 
