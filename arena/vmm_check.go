@@ -33,6 +33,7 @@ func (e *vmmSegments) CheckInvariants() error {
 // checkTally is what CheckInvariants adds up over the segments' spans.
 type checkTally struct {
 	mapped, live uint64
+	liveAsleep   uint64               // of live, the bytes of sleeping segments
 	handles      map[PhysHandle]bool  // handles mapped by spans not draining
 	drained      map[PhysHandle]int32 // mappings in draining spans, per handle
 	held         map[Event]int32      // spans holding each event
@@ -101,6 +102,7 @@ func (e *vmmSegments) checkAsleep(g *vmmSegment, t *checkTally) error {
 			if err := e.checkSpanState(g, sp, ids[i], t); err != nil {
 				return err
 			}
+			t.liveAsleep += sp.size
 		default:
 			return fmt.Errorf("sleeping segment %#x: span %#x in state %d, event %d", g.base, sp.base, sp.state, sp.event)
 		}
@@ -336,8 +338,8 @@ func (e *vmmSegments) checkTotals(t *checkTally) error {
 	if len(e.spare) != 0 {
 		return fmt.Errorf("%d spare handles between calls", len(e.spare))
 	}
-	if t.live != e.live || t.live > e.held {
-		return fmt.Errorf("live %d, live spans add up to %d, held %d", e.live, t.live, e.held)
+	if t.live != e.live || t.live-t.liveAsleep > e.held {
+		return fmt.Errorf("live %d, live spans add up to %d (%d of them asleep), held %d", e.live, t.live, t.liveAsleep, e.held)
 	}
 	if t.nLive != e.byBase.Len() {
 		return fmt.Errorf("%d live spans, %d indexed", t.nLive, e.byBase.Len())
