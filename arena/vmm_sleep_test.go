@@ -1,6 +1,7 @@
 package arena
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"math/rand"
@@ -105,7 +106,7 @@ func TestSleepAndWakeKeepAddressesAndContents(t *testing.T) {
 	assert.Equal(t, e.held, phys.Used())
 	_, mapped := phys.HandleAt(w1)
 	assert.False(t, mapped, "nothing is mapped under a sleeping tag")
-	assert.Equal(t, cu, readBack(t, phys, u, 6*mib), "untagged memory is untouched")
+	assert.True(t, bytes.Equal(cu, readBack(t, phys, u, 6*mib)), "untagged memory is untouched")
 	_, err = e.AllocTagged(1*mib, 1, 5)
 	assert.ErrorIs(t, err, ErrTagAsleep)
 	assert.Equal(t, []Tag{5}, e.sleepState().Asleep)
@@ -114,8 +115,8 @@ func TestSleepAndWakeKeepAddressesAndContents(t *testing.T) {
 	wr, err := e.Wake(5)
 	require.NoError(t, err)
 	require.NoError(t, e.CheckInvariants())
-	assert.Equal(t, c1, readBack(t, phys, w1, 10*mib), "at the same address, byte for byte")
-	assert.Equal(t, c2, readBack(t, phys, w2, 3*mib+512))
+	assert.True(t, bytes.Equal(c1, readBack(t, phys, w1, 10*mib)), "at the same address, byte for byte")
+	assert.True(t, bytes.Equal(c2, readBack(t, phys, w2, 3*mib+512)))
 	assert.Equal(t, rep.Offloaded, wr.Restored)
 	assert.EqualValues(t, 14*mib, wr.Mapped, "the granules the live spans touch: 5 + 2, not the free span's")
 	assert.Equal(t, untagged+wr.Mapped, e.held)
@@ -145,11 +146,11 @@ func TestSleepDiscardsTheTagsNotOffloaded(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, make([]byte, 8*mib), readBack(t, phys, kv, 8*mib), "discarded: fresh memory")
 	c := cookie(t, phys, kv, 8*mib)
-	assert.Equal(t, c, readBack(t, phys, kv, 8*mib), "and usable")
+	assert.True(t, bytes.Equal(c, readBack(t, phys, kv, 8*mib)), "and usable")
 	assert.Equal(t, []Tag{5}, e.sleepState().Asleep, "the other tag sleeps on")
 	_, err = e.Wake(5)
 	require.NoError(t, err)
-	assert.Equal(t, cw, readBack(t, phys, w, 4*mib))
+	assert.True(t, bytes.Equal(cw, readBack(t, phys, w, 4*mib)))
 	require.NoError(t, e.CheckInvariants())
 }
 
@@ -276,7 +277,7 @@ func TestSleepFreesWhileAsleep(t *testing.T) {
 	wr, err := e.Wake(5)
 	require.NoError(t, err)
 	assert.EqualValues(t, 8*mib, wr.Mapped, "the freed span's granules are not mapped")
-	assert.Equal(t, cb, readBack(t, phys, b, 8*mib))
+	assert.True(t, bytes.Equal(cb, readBack(t, phys, b, 8*mib)))
 	_, ok := phys.HandleAt(a)
 	assert.False(t, ok)
 	q := allocTagged(t, e, 8*mib, 1, 5)
@@ -320,7 +321,7 @@ func TestWakeOutOfMemoryLeavesTheTagAsleep(t *testing.T) {
 	phys.FailCreate = nil
 	_, err = e.Wake(5)
 	require.NoError(t, err)
-	assert.Equal(t, c, readBack(t, phys, w, 40*mib))
+	assert.True(t, bytes.Equal(c, readBack(t, phys, w, 40*mib)))
 	assert.LessOrEqual(t, e.held, uint64(64*mib))
 	require.NoError(t, e.CheckInvariants())
 }
@@ -376,7 +377,7 @@ func TestSleepReleaseFailureIsConsistent(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 	_, err = e.Wake(5)
 	require.NoError(t, err)
-	assert.Equal(t, c, readBack(t, phys, p, 9*mib))
+	assert.True(t, bytes.Equal(c, readBack(t, phys, p, 9*mib)))
 	assert.EqualValues(t, 18*mib, e.held, "the two live spans' nine granules, nothing more")
 	require.NoError(t, e.CheckInvariants())
 }
