@@ -490,3 +490,41 @@ func (a *Allocator) wakePool(sl arena.Sleeper, p *cachePool) (arena.WakeReport, 
 		a.reclaim(attempt == 1)
 	}
 }
+
+// AsleepTags is the memory tags asleep on the device, in order (nil: none).
+func (a *Allocator) AsleepTags() []Tag {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.asleepTags()
+}
+
+// TagState is a memory tag's pool on a device: the bytes of its blocks and
+// segments, and whether it is asleep.
+type TagState struct {
+	Tag      Tag
+	Reserved uint64
+	Asleep   bool
+}
+
+// SleepInfo is what a device holds per memory tag, and the host memory
+// kept for what is asleep: the host copies, and the offload area they lie
+// in (arena.SleepState).
+type SleepInfo struct {
+	Tags                []TagState
+	Offloaded, HostArea uint64
+}
+
+// SleepInfo says what the device holds per memory tag, and for sleep.
+func (a *Allocator) SleepInfo() SleepInfo {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var out SleepInfo
+	for _, p := range a.tagPools() {
+		out.Tags = append(out.Tags, TagState{Tag: p.tag, Reserved: p.reserved, Asleep: p.asleep})
+	}
+	if sl, ok := a.dev.(arena.Sleeper); ok {
+		st := sl.SleepState()
+		out.Offloaded, out.HostArea = st.Offloaded, st.HostArea
+	}
+	return out
+}
