@@ -294,8 +294,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     result[args.allocator + "_slowest"] = {short(t): s for t, s in got["slowest"].items()}
     result["exceptions"] = dict(EXCEPTIONS)
     # Where each allocator's outcomes come from: every run merged into the
-    # file, with its commit and what it selected.
-    runs = result.get("runs", [])
+    # file, with its commit and what it selected. A run of all tests replaces
+    # this allocator's outcomes, so its earlier runs no longer apply.
+    runs = [r for r in result.get("runs", []) if args.select != "all" or r.get("allocator") != args.allocator]
     runs.append({"allocator": args.allocator, "select": args.select, "commit": args.commit or commit(), "tests": len(ran),
                  "seconds": round(time.time() - started, 1)})
     result["runs"] = runs
