@@ -56,6 +56,9 @@ EXCEPTIONS: dict[str, str] = {
     "TestCuda::test_graph_two_successive":
         "asserts that sharing a graph pool saves exactly one of PyTorch's 2 MiB small-buffer segments of reserved "
         "memory (the test marks the check as specific to PyTorch's allocator)",
+    "TestCudaMallocAsync::test_max_split_expandable":
+        "fills a 120 MiB cap to the byte; goalloc maps whole 16 MiB handles and never passes a cap, so the last "
+        "8 MiB under it stay unmapped (GOALLOC_CONF=vmm_handle:2M fills it)",
 }
 
 
