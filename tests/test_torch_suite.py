@@ -173,6 +173,14 @@ def test_merge_compares_the_two_allocators(suite: tuple[Path, dict[str, str]], t
     assert res["summary"] == {"native_passed": 2, "goalloc_passed_of_those": 1, "excepted": 0,
                               "regressions": ["TestCuda::test_b_bad2"]}
     assert "1 of PyTorch's 2 passing tests pass under goalloc" in p.stdout
+    # A run of all tests replaces the allocator's outcomes: its earlier runs leave the provenance.
+    res["runs"] = [{"allocator": "goalloc", "select": "unpassed", "commit": "old"},
+                   {"allocator": "native", "select": "all", "commit": "old"}]
+    out.write_text(json.dumps(res))
+    p = run(test_file, env, out, "--allocator", "goalloc", "--merge", str(out), "-k", "ok1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["allocator"], r["commit"]) for r in runs[:1]] == [("native", "old")] and len(runs) == 2, runs
 
 
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:

@@ -44,3 +44,34 @@ def test_vmm_backend_holds_whole_granules_and_the_cap_bounds_them():
     assert out["held"] == 4 << 20  # 2.5 MiB is two 2 MiB granules
     assert out["got"] == [True, True, False]
     assert out["after"] <= int(0.001 * 8 * (1 << 30))
+
+
+# PyTorch's test_max_split_expandable: a 120 MiB cap filled to the byte by
+# three 40 MiB tensors on one stream, a fourth refused, then 120 MiB in one
+# piece once they are freed.
+CAP_FILL = """
+import json, goalloc
+from goalloc import _lib
+L = _lib.lib()
+malloc = getattr(L, "goalloc_malloc", None) or L.my_malloc
+STREAM, MiB = 0x1000, 1 << 20
+goalloc.configure("backend:vmm,quiet:true,%s")
+goalloc.set_memory_fraction(120 * MiB / (8 << 30), 0)
+got = [malloc(40 * MiB, 0, STREAM) for _ in range(4)]
+for p in got:
+    if p:
+        L.my_free(p, 40 * MiB, 0, STREAM)
+whole = malloc(120 * MiB, 0, STREAM)
+print(json.dumps({"got": [bool(p) for p in got], "whole": bool(whole)}))
+"""
+
+
+def test_a_cap_fills_to_the_handle_size():
+    # 2 MiB handles: the cap's 120 MiB map whole, as PyTorch's test wants.
+    out = json.loads(run_python(textwrap.dedent(CAP_FILL % "vmm_handle:2M")).stdout)
+    assert out == {"got": [True, True, True, False], "whole": True}
+    # 16 MiB handles (the default): the third tensor's last 8 MiB, and 120 MiB
+    # in one piece, would need a handle past the cap, which is never passed
+    # (the README's limitation).
+    out = json.loads(run_python(textwrap.dedent(CAP_FILL % "vmm_handle:16M")).stdout)
+    assert out == {"got": [True, True, False, False], "whole": False}

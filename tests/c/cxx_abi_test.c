@@ -18,19 +18,9 @@
 
 #include "open_library.h"
 #include "stderr_file.h"
+#include "expect.h"
 
 typedef unsigned long long ull;
-
-static int failures = 0;
-#define EXPECT(cond, ...)                                                   \
-	do {                                                                    \
-		if (!(cond)) {                                                      \
-			fprintf(stderr, "FAIL line %d: %s: ", __LINE__, #cond);         \
-			fprintf(stderr, __VA_ARGS__);                                   \
-			fprintf(stderr, "\n");                                          \
-			failures++;                                                     \
-		}                                                                   \
-	} while (0)
 
 int main(int argc, char **argv) {
 	void *lib = open_library(argc, argv);

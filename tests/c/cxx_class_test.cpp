@@ -12,22 +12,11 @@
 // next to them, in ../lib, or on the loader's path.)
 #define GOALLOC_TORCH_NO_MODULE
 #include "../../python/goalloc/csrc/goalloc_torch.cpp"
+#include "expect.h"
 
 #include <cstdio>
 
 using namespace goalloc_torch;
-
-static int failures = 0;
-
-#define EXPECT(cond, ...)                                              \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                               \
-      std::fprintf(stderr, "\n");                                      \
-      failures++;                                                      \
-    }                                                                  \
-  } while (0)
 
 template <typename E, typename F>
 static std::string throws(F f) {

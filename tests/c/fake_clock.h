@@ -1,19 +1,10 @@
-// What the C++ tests of the class's headers share (sched_test.cpp):
-// EXPECT, which counts a failure and goes on, and a clock
-// that moves only when the test moves it.
+// A clock that moves only when the test moves it, for the C++ tests of the
+// class's headers (sched_test.cpp), with expect.h's EXPECT.
 #pragma once
 
 #include <chrono>
 #include <cstdio>
-
-static int failures = 0;
-#define EXPECT(cond)                                                   \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      std::fprintf(stderr, "%s:%d: FAILED %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                      \
-    }                                                                  \
-  } while (0)
+#include "expect.h"
 
 struct FakeClock {
   using duration = std::chrono::nanoseconds;

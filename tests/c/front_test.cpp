@@ -19,19 +19,9 @@
 
 #include "goalloc_front.h"
 #include "open_library.h"
+#include "expect.h"
 
 using goalloc_front::Front;
-
-static int failures = 0;
-#define EXPECT(cond, ...)                                                \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      std::fprintf(stderr, "FAIL line %d: %s: ", __LINE__, #cond);       \
-      std::fprintf(stderr, __VA_ARGS__);                                 \
-      std::fprintf(stderr, "\n");                                        \
-      failures++;                                                        \
-    }                                                                    \
-  } while (0)
 
 static GOALLOC_FN(goalloc_pool_malloc) pool_malloc;
 static GOALLOC_FN(goalloc_free_ptr) free_ptr;

@@ -5,6 +5,7 @@
 // no_split rule, giving segments back, and, under random operations, that
 // blocks tile their segments and no two live blocks overlap.
 #include "goalloc_split.h"
+#include "expect.h"
 
 #include <cstdio>
 #include <cstring>
@@ -15,17 +16,6 @@
 #include <vector>
 
 namespace {
-
-int failures = 0;
-#define EXPECT(cond, ...)                                                     \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);   \
-      std::fprintf(stderr, __VA_ARGS__);                                      \
-      std::fprintf(stderr, "\n");                                             \
-      failures++;                                                             \
-    }                                                                         \
-  } while (0)
 
 constexpr size_t MiB = size_t(1) << 20;
 

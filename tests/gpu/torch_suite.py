@@ -56,6 +56,9 @@ EXCEPTIONS: dict[str, str] = {
     "TestCuda::test_graph_two_successive":
         "asserts that sharing a graph pool saves exactly one of PyTorch's 2 MiB small-buffer segments of reserved "
         "memory (the test marks the check as specific to PyTorch's allocator)",
+    "TestCudaMallocAsync::test_max_split_expandable":
+        "fills a 120 MiB cap to the byte; goalloc maps whole 16 MiB handles and never passes a cap, so the last "
+        "8 MiB under it stay unmapped (GOALLOC_CONF=vmm_handle:2M fills it)",
 }
 
 
@@ -294,8 +297,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     result[args.allocator + "_slowest"] = {short(t): s for t, s in got["slowest"].items()}
     result["exceptions"] = dict(EXCEPTIONS)
     # Where each allocator's outcomes come from: every run merged into the
-    # file, with its commit and what it selected.
-    runs = result.get("runs", [])
+    # file, with its commit and what it selected. A run of all tests replaces
+    # this allocator's outcomes, so its earlier runs no longer apply.
+    runs = [r for r in result.get("runs", []) if args.select != "all" or r.get("allocator") != args.allocator]
     runs.append({"allocator": args.allocator, "select": args.select, "commit": args.commit or commit(), "tests": len(ran),
                  "seconds": round(time.time() - started, 1)})
     result["runs"] = runs
