@@ -426,7 +426,8 @@ int goalloc_warnings_notify(goalloc_notify_fn fn);
  *                 tag that is asleep; nothing changed
  *
  * Kinds bad_argument and bad_config are the caller's to fix (Python raises
- * ValueError); the others are GoallocError. Go's copy is
+ * ValueError); out_of_memory is OutOfMemoryError (a GoallocError, and a
+ * torch.OutOfMemoryError where torch is loaded); the others GoallocError. Go's copy is
  * export/errkind.go's, which export/header_test.go holds to this one; the
  * Python package reads this table. */
 
