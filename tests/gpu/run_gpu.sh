@@ -165,8 +165,8 @@ if want sleep; then
   # Named only: memory tags, sleep and wake through the C++ class (with
   # torch.compile's reduce-overhead) and the pluggable path, then their
   # speed against a plain pinned copy (16 GiB offloaded, 32 GiB discarded).
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sleep_gpu.py 2>&1 | tail -30 || status=1
-  timeout 240 python3 tests/gpu/bench_sleep.py --weights-gib 16 --kv-gib 32 --rounds 3 > "$OUT/bench_sleep.json" || status=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sleep_gpu.py 2>&1 | tail -30 || status=1
+  timeout 160 python3 tests/gpu/bench_sleep.py --weights-gib 16 --kv-gib 32 --rounds 3 > "$OUT/bench_sleep.json" || status=1
   python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"], indent=1))' "$OUT/bench_sleep.json"
 fi
 if want bench; then
