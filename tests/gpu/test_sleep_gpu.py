@@ -31,17 +31,20 @@ def result(request):
 
 def test_sleep_offloads_the_weights_and_releases_every_tag(result):
     s = result["sleep"]
-    # The weights' live blocks, the biases' in a small segment of their own.
-    assert s["weights_bytes"] <= s["offloaded"] <= s["weights_bytes"] + 2 * MiB, s
+    # Every live block of the tag: the weights, the biases' small segment and
+    # the cuBLAS workspace torch allocated inside the tag for the side
+    # stream's first matmul (32 MiB on an H200).
+    assert s["offloaded"] == s["state"]["tags"]["weights"]["reserved_bytes"], s
+    assert s["weights_bytes"] <= s["offloaded"] <= s["weights_bytes"] + 34 * MiB, s
     assert s["reserved_before"] - s["reserved_after"] == s["released"]
     assert s["allocated_after"] == s["allocated_before"], "the tensors live on"
     assert sorted(s["state"]["asleep"]) == ["kv_cache", "weights"]
-    # The device gave the memory back: it holds the context, the untagged
-    # live memory and at most 1% of what it held before more (by
-    # mem_get_info, not by goalloc's own count).
-    assert s["device_after"] <= s["untagged_allocated"] + s["device_before"] // 100, s
-    # goalloc's figure agrees with the device's.
-    assert abs(s["device_after"] - s["reserved_after"]) <= 64 * MiB, s
+    # goalloc holds the untagged live memory and at most 1% of what it held
+    # before more (whole handles of the untagged segments)...
+    assert s["reserved_after"] <= s["untagged_allocated"] + s["reserved_before"] // 100, s
+    # ... and the device (by mem_get_info, not goalloc's count) gave back what
+    # goalloc says it released, less the copy streams' and events' few MiB.
+    assert s["device_before"] - s["device_after"] >= s["released"] - 32 * MiB, s
     assert result["untagged_use_while_asleep"] is None
 
 
