@@ -97,6 +97,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 )
 
 // Tag names memory that can be put to sleep together (goalloc.memory_tag):
@@ -150,15 +151,20 @@ type SleepRequest struct {
 }
 
 // SleepReport is what a sleep did: the bytes copied to the host, and the
-// bytes of physical memory released.
+// bytes of physical memory released; Prepare is the time spent making the
+// offload area (pinning host memory: the first sleep that offloads, or one
+// that needs more), Offload the time from the first copy queued to the
+// last complete (the work queued on the memory before the sleep included).
 type SleepReport struct {
 	Offloaded, Released uint64
+	Prepare, Offload    time.Duration
 }
 
 // WakeReport is what a wake did: the bytes of physical memory mapped, and
-// the bytes copied back from the host.
+// the bytes copied back from the host; Map and Restore the time each took.
 type WakeReport struct {
 	Mapped, Restored uint64
+	Map, Restore     time.Duration
 }
 
 // SleepState is what a device holds asleep.
@@ -203,11 +209,22 @@ func (e *vmmSegments) Sleep(req SleepRequest) (SleepReport, error) {
 		return SleepReport{}, err
 	}
 	items, total := e.offloadItems(segs, offload)
-	copies, err := e.host.copyOut(e, items, total, append(append([]Event(nil), fences...), req.Events...))
+	var rep SleepReport
+	start := time.Now()
+	if total > 0 {
+		err = e.host.prepare(e.copier, total)
+	}
+	rep.Prepare = time.Since(start)
+	start = time.Now()
+	var copies []Event
+	if err == nil {
+		copies, err = e.host.copyOut(e, items, total, append(append([]Event(nil), fences...), req.Events...))
+	}
 	own := append(fences, copies...)
 	if err == nil {
 		err = e.waitAll(append(append(append([]Event(nil), own...), req.Events...), e.spanEvents(segs)...))
 	}
+	rep.Offload = time.Since(start)
 	e.events = append(e.events, own...)
 	if err != nil {
 		return SleepReport{}, err
@@ -223,7 +240,8 @@ func (e *vmmSegments) Sleep(req SleepRequest) (SleepReport, error) {
 	}
 	e.host.used += total
 	err = e.releaseAsleep(segs)
-	return SleepReport{Offloaded: total, Released: held - e.held}, err
+	rep.Offloaded, rep.Released = total, held-e.held
+	return rep, err
 }
 
 // checkSleep refuses a sleep the placement cannot make, and gives the tags

@@ -6,6 +6,7 @@ package arena
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Wake maps the memory of the sleeping tag again, under its live spans, and
@@ -33,9 +34,11 @@ func (e *vmmSegments) Wake(tag Tag) (WakeReport, error) {
 	if err := e.roomFor(need); err != nil {
 		return WakeReport{}, fmt.Errorf("arena: VMM: wake of memory tag %d: %w", tag, err)
 	}
+	start := time.Now()
 	if err := e.mapAsleep(segs); err != nil {
 		return WakeReport{}, fmt.Errorf("arena: VMM: wake of memory tag %d: %w", tag, err)
 	}
+	rep := WakeReport{Mapped: need, Map: time.Since(start)}
 	var items []copyItem
 	var restored uint64
 	for _, g := range segs {
@@ -49,12 +52,15 @@ func (e *vmmSegments) Wake(tag Tag) (WakeReport, error) {
 	}
 	delete(e.sleeping, tag)
 	sortItems(items)
+	start = time.Now()
 	err := e.host.copyBack(e, items)
+	rep.Restore = time.Since(start)
 	e.host.used -= restored
 	if err != nil {
-		return WakeReport{Mapped: need}, fmt.Errorf("arena: VMM: memory tag %d is awake, but its contents were not restored: %w", tag, err)
+		return rep, fmt.Errorf("arena: VMM: memory tag %d is awake, but its contents were not restored: %w", tag, err)
 	}
-	return WakeReport{Mapped: need, Restored: restored}, nil
+	rep.Restored = restored
+	return rep, nil
 }
 
 // sortItems puts copies in address order, so that neighbours coalesce.

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/goalloc/goalloc/arena"
 )
@@ -156,16 +157,20 @@ func (e *StateError) Error() string { return "goalloc: " + e.Msg }
 var ErrNeedsVMM = errors.New("sleep and wake_up need backend:vmm (goalloc's own placement, the default), not backend:async")
 
 // SleepResult is what Sleep did: the bytes copied to the host, and what the
-// device holds less (memory_reserved's drop).
+// device holds less (memory_reserved's drop); the times of the device's
+// steps (arena.SleepReport).
 type SleepResult struct {
 	Offloaded, Released uint64
+	Prepare, Offload    time.Duration
 }
 
 // WakeResult is what Wake did: the tags woken, the bytes mapped again for
-// them and the bytes copied back.
+// them and the bytes copied back; the times of the device's steps, over
+// the tags (arena.WakeReport).
 type WakeResult struct {
 	Woken            []Tag
 	Mapped, Restored uint64
+	Map, Restore     time.Duration
 }
 
 // tagRetention is a memory tag's pool's rule: the general cache's, but
@@ -385,7 +390,7 @@ func (a *Allocator) Sleep(offload []Tag) (SleepResult, error) {
 	err = a.mem.Trim(a.reserveBytes)
 	a.refreshHeld()
 	after, _ := a.mu.held.get()
-	return SleepResult{Offloaded: rep.Offloaded, Released: uint64(max(0, before-after))}, err
+	return SleepResult{Offloaded: rep.Offloaded, Released: uint64(max(0, before-after)), Prepare: rep.Prepare, Offload: rep.Offload}, err
 }
 
 // sleepWaits is what must complete before tagged memory goes, beyond its
@@ -452,6 +457,8 @@ func (a *Allocator) Wake(tags []Tag) (WakeResult, error) {
 		res.Woken = append(res.Woken, t)
 		res.Mapped += rep.Mapped
 		res.Restored += rep.Restored
+		res.Map += rep.Map
+		res.Restore += rep.Restore
 	}
 	if res.Woken == nil {
 		return res, &StateError{Msg: fmt.Sprintf("wake_up on device %d of memory tags %s, none of which is asleep (asleep: %s)", a.dev.Ordinal(), tagNames(tags), tagNames(asleep))}

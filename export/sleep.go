@@ -163,9 +163,11 @@ func (l *library) sleep(d int, offload string) ([]byte, error) {
 		}
 	}
 	res := struct {
-		Offloaded uint64 `json:"offloaded_bytes"`
-		Released  uint64 `json:"released_bytes"`
-		Devices   []int  `json:"devices"`
+		Offloaded uint64  `json:"offloaded_bytes"`
+		Released  uint64  `json:"released_bytes"`
+		Prepare   float64 `json:"prepare_seconds"`
+		Offload   float64 `json:"offload_seconds"`
+		Devices   []int   `json:"devices"`
 	}{Devices: []int{}}
 	for _, a := range devs {
 		r, err := a.Sleep(tags)
@@ -174,6 +176,8 @@ func (l *library) sleep(d int, offload string) ([]byte, error) {
 		}
 		res.Offloaded += r.Offloaded
 		res.Released += r.Released
+		res.Prepare += r.Prepare.Seconds()
+		res.Offload += r.Offload.Seconds()
 		res.Devices = append(res.Devices, a.Device().Ordinal())
 	}
 	return json.Marshal(res)
@@ -216,6 +220,8 @@ func (l *library) wakeUp(d int, list *string) ([]byte, error) {
 	res := struct {
 		Mapped   uint64   `json:"mapped_bytes"`
 		Restored uint64   `json:"restored_bytes"`
+		Map      float64  `json:"map_seconds"`
+		Restore  float64  `json:"restore_seconds"`
 		Woken    []string `json:"woken"`
 		Devices  []int    `json:"devices"`
 	}{Woken: []string{}, Devices: []int{}}
@@ -226,6 +232,8 @@ func (l *library) wakeUp(d int, list *string) ([]byte, error) {
 		}
 		res.Mapped += r.Mapped
 		res.Restored += r.Restored
+		res.Map += r.Map.Seconds()
+		res.Restore += r.Restore.Seconds()
 		for _, t := range r.Woken {
 			if n := caching.TagName(t); !slices.Contains(res.Woken, n) {
 				res.Woken = append(res.Woken, n)

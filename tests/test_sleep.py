@@ -91,6 +91,7 @@ def test_sleep_and_wake_return_values_and_reserved_figures(raw, device):
     r = goalloc.sleep(offload_tags=("weights",), device=device)
     assert isinstance(r, goalloc.SleepResult)
     assert r.offloaded_bytes == 64 * MiB
+    assert r.prepare_seconds > 0 and r.offload_seconds > 0, "the first offload pins the host area, then copies"
     assert reserved - goalloc.memory_reserved(device) == r.released_bytes
     assert goalloc.memory_reserved(device) == device_holds(16 * MiB), "the untagged live memory alone"
     assert goalloc.memory_allocated(device) == allocated, "the tensors live on"
@@ -106,6 +107,7 @@ def test_sleep_and_wake_return_values_and_reserved_figures(raw, device):
     assert w == goalloc.WakeResult(mapped_bytes=32 * MiB, restored_bytes=0, woken=("kv_cache",))
     w = goalloc.wake_up(device=device)
     assert w.woken == ("weights",) and w.restored_bytes == 64 * MiB
+    assert w.map_seconds > 0 and w.restore_seconds > 0
     assert goalloc.memory_reserved(device) == device_holds(16 * MiB) + 96 * MiB, "what was woken is back; the free cache is not"
     assert goalloc.sleep_state(device)["asleep"] == []
     assert goalloc.memory_stats(device)["goalloc.sleep.asleep_bytes"] == 0

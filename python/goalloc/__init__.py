@@ -23,7 +23,7 @@ import operator
 import os
 import pickle
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 from . import _lib, _snapshot, _summary, _torch, _trace
@@ -470,6 +470,12 @@ class SleepResult:
     offloaded_bytes: int
     #: Bytes of physical memory the devices hold less: memory_reserved()'s drop.
     released_bytes: int
+    #: Seconds spent pinning the host memory the copies go to (the first
+    #: sleep that offloads, or one that needs more than the last).
+    prepare_seconds: float = field(default=0.0, compare=False)
+    #: Seconds from the first copy to the host queued to the last complete
+    #: (the work already queued on the memory included).
+    offload_seconds: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -482,6 +488,9 @@ class WakeResult:
     restored_bytes: int
     #: The tags woken.
     woken: tuple[str, ...]
+    #: Seconds spent mapping physical memory again, and copying back.
+    map_seconds: float = field(default=0.0, compare=False)
+    restore_seconds: float = field(default=0.0, compare=False)
 
 
 def _tag_names(tags: Union[str, Iterable[str]], what: str) -> str:
@@ -512,7 +521,8 @@ def sleep(offload_tags: Union[str, Iterable[str]] = ("weights",), device: Device
     graph capture, and ValueError on backend:async, which cannot sleep.
     """
     r = _lib.sleep(_every_device_or(device), _tag_names(offload_tags, "offload_tags"))
-    return SleepResult(offloaded_bytes=r["offloaded_bytes"], released_bytes=r["released_bytes"])
+    return SleepResult(offloaded_bytes=r["offloaded_bytes"], released_bytes=r["released_bytes"],
+                       prepare_seconds=r["prepare_seconds"], offload_seconds=r["offload_seconds"])
 
 
 def wake_up(tags: Union[str, Iterable[str], None] = None, device: Device = None) -> WakeResult:
@@ -530,7 +540,8 @@ def wake_up(tags: Union[str, Iterable[str], None] = None, device: Device = None)
     if names == "":
         raise ValueError("goalloc: wake_up: tags names no tag; give None to wake every tag asleep")
     r = _lib.wake_up(_every_device_or(device), names)
-    return WakeResult(mapped_bytes=r["mapped_bytes"], restored_bytes=r["restored_bytes"], woken=tuple(r["woken"]))
+    return WakeResult(mapped_bytes=r["mapped_bytes"], restored_bytes=r["restored_bytes"], woken=tuple(r["woken"]),
+                      map_seconds=r["map_seconds"], restore_seconds=r["restore_seconds"])
 
 
 def sleep_state(device: Device = None) -> dict[str, Any]:

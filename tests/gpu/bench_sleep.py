@@ -6,7 +6,9 @@ same bytes measured in the same process; each round a fresh process.
 
 Prints a JSON object with each round and the medians: sleep and wake
 seconds (the first cycle prepares the pinned host area, the second reuses
-it), offload and restore bandwidth over the plain copy's, and what the
+it), offload and restore bandwidth over the plain copy's, over the whole
+call and over its copies alone (the library's own times of its steps),
+and what the
 device holds asleep above the process's idle use (by mem_get_info).
 """
 from __future__ import annotations
@@ -79,7 +81,11 @@ def one(weights_gib: int, kv_gib: int) -> dict:
                       "released": s.released_bytes, "restored": w.restored_bytes,
                       "asleep_above_idle": asleep_above_idle,
                       "offload_gib_s": s.offloaded_bytes / GiB / t_sleep,
-                      "restore_gib_s": w.restored_bytes / GiB / t_wake}
+                      "restore_gib_s": w.restored_bytes / GiB / t_wake,
+                      "prepare_s": s.prepare_seconds, "offload_s": s.offload_seconds,
+                      "map_s": w.map_seconds, "restore_s": w.restore_seconds,
+                      "copy_out_gib_s": s.offloaded_bytes / GiB / s.offload_seconds,
+                      "copy_back_gib_s": w.restored_bytes / GiB / w.restore_seconds}
     res["intact"] = all(bool((w[:4096] == i % 251).all().item()) and bool((w[-4096:] == i % 251).all().item())
                         for i, w in enumerate(weights))
     return res
@@ -113,7 +119,10 @@ def main() -> int:
         "plain_to_device_gib_s": med(lambda x: x["plain_to_device_gib_s"]),
     }
     for c in ("first", "second"):
-        summary[c] = {k: med(lambda x, k=k: x[c][k]) for k in ("sleep_s", "wake_s", "offload_gib_s", "restore_gib_s")}
+        summary[c] = {k: med(lambda x, k=k: x[c][k]) for k in (
+            "sleep_s", "wake_s", "offload_gib_s", "restore_gib_s", "prepare_s", "offload_s", "map_s", "restore_s")}
+        summary[c]["copy_out_over_plain"] = med(lambda x: x[c]["copy_out_gib_s"] / x["plain_to_host_gib_s"])
+        summary[c]["copy_back_over_plain"] = med(lambda x: x[c]["copy_back_gib_s"] / x["plain_to_device_gib_s"])
         summary[c]["offload_over_plain"] = med(lambda x: x[c]["offload_gib_s"] / x["plain_to_host_gib_s"])
         summary[c]["restore_over_plain"] = med(lambda x: x[c]["restore_gib_s"] / x["plain_to_device_gib_s"])
         summary[c]["asleep_above_idle_mib"] = med(lambda x: x[c]["asleep_above_idle"] / (1 << 20))
