@@ -346,7 +346,8 @@ char *goalloc_memory_tag(void);
  * addresses kept. It waits for the work queued on the tags' memory to
  * complete, never for the whole device. It returns JSON,
  * {"offloaded_bytes", "released_bytes" (what the devices hold less),
- * "devices": [...]}, or NULL: a tag no thread ever set (bad_argument), a
+ * "prepare_seconds" (pinning the host memory), "offload_seconds" (the
+ * copies), "devices": [...]}, or NULL: a tag no thread ever set (bad_argument), a
  * device already asleep (bad_state), ... */
 char *goalloc_sleep(int device, const char *offload_tags);
 
@@ -354,8 +355,9 @@ char *goalloc_sleep(int device, const char *offload_tags);
  * tag asleep) again on device (-1: every device where one of them is
  * asleep), at the same addresses, and copies back what was offloaded; the
  * others' contents are undefined. Each tag wakes whole or not at all, in
- * order. It returns JSON, {"mapped_bytes", "restored_bytes", "woken":
- * [names], "devices": [...]}, or NULL: out of memory (kind out_of_memory)
+ * order. It returns JSON, {"mapped_bytes", "restored_bytes",
+ * "map_seconds", "restore_seconds", "woken": [names], "devices": [...]},
+ * or NULL: out of memory (kind out_of_memory)
  * leaves the tag that did not fit, and those after it, asleep, for another
  * call once memory is freed; nothing asleep there (bad_state). */
 char *goalloc_wake_up(int device, const char *tags);
