@@ -423,7 +423,9 @@ class memory_tag:
     memory and wake_up() bring it back at the same addresses. Untagged
     memory is never touched by sleep. An allocation of a CUDA graph capture,
     or one in a torch.cuda.MemPool, is not tagged; nor is one made on
-    another thread (autograd's backward thread included). Names are 1 to 64
+    another thread (autograd's backward thread included). What torch
+    allocates for itself inside the block is (the cuBLAS workspace of a
+    stream's first matmul). Names are 1 to 64
     printable ASCII characters without spaces or commas::
 
         with goalloc.memory_tag("weights"):
