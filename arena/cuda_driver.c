@@ -50,6 +50,13 @@ CUresult (*p_cuMemAddressFree)(CUdeviceptr, size_t);
 CUresult (*p_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
 CUresult (*p_cuMemUnmap)(CUdeviceptr, size_t);
 CUresult (*p_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+// Optional: without them a VMM device cannot sleep (gx_sleep_available).
+CUresult (*p_cuMemHostAlloc)(void **, size_t, unsigned int);
+CUresult (*p_cuMemFreeHost)(void *);
+CUresult (*p_cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+CUresult (*p_cuEventSynchronize)(CUevent);
 
 static char gx_loaderr[512];
 static void *gx_lib;
@@ -97,6 +104,12 @@ int gx_load(void) {
 		{ (void **)&p_cuMemMap, "cuMemMap", 0 },
 		{ (void **)&p_cuMemUnmap, "cuMemUnmap", 0 },
 		{ (void **)&p_cuMemSetAccess, "cuMemSetAccess", 0 },
+		{ (void **)&p_cuMemHostAlloc, "cuMemHostAlloc", 0 },
+		{ (void **)&p_cuMemFreeHost, "cuMemFreeHost", 0 },
+		{ (void **)&p_cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", 0 },
+		{ (void **)&p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0 },
+		{ (void **)&p_cuStreamWaitEvent, "cuStreamWaitEvent", 0 },
+		{ (void **)&p_cuEventSynchronize, "cuEventSynchronize", 0 },
 	};
 	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
 	if (lib == NULL) {

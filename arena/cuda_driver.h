@@ -153,6 +153,13 @@ extern CUresult (*p_cuMemAddressFree)(CUdeviceptr, size_t);
 extern CUresult (*p_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
 extern CUresult (*p_cuMemUnmap)(CUdeviceptr, size_t);
 extern CUresult (*p_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+// Optional: without them a VMM device cannot sleep (gx_sleep_available says so).
+extern CUresult (*p_cuMemHostAlloc)(void **, size_t, unsigned int);
+extern CUresult (*p_cuMemFreeHost)(void *);
+extern CUresult (*p_cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+extern CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+extern CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+extern CUresult (*p_cuEventSynchronize)(CUevent);
 
 // gx_load opens libcuda.so.1 and resolves every symbol. It returns 0 on
 // success, 1 when the library cannot be opened and 2 when a required symbol
@@ -723,6 +730,69 @@ static inline gx_ret gx_vmm_set_access(uintptr_t ctx, unsigned long long va, siz
 	GX_RELAXED_BEGIN
 	out.res = p_cuMemSetAccess((CUdeviceptr)va, size, desc, n);
 	GX_RELAXED_END
+	GX_END()
+}
+
+// ---- Sleep and wake (vmm_sleep.go): pinned host memory, copies ----
+
+// gx_sleep_available is 1 when the driver has every entry point sleep and
+// wake use.
+static inline int gx_sleep_available(void) {
+	return p_cuMemHostAlloc != NULL && p_cuMemFreeHost != NULL && p_cuMemcpyDtoHAsync != NULL &&
+		p_cuMemcpyHtoDAsync != NULL && p_cuStreamWaitEvent != NULL && p_cuEventSynchronize != NULL;
+}
+
+// gx_host_alloc: v[0] = size bytes of page-locked host memory, pinned for
+// every context (CU_MEMHOSTALLOC_PORTABLE), so that any device's copies
+// reach it at full speed.
+static inline gx_ret gx_host_alloc(uintptr_t ctx, size_t size) {
+	GX_BEGIN(ctx)
+	void *p = NULL;
+	out.res = p_cuMemHostAlloc(&p, size, 1); // CU_MEMHOSTALLOC_PORTABLE
+	out.v[0] = (unsigned long long)(uintptr_t)p;
+	gx_leave(&sv, &out);
+	if (out.res != 0 && p != NULL) {
+		// Restoring the caller's context failed: do not leak the memory.
+		p_cuMemFreeHost(p);
+		out.v[0] = 0;
+	}
+	return out;
+}
+
+static inline gx_ret gx_host_free(uintptr_t ctx, uintptr_t p) {
+	GX_BEGIN(ctx)
+	out.res = p_cuMemFreeHost((void *)p);
+	GX_END()
+}
+
+// gx_stream_wait_event makes stream wait for ev (made in ectx, which may be
+// another device's context: a stream may wait for any context's event).
+static inline gx_ret gx_stream_wait_event(uintptr_t ctx, uintptr_t stream, uintptr_t ev) {
+	GX_BEGIN(ctx)
+	out.res = p_cuStreamWaitEvent((CUstream)stream, (CUevent)ev, 0);
+	GX_END()
+}
+
+// gx_copy_dtoh queues a copy of size bytes from device address va to host
+// memory host (page-locked) on stream.
+static inline gx_ret gx_copy_dtoh(uintptr_t ctx, uintptr_t host, unsigned long long va, size_t size, uintptr_t stream) {
+	GX_BEGIN(ctx)
+	out.res = p_cuMemcpyDtoHAsync((void *)host, (CUdeviceptr)va, size, (CUstream)stream);
+	GX_END()
+}
+
+// gx_copy_htod queues a copy of size bytes from host memory host
+// (page-locked) to device address va on stream.
+static inline gx_ret gx_copy_htod(uintptr_t ctx, unsigned long long va, uintptr_t host, size_t size, uintptr_t stream) {
+	GX_BEGIN(ctx)
+	out.res = p_cuMemcpyHtoDAsync((CUdeviceptr)va, (const void *)host, size, (CUstream)stream);
+	GX_END()
+}
+
+// gx_event_synchronize waits until ev, made in ctx, has completed.
+static inline gx_ret gx_event_synchronize(uintptr_t ctx, uintptr_t ev) {
+	GX_BEGIN(ctx)
+	out.res = p_cuEventSynchronize((CUevent)ev);
 	GX_END()
 }
 

@@ -75,6 +75,10 @@ func (d *VMM) Synchronize() error                            { return errNoCUDA 
 func (d *VMM) CaptureStatus(s Stream) (CaptureStatus, error) { return CaptureNone, errNoCUDA }
 func (d *VMM) Close() error                                  { return nil }
 func (d *VMM) SetCap(limit uint64)                           {}
+func (d *VMM) SetAllocTag(tag Tag)                           {}
+func (d *VMM) Sleep(SleepRequest) (SleepReport, error)       { return SleepReport{}, errNoCUDA }
+func (d *VMM) Wake(Tag) (WakeReport, error)                  { return WakeReport{}, errNoCUDA }
+func (d *VMM) SleepState() SleepState                        { return SleepState{} }
 
 // PeersGranted lists no device in this build.
 func (d *VMM) PeersGranted() ([]int, error) { return nil, errNoCUDA }

@@ -98,6 +98,21 @@ func (l *Limited) claim(size uint64) bool {
 	return true
 }
 
+// Suspend takes n bytes of memory put to sleep out of the cap's count: it
+// holds nothing on the device while it sleeps (caching/sleep.go).
+func (l *Limited) Suspend(n uint64) { l.held.Sub(n) }
+
+// Resume counts n bytes of sleeping memory again, before it wakes or is
+// freed: false, and nothing counted, when the cap has no room for them,
+// unless force (memory about to be freed, which the free takes out again).
+func (l *Limited) Resume(n uint64, force bool) bool {
+	if force {
+		l.held.Add(n)
+		return true
+	}
+	return l.claim(n)
+}
+
 func (l *Limited) Alloc(size uint64, s Stream) (uintptr, error) {
 	if !l.claim(size) {
 		return 0, ErrCapReached

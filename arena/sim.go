@@ -48,6 +48,8 @@ type Sim struct {
 	// CaptureViolations counts the calls a capture forbids that were made
 	// while one was underway (breakCaptures).
 	CaptureViolations uint64
+	// EventWaits counts the host's waits for one event (WaitEvent).
+	EventWaits uint64
 }
 
 type simStream struct {
@@ -342,6 +344,33 @@ func (d *Sim) EventDone(e Event) (bool, error) {
 	}
 	// An event never recorded counts as complete, as in CUDA.
 	return !ev.recorded || d.completed(ev.stream) >= ev.seq, nil
+}
+
+// WaitEvent is cuEventSynchronize: the host waits until e has completed,
+// so the simulation completes the work of e's stream up to e (and no other
+// stream's: a wait for one event synchronises nothing else). A stalled
+// stream never gets there: the real call would hang, the simulation says
+// so. An event never recorded is complete, as in CUDA.
+func (d *Sim) WaitEvent(e Event) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ev, ok := d.events[e]
+	if !ok {
+		return fmt.Errorf("sim: cuEventSynchronize on unknown event %d", e)
+	}
+	d.EventWaits++
+	if !ev.recorded {
+		return nil
+	}
+	st := d.stream(ev.stream)
+	if st.completed >= ev.seq {
+		return nil
+	}
+	if d.stalled[ev.stream] {
+		return fmt.Errorf("sim: cuEventSynchronize would hang: stream %#x is stalled before event %d", ev.stream, e)
+	}
+	st.completed = ev.seq
+	return nil
 }
 
 func (d *Sim) DestroyEvent(e Event) error {

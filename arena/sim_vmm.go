@@ -19,6 +19,7 @@ var (
 	_ DriverProfiler = (*SimVMM)(nil)
 	_ CaptureAware   = (*SimVMM)(nil)
 	_ StreamGranular = (*SimVMM)(nil)
+	_ Sleeper        = (*SimVMM)(nil)
 )
 
 // simVMMGranule is the simulated allocation granularity, an H200's.
@@ -106,6 +107,13 @@ func (d *SimVMM) ResetPoolHigh() error             { d.src.resetHigh(); return n
 func (d *SimVMM) SetCap(limit uint64)              { d.src.setCap(limit) }
 func (d *SimVMM) SetCaptureUnderway(underway bool) { d.src.setCaptureUnderway(underway) }
 func (d *SimVMM) CheckInvariants() error           { return d.src.checkInvariants() }
+
+// Sleeper's methods: the placement's sleep and wake over the fake driver,
+// whose copies keep the bytes written to the device (vmm_fake_data.go).
+func (d *SimVMM) SetAllocTag(tag Tag)                         { d.src.setAllocTag(tag) }
+func (d *SimVMM) Sleep(req SleepRequest) (SleepReport, error) { return d.src.sleep(req) }
+func (d *SimVMM) Wake(tag Tag) (WakeReport, error)            { return d.src.wake(tag) }
+func (d *SimVMM) SleepState() SleepState                      { return d.src.sleepState() }
 
 // MemInfo is what cuMemGetInfo would say: the device less the physical
 // memory held.

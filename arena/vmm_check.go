@@ -33,6 +33,7 @@ func (e *vmmSegments) CheckInvariants() error {
 // checkTally is what CheckInvariants adds up over the segments' spans.
 type checkTally struct {
 	mapped, live uint64
+	liveAsleep   uint64               // of live, the bytes of sleeping segments
 	handles      map[PhysHandle]bool  // handles mapped by spans not draining
 	drained      map[PhysHandle]int32 // mappings in draining spans, per handle
 	held         map[Event]int32      // spans holding each event
@@ -48,6 +49,12 @@ func (e *vmmSegments) checkSegment(g *vmmSegment, t *checkTally) error {
 	}
 	if err := g.checkList(); err != nil {
 		return err
+	}
+	if g.asleep {
+		return e.checkAsleep(g, t)
+	}
+	if len(g.offloads) > 0 {
+		return fmt.Errorf("segment %#x is awake and keeps %d host copies", g.base, len(g.offloads))
 	}
 	spans, ids := g.ordered()
 	// covered: per granule, 1 when spans cover it, 2 when a draining
@@ -68,6 +75,53 @@ func (e *vmmSegments) checkSegment(g *vmmSegment, t *checkTally) error {
 		if m && covered[k] == 0 {
 			return fmt.Errorf("segment %#x: granule %d is mapped, in no span", g.base, k)
 		}
+	}
+	return nil
+}
+
+// checkAsleep verifies a sleeping segment (vmm_sleep.go): its spans are
+// whole quanta inside it, in order, live (or free and complete, where a
+// release the driver failed left them, never two touching); each host
+// copy is of a live span; it holds no handle but where such a release
+// left one mapped, each counted once.
+func (e *vmmSegments) checkAsleep(g *vmmSegment, t *checkTally) error {
+	spans, ids := g.ordered()
+	for i, sp := range spans {
+		if sp.size == 0 || sp.size%segQuantum != 0 || sp.base%segQuantum != 0 || sp.base < g.base || sp.end() > g.end() {
+			return fmt.Errorf("sleeping segment %#x: span %#x+%d is not whole quanta inside it", g.base, sp.base, sp.size)
+		}
+		if i > 0 && spans[i-1].end() > sp.base {
+			return fmt.Errorf("sleeping segment %#x: span %#x+%d overlaps %#x", g.base, spans[i-1].base, spans[i-1].size, sp.base)
+		}
+		switch {
+		case sp.state == spanFree && sp.event == 0:
+			if i > 0 && spans[i-1].state == spanFree && spans[i-1].end() == sp.base {
+				return fmt.Errorf("sleeping segment %#x: free spans %#x and %#x touch", g.base, spans[i-1].base, sp.base)
+			}
+		case sp.state == spanLive:
+			if err := e.checkSpanState(g, sp, ids[i], t); err != nil {
+				return err
+			}
+			t.liveAsleep += sp.size
+		default:
+			return fmt.Errorf("sleeping segment %#x: span %#x in state %d, event %d", g.base, sp.base, sp.state, sp.event)
+		}
+	}
+	for base := range g.offloads {
+		if r, ok := e.byBase.Get(base); !ok || r.g != g {
+			return fmt.Errorf("sleeping segment %#x keeps a host copy of %#x, which is not one of its live spans", g.base, base)
+		}
+	}
+	for k, m := range g.mapped {
+		if !m {
+			continue
+		}
+		if h := g.handles[k]; t.handles[h] {
+			return fmt.Errorf("handle %d is mapped twice", h)
+		} else {
+			t.handles[h] = true
+		}
+		t.mapped += e.gran
 	}
 	return nil
 }
@@ -203,16 +257,16 @@ func (e *vmmSegments) checkDrained(t *checkTally) error {
 // segment and lists only segments of the placement, and that each
 // stream's free index is exactly its free spans, in step 1's order.
 func (e *vmmSegments) checkFreeIndexes() error {
-	want := map[Stream]freeIndex{}
+	want := map[shareKey]freeIndex{}
 	for _, g := range e.segs {
-		if st := e.streams[g.stream]; st == nil || g.order < 0 || int(g.order) >= len(st.segs) || st.segs[g.order] != g {
-			return fmt.Errorf("segment %#x is not at its place %d among its stream's", g.base, g.order)
+		if st := e.streams[g.key()]; st == nil || g.order < 0 || int(g.order) >= len(st.segs) || st.segs[g.order] != g {
+			return fmt.Errorf("segment %#x is not at its place %d among its share's", g.base, g.order)
 		}
 		spans, ids := g.ordered()
 		nfree := int32(0)
 		for i, sp := range spans {
 			if sp.state == spanFree {
-				want[g.stream] = append(want[g.stream], freeKey{size: sp.size, base: sp.base, order: g.order, id: ids[i]})
+				want[g.key()] = append(want[g.key()], freeKey{size: sp.size, base: sp.base, order: g.order, id: ids[i]})
 				nfree++
 			}
 		}
@@ -221,25 +275,25 @@ func (e *vmmSegments) checkFreeIndexes() error {
 		}
 	}
 	nsegs := 0
-	for s, st := range e.streams {
+	for k, st := range e.streams {
 		if len(st.segs) == 0 {
-			return fmt.Errorf("stream %#x has a share and no segment", s)
+			return fmt.Errorf("stream %#x, tag %d has a share and no segment", k.s, k.tag)
 		}
 		nsegs += len(st.segs)
 	}
 	if nsegs != len(e.segs) {
 		return fmt.Errorf("streams list %d segments, the placement %d", nsegs, len(e.segs))
 	}
-	for s, st := range e.streams {
-		w := want[s]
+	for k, st := range e.streams {
+		w := want[k]
 		sort.Slice(w, func(i, j int) bool { return w[i].less(w[j]) })
 		if !slices.Equal(st.free, w) {
-			return fmt.Errorf("stream %#x: free index %v, free spans %v", s, st.free, w)
+			return fmt.Errorf("stream %#x, tag %d: free index %v, free spans %v", k.s, k.tag, st.free, w)
 		}
-		delete(want, s)
+		delete(want, k)
 	}
-	for s, w := range want {
-		return fmt.Errorf("stream %#x has %d free spans and no free index", s, len(w))
+	for k, w := range want {
+		return fmt.Errorf("stream %#x, tag %d has %d free spans and no free index", k.s, k.tag, len(w))
 	}
 	return nil
 }
@@ -284,8 +338,8 @@ func (e *vmmSegments) checkTotals(t *checkTally) error {
 	if len(e.spare) != 0 {
 		return fmt.Errorf("%d spare handles between calls", len(e.spare))
 	}
-	if t.live != e.live || t.live > e.held {
-		return fmt.Errorf("live %d, live spans add up to %d, held %d", e.live, t.live, e.held)
+	if t.live != e.live || t.live-t.liveAsleep > e.held {
+		return fmt.Errorf("live %d, live spans add up to %d (%d of them asleep), held %d", e.live, t.live, t.liveAsleep, e.held)
 	}
 	if t.nLive != e.byBase.Len() {
 		return fmt.Errorf("%d live spans, %d indexed", t.nLive, e.byBase.Len())

@@ -38,6 +38,7 @@ var (
 	_ DriverProfiler = (*VMM)(nil)
 	_ CaptureAware   = (*VMM)(nil)
 	_ StreamGranular = (*VMM)(nil)
+	_ Sleeper        = (*VMM)(nil)
 )
 
 // Name says what kind of device d is, as the replay tool's results do: a
@@ -101,6 +102,65 @@ func (p *cudaPhys) CaptureStatus(s Stream) (CaptureStatus, error) {
 // marked the device closed.
 func (p *cudaPhys) DestroyEvent(e Event) error { return p.rt.destroyEvent(e) }
 
+// cudaCopier is cudaPhys with the sleep and wake half (HostCopier), one
+// gx_* call per method; NewVMMWith gives the source one only where the
+// driver has every entry point they use (gx_sleep_available).
+type cudaCopier struct{ *cudaPhys }
+
+var _ HostCopier = cudaCopier{}
+
+// AllocHost is cuMemHostAlloc, pinned for every context.
+func (p cudaCopier) AllocHost(size uint64) (uintptr, error) {
+	r := C.gx_host_alloc(p.rt.ctx, C.size_t(size))
+	if err := check("cuMemHostAlloc", r); err != nil {
+		return 0, err
+	}
+	return uintptr(r.v[0]), nil
+}
+
+// FreeHost is cuMemFreeHost (the driver knows the size).
+func (p cudaCopier) FreeHost(host uintptr, _ uint64) error {
+	return check("cuMemFreeHost", C.gx_host_free(p.rt.ctx, C.uintptr_t(host)))
+}
+
+// NewCopyStream is a non-blocking stream of the device's context, so that
+// the copies on it never wait for the legacy default stream.
+func (p cudaCopier) NewCopyStream() (Stream, error) {
+	r := C.gx_stream_create(p.rt.ctx)
+	if err := check("cuStreamCreate", r); err != nil {
+		return 0, err
+	}
+	return Stream(r.v[0]), nil
+}
+
+func (p cudaCopier) DestroyCopyStream(s Stream) error {
+	return check("cuStreamDestroy", C.gx_stream_destroy(p.rt.ctx, C.uintptr_t(s)))
+}
+
+// StreamWaitEvent is cuStreamWaitEvent, of e or of its stand-in in another
+// context (cudaRuntime.standIns).
+func (p cudaCopier) StreamWaitEvent(s Stream, e Event) error {
+	ev, _ := p.rt.lookupStandIn(e)
+	return check("cuStreamWaitEvent", C.gx_stream_wait_event(p.rt.ctx, C.uintptr_t(s), ev))
+}
+
+// CopyToHost is cuMemcpyDtoHAsync_v2 into pinned memory, queued on s.
+func (p cudaCopier) CopyToHost(host, va uintptr, size uint64, s Stream) error {
+	return check("cuMemcpyDtoHAsync_v2", C.gx_copy_dtoh(p.rt.ctx, C.uintptr_t(host), C.ulonglong(va), C.size_t(size), C.uintptr_t(s)))
+}
+
+// CopyToDevice is cuMemcpyHtoDAsync_v2 from pinned memory, queued on s.
+func (p cudaCopier) CopyToDevice(va, host uintptr, size uint64, s Stream) error {
+	return check("cuMemcpyHtoDAsync_v2", C.gx_copy_htod(p.rt.ctx, C.ulonglong(va), C.uintptr_t(host), C.size_t(size), C.uintptr_t(s)))
+}
+
+// WaitEvent is cuEventSynchronize, of e or of its stand-in, in the
+// context the event was made in.
+func (p cudaCopier) WaitEvent(e Event) error {
+	ev, ctx := p.rt.lookupStandIn(e)
+	return check("cuEventSynchronize", C.gx_event_synchronize(ctx, ev))
+}
+
 // NewVMM opens device ordinal with the VMM backend: it retains the
 // device's primary context, reads the allocation granularity, finds the
 // peer devices that can access this one (each mapping is opened to all of
@@ -139,7 +199,10 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	if err != nil {
 		return fail(err)
 	}
-	phys := &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
+	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
+	if C.gx_sleep_available() != 0 {
+		phys = cudaCopier{phys.(*cudaPhys)}
+	}
 	d.src, err = newVMMSource(phys, total, 0)
 	if err != nil {
 		return fail(err)
@@ -232,6 +295,29 @@ func (d *VMM) SetCap(limit uint64) { d.src.setCap(limit) }
 
 // SetCaptureUnderway is CaptureAware's method.
 func (d *VMM) SetCaptureUnderway(underway bool) { d.src.setCaptureUnderway(underway) }
+
+// SetAllocTag is Sleeper's method.
+func (d *VMM) SetAllocTag(tag Tag) { d.src.setAllocTag(tag) }
+
+// Sleep is Sleeper's method: the placement's sleep over the driver's
+// copies (cudaCopier); ErrNoSleep where the driver lacks them.
+func (d *VMM) Sleep(req SleepRequest) (SleepReport, error) {
+	if d.closed.Load() {
+		return SleepReport{}, errCUDAClosed
+	}
+	return d.src.sleep(req)
+}
+
+// Wake is Sleeper's method.
+func (d *VMM) Wake(tag Tag) (WakeReport, error) {
+	if d.closed.Load() {
+		return WakeReport{}, errCUDAClosed
+	}
+	return d.src.wake(tag)
+}
+
+// SleepState is Sleeper's method.
+func (d *VMM) SleepState() SleepState { return d.src.sleepState() }
 
 // Close unmaps and releases everything (memory still allocated is lost)
 // and releases the primary context.

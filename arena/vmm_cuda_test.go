@@ -164,7 +164,7 @@ func TestVMMCUDAEventOrderedReuse(t *testing.T) {
 		t.Fatalf("stream 2 got %#x (freed %#x on busy stream 1), %d unmaps", q, p, un1-un0)
 	}
 	d.src.mu.Lock()
-	g := d.src.eng.streams[s1].segs[0]
+	g := d.src.eng.streams[shareKey{s: s1}].segs[0]
 	ev := g.span(g.spanAt(p)).event
 	d.src.mu.Unlock()
 	if done, _ := d.EventDone(ev); ev == 0 || ev == unrecorded || done {

@@ -116,7 +116,7 @@ func (e *vmmSegments) fenceEvent(g *vmmSegment, freeing bool) Event {
 // are unrecorded, so a segment with none has nothing to fence.
 func (e *vmmSegments) fenceAll() {
 	for _, g := range e.segs {
-		if g.nfree == 0 {
+		if g.nfree == 0 || g.asleep {
 			g.unfenced = 0
 			continue
 		}
@@ -133,7 +133,7 @@ func (e *vmmSegments) syncMark() uint64 { return e.seq }
 // Only the unrecorded ones change here; recorded events say so when polled.
 func (e *vmmSegments) synchronized(mark uint64) {
 	for _, g := range e.segs {
-		if g.nfree == 0 {
+		if g.nfree == 0 || g.asleep {
 			continue // only free spans are unrecorded
 		}
 		for id := g.first; id != noSpan; id = g.next(id) {

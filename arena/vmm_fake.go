@@ -24,9 +24,17 @@ type FakePhys struct {
 	vaEnd   uintptr                // where reservations stop (0: nowhere)
 	res     map[uintptr]uint64     // reservations by base
 	page    map[uintptr]PhysHandle // granule-aligned VA -> the handle mapped there
+	pageOff map[uintptr]uint64     // granule-aligned VA -> its offset in that handle
 	mapping map[uintptr]uint64     // mapping start -> its size
 	handles map[PhysHandle]*fakeHandle
 	nextH   PhysHandle
+
+	// Pinned host memory and the driver's own streams (vmm_fake_data.go).
+	hosts      map[uintptr]*fakeHost
+	nextHost   uintptr
+	hostUsed   uint64
+	streams    map[Stream]bool
+	nextStream uint64
 
 	// OnUnmap and OnMap, when set, are called (without the lock) before a
 	// mapping is dropped or made; a non-nil return fails the call. Tests
@@ -35,6 +43,12 @@ type FakePhys struct {
 	OnMap   func(va uintptr, size uint64, h PhysHandle) error
 	// FailCreate, when set, is asked before each CreateHandle.
 	FailCreate func(size uint64) error
+	// FailHost, when set, is asked before each AllocHost; OnCopy, when
+	// set, before each copy between device and host (toDevice: which way).
+	FailHost func(size uint64) error
+	OnCopy   func(va uintptr, size uint64, toDevice bool) error
+	// CopiedBytes counts the bytes copied between device and host.
+	CopiedBytes uint64
 
 	// Calls counts every driver call by name.
 	Calls map[string]int
@@ -46,6 +60,9 @@ type FakePhys struct {
 type fakeHandle struct {
 	size uint64
 	maps int
+	// data is what was written to the handle (vmm_fake_data.go), made on
+	// the first write: a new handle reads as zeros, as far as tests look.
+	data fakeBytes
 }
 
 // NewFakePhys makes a fake driver with capacity bytes of physical memory and
@@ -53,7 +70,7 @@ type fakeHandle struct {
 func NewFakePhys(rt Runtime, capacity, gran uint64) *FakePhys {
 	return &FakePhys{
 		rt: rt, gran: gran, capacity: capacity, vaStart: 0x7f0000000000, nextVA: 0x7f0000000000,
-		res: map[uintptr]uint64{}, page: map[uintptr]PhysHandle{}, mapping: map[uintptr]uint64{},
+		res: map[uintptr]uint64{}, page: map[uintptr]PhysHandle{}, pageOff: map[uintptr]uint64{}, mapping: map[uintptr]uint64{},
 		handles: map[PhysHandle]*fakeHandle{}, Calls: map[string]int{},
 	}
 }
@@ -249,6 +266,7 @@ func (f *FakePhys) Map(va uintptr, size uint64, h PhysHandle) error {
 	}
 	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
 		f.page[p] = h
+		f.pageOff[p] = uint64(p - va)
 	}
 	f.mapping[va] = size
 	fh.maps++
@@ -270,6 +288,7 @@ func (f *FakePhys) Unmap(va uintptr, size uint64) error {
 	h := f.page[va]
 	for p := va; p < va+uintptr(size); p += uintptr(f.gran) {
 		delete(f.page, p)
+		delete(f.pageOff, p)
 	}
 	delete(f.mapping, va)
 	f.handles[h].maps--

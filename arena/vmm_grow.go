@@ -23,15 +23,16 @@ type fill struct {
 	rightUse   uint64
 }
 
-// bestFill finds the fill of n bytes in s's segments that maps the fewest
-// granules (the lowest address on a tie); ok false when no hole fits.
-func (e *vmmSegments) bestFill(n uint64, s Stream) (best fill, ok bool) {
+// bestFill finds the fill of n bytes in the segments of the share key that
+// maps the fewest granules (the lowest address on a tie); ok false when no
+// hole fits.
+func (e *vmmSegments) bestFill(n uint64, key shareKey) (best fill, ok bool) {
 	consider := func(f fill) {
 		if !ok || f.need < best.need || (f.need == best.need && f.start < best.start) {
 			best, ok = f, true
 		}
 	}
-	st := e.stream(s)
+	st := e.share(key)
 	if st == nil {
 		return best, false
 	}
@@ -110,7 +111,8 @@ type segPay struct {
 // growth is a miss that step 1 could not serve, as grow carries it through
 // steps 2 to 4.
 type growth struct {
-	s Stream
+	s   Stream
+	tag Tag
 	// f is where the request goes (step 2); newSeg says f lies in a
 	// segment still to be reserved.
 	f      fill
@@ -131,14 +133,14 @@ type growth struct {
 // grow is steps 2-4: map what is missing, paid for with free memory. A
 // step that fails leaves the state consistent and gives back what the
 // steps before it took.
-func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
+func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
 	// Free memory pays only once known complete: unrecorded spans get
 	// their event now (one per segment), which on a stream with nothing
 	// left to run completes at once.
 	e.fenceAll()
-	gr := &growth{s: s}
+	gr := &growth{s: key.s, tag: key.tag}
 	var ok bool
-	if gr.f, ok = e.bestFill(n, s); !ok {
+	if gr.f, ok = e.bestFill(n, key); !ok {
 		gr.newSeg = true
 		gr.f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
 	}
@@ -163,9 +165,11 @@ func (e *vmmSegments) grow(n uint64, s Stream) (uintptr, error) {
 
 // payComplete is step 3's first half: the free spans whose last use has
 // completed pay, the largest first, with the tail of their whole granules
-// (unmapped by the map step; their handles map at the new place). s's own
-// spans still in use are set aside to lend; a span with a handle still
-// mapped in a draining span does not pay.
+// (unmapped by the map step; their handles map at the new place), whatever
+// their tag: an unmapped handle holds nothing of anyone's. The spans of
+// the request's own share (its stream and tag) still in use are set aside
+// to lend; a span with a handle still mapped in a draining span does not
+// pay.
 func (e *vmmSegments) payComplete(gr *growth) error {
 	gr.paid = uint64(len(e.spare)) * e.gran
 	for _, c := range e.payCandidates(gr.f) {
@@ -178,7 +182,7 @@ func (e *vmmSegments) payComplete(gr *growth) error {
 			return err
 		}
 		if !done {
-			if c.g.stream == gr.s && gr.s != anyStream {
+			if c.g.stream == gr.s && c.g.tag == gr.tag && gr.s != anyStream {
 				gr.later = append(gr.later, c)
 			}
 			continue
@@ -301,7 +305,7 @@ func (e *vmmSegments) afford(gr *growth) error {
 // releases the spare handles.
 func (e *vmmSegments) mapGrowth(gr *growth) error {
 	if gr.newSeg {
-		g, err := e.newSegment(gr.s, max(e.segVA, gr.f.need))
+		g, err := e.newSegment(shareKey{gr.s, gr.tag}, max(e.segVA, gr.f.need))
 		if err != nil {
 			e.unpay(gr.pays)
 			return err
@@ -371,7 +375,7 @@ func (e *vmmSegments) mapNew(gr *growth) error {
 func (e *vmmSegments) payCandidates(f fill) []segRef {
 	var cands []segRef
 	for _, g := range e.segs {
-		if g.nfree == 0 {
+		if g.nfree == 0 || g.asleep {
 			continue
 		}
 		for id := g.first; id != noSpan; id = g.next(id) {
@@ -388,19 +392,19 @@ func (e *vmmSegments) payCandidates(f fill) []segRef {
 	return cands
 }
 
-// newSegment reserves a segment of size bytes of VA for stream s, the
-// last of its stream's; the stream's share is made with its first.
-func (e *vmmSegments) newSegment(s Stream, size uint64) (*vmmSegment, error) {
+// newSegment reserves a segment of size bytes of VA for the share key,
+// the last of its share's; the share is made with its first.
+func (e *vmmSegments) newSegment(key shareKey, size uint64) (*vmmSegment, error) {
 	base, err := e.drv.ReserveVA(size)
 	if err != nil {
 		return nil, err
 	}
-	st := e.streams[s]
+	st := e.streams[key]
 	if st == nil {
 		st = &segStream{}
-		e.streams[s] = st
+		e.streams[key] = st
 	}
-	g := &vmmSegment{stream: s, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
+	g := &vmmSegment{stream: key.s, tag: key.tag, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
 	e.segs = append(e.segs, g)
 	st.segs = append(st.segs, g)
 	return g, nil

@@ -49,16 +49,19 @@ type vmmSegments struct {
 	segVA uint64 // VA reserved per segment: the device's memory, rounded
 	mem   uint64 // the device's memory: more can never be held
 
-	segs    []*vmmSegment // in creation order
-	streams map[Stream]*segStream
-	// last is the segStream of lastStream, the stream of the latest
-	// request (nil: none yet): a run of requests on one stream finds its
-	// share without a map lookup.
-	last       *segStream
-	lastStream Stream
-	byBase     addrmap.Map[segRef] // live spans by base
-	pending    []segRef            // pending spans, oldest first
-	draining   []segRef            // draining spans, oldest first
+	segs []*vmmSegment // in creation order
+	// streams holds each share of the placement, by stream and memory tag
+	// (see "Sleep and wake" in vmm_sleep.go: memory of two tags never
+	// shares a segment, so never a handle).
+	streams map[shareKey]*segStream
+	// last is the share of lastKey, that of the latest request (nil: none
+	// yet): a run of requests on one stream finds its share without a map
+	// lookup.
+	last     *segStream
+	lastKey  shareKey
+	byBase   addrmap.Map[segRef] // live spans by base
+	pending  []segRef            // pending spans, oldest first
+	draining []segRef            // draining spans, oldest first
 	// drainMaps counts, per handle, its mappings in draining spans: those
 	// are besides the one in the span that owns it.
 	drainMaps map[PhysHandle]int32
@@ -71,11 +74,25 @@ type vmmSegments struct {
 	seq     uint64
 
 	held, heldHigh, live, mapped uint64
+
+	// Sleep and wake (vmm_sleep.go): the tags asleep, what sleep and wake
+	// need of the driver (nil: they are refused), and the pinned host
+	// memory and streams of their copies.
+	sleeping map[Tag]bool
+	copier   HostCopier
+	host     offloadArea
 }
 
-// segStream is a stream's share of the placement, found with one lookup:
-// its segments, in creation order (a segment's order is its place here),
-// and the index of their free spans.
+// shareKey names a share of the placement: a stream, and the memory tag of
+// what is placed for it (0: untagged).
+type shareKey struct {
+	s   Stream
+	tag Tag
+}
+
+// segStream is a stream's share of the placement for one memory tag, found
+// with one lookup: its segments, in creation order (a segment's order is
+// its place here), and the index of their free spans.
 type segStream struct {
 	segs []*vmmSegment
 	// free indexes the free spans of segs. Invariant: it holds exactly
@@ -94,8 +111,8 @@ func newVMMSegments(drv PhysDriver, mem, limit uint64) (*vmmSegments, error) {
 	if g == 0 || g&(g-1) != 0 {
 		return nil, fmt.Errorf("arena: VMM granularity %d is not a power of two", g)
 	}
-	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, streams: map[Stream]*segStream{},
-		drainMaps: map[PhysHandle]int32{}}
+	e := &vmmSegments{drv: drv, gran: g, cap: limit, mem: mem, streams: map[shareKey]*segStream{},
+		drainMaps: map[PhysHandle]int32{}, sleeping: map[Tag]bool{}}
 	e.segVA = e.roundGranule(mem)
 	return e, nil
 }
@@ -133,9 +150,18 @@ func (e *vmmSegments) eachLive(f func(va uintptr, size uint64)) {
 	})
 }
 
-// Alloc places n bytes for stream s (steps 1-4 of the overview, vmm.go).
-func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
+// Alloc places n bytes for stream s, untagged (steps 1-4 of the overview,
+// vmm.go).
+func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) { return e.AllocTagged(size, s, 0) }
+
+// AllocTagged places n bytes for stream s in the segments of memory tag
+// tag; a tag asleep takes nothing (ErrTagAsleep).
+func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, error) {
 	n := e.round(size)
+	if e.sleeping[tag] {
+		return 0, fmt.Errorf("arena: VMM: allocation of %d bytes in memory tag %d: %w", size, tag, ErrTagAsleep)
+	}
+	key := shareKey{s, tag}
 	if err := e.pollPending(); err != nil {
 		return 0, err
 	}
@@ -143,22 +169,22 @@ func (e *vmmSegments) Alloc(size uint64, s Stream) (uintptr, error) {
 		return 0, err
 	}
 	// Step 1: the first free span of at least n bytes in step 1's order.
-	if st := e.stream(s); st != nil {
+	if st := e.share(key); st != nil {
 		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
 			return e.take(st, st.free[j], n), nil
 		}
 	}
-	return e.grow(n, s)
+	return e.grow(n, key)
 }
 
-// stream is s's share of the placement, or nil before its first segment.
-func (e *vmmSegments) stream(s Stream) *segStream {
-	if e.last != nil && e.lastStream == s {
+// share is the share key names, or nil before its first segment.
+func (e *vmmSegments) share(key shareKey) *segStream {
+	if e.last != nil && e.lastKey == key {
 		return e.last
 	}
-	st := e.streams[s]
+	st := e.streams[key]
 	if st != nil {
-		e.last, e.lastStream = st, s
+		e.last, e.lastKey = st, key
 	}
 	return st
 }
@@ -194,6 +220,12 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 		return fmt.Errorf("arena: VMM: free of %#x, which is not a live range", va)
 	}
 	g := r.g
+	if g.asleep {
+		// Nothing of it is mapped, and no work may use it: the free is
+		// complete at once, and its bytes are not mapped again on wake.
+		e.freeAsleep(g, r.id)
+		return nil
+	}
 	own := s == g.stream && s != anyStream
 	var ev Event
 	if !done && !own {

@@ -47,7 +47,7 @@ func TestSegmentsSplitCoalesceAndSameStreamReuse(t *testing.T) {
 	assert.Equal(t, p, a, "the free span is split: its head first")
 	assert.Equal(t, p+4*mib, b, "and its rest next")
 	assert.Equal(t, before, calls(phys), "reuse on the same stream before the free completes calls no driver")
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	assert.Equal(t, [][3]uint64{{0, 4, spanLive}, {4, 6, spanLive}}, spanStates(g))
 	sim.Launch(1)
 	require.NoError(t, e.Free(a, 1, false))
@@ -85,7 +85,7 @@ func TestSegmentsOwnStreamFreesShareOneFence(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 	require.NoError(t, e.Free(ps[2*(fenceEvery-1)], 1, false))
 	assert.Equal(t, 1, *records, "the fence: one event for all of them")
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	ev := g.spanList()[0].event
 	require.NotEqual(t, unrecorded, ev)
 	for _, sp := range g.spanList() {
@@ -127,7 +127,7 @@ func TestSegmentsSynchronizeCompletesUnrecordedFrees(t *testing.T) {
 	require.NoError(t, e.Free(q, 1, false)) // after the synchronisation began: may still run
 	require.NoError(t, sim.Synchronize())
 	e.synchronized(mark)
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	assert.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 8, spanLive}, {16, 8, spanFree}}, spanStates(g))
 	assert.EqualValues(t, 0, g.spanList()[0].event, "freed before the mark: complete")
 	assert.Equal(t, unrecorded, g.spanList()[2].event, "freed after it: not known complete")
@@ -172,7 +172,7 @@ func TestSegmentsFillJoinsFreeSpansThroughAHole(t *testing.T) {
 	require.NoError(t, e.Free(x1, 1, true))
 	sim.Launch(1)
 	require.NoError(t, e.Free(x3, 1, false))
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	require.Equal(t, [][3]uint64{{0, 4, spanFree}, {8, 8, spanFree}, {16, 2, spanLive}}, spanStates(g))
 	maps := phys.Calls["cuMemMap"]
 	p, err := e.Alloc(14*mib, 1)
@@ -224,7 +224,7 @@ func TestSegmentsUnmapFreeMemoryToPayForGrowth(t *testing.T) {
 	assert.Equal(t, 8, phys.Calls["cuMemCreate"])
 	assert.Equal(t, 3, phys.Calls["cuMemUnmap"], "three granules moved")
 	assert.Zero(t, phys.Calls["cuMemRelease"])
-	assert.Equal(t, [][3]uint64{{0, 2, spanFree}}, spanStates(e.streams[1].segs[0]), "from the tail of the free span")
+	assert.Equal(t, [][3]uint64{{0, 2, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]), "from the tail of the free span")
 	assert.EqualValues(t, 16*mib, phys.Used())
 	require.NoError(t, e.CheckInvariants())
 }
@@ -355,7 +355,7 @@ func drainSetup(t *testing.T) (e *vmmSegments, phys *FakePhys, sim *Sim, p1, p2 
 	sim.Launch(1)
 	require.NoError(t, e.Free(p1, 1, false))
 	require.NoError(t, e.Free(p2, 1, false))
-	require.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}}, spanStates(e.streams[1].segs[0]))
+	require.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
 	return e, phys, sim, p1, p2
 }
 
@@ -386,7 +386,7 @@ func TestSegmentsSameStreamPaysWithFreeSpansInUse(t *testing.T) {
 	creates = phys.Calls["cuMemCreate"]
 	q, err := e.Alloc(12*mib, 1)
 	require.NoError(t, err)
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	assert.Equal(t, g.base+20*mib, q, "no free span fits: the hole at the end")
 	assert.Equal(t, creates, phys.Calls["cuMemCreate"], "paid with the free spans in use: no handle created")
 	assert.EqualValues(t, 20*mib, e.Held(), "a handle mapped twice is held once")
@@ -450,7 +450,7 @@ func TestSegmentsCompleteFreeMemoryPaysFirst(t *testing.T) {
 	assert.EqualValues(t, 28*mib, e.Held())
 	assert.Equal(t, 4, phys.Calls["cuMemUnmap"]-unmaps, "stream 2's complete 8 MiB moved")
 	assert.Equal(t, [][3]uint64{{0, 4, spanFree}, {4, 4, spanDraining}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}, {20, 12, spanLive}},
-		spanStates(e.streams[1].segs[0]), "then 4 MiB of stream 1's own")
+		spanStates(e.streams[shareKey{s: 1}].segs[0]), "then 4 MiB of stream 1's own")
 	_ = p1
 	require.NoError(t, e.CheckInvariants())
 }
@@ -462,7 +462,7 @@ func TestSegmentsDeviceOOMAfterBorrowing(t *testing.T) {
 	phys.FailCreate = func(uint64) error { return ErrOutOfMemory }
 	_, err := e.Alloc(20*mib, 1)
 	require.ErrorIs(t, err, ErrOutOfMemory)
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	assert.Equal(t, [][3]uint64{{0, 8, spanFree}, {8, 2, spanLive}, {10, 8, spanFree}, {18, 2, spanLive}}, spanStates(g))
 	assert.EqualValues(t, 20*mib, e.Held())
 	assert.EqualValues(t, 20*mib, phys.Used())
@@ -481,7 +481,7 @@ func TestSegmentsPackRequestsAcrossGranules(t *testing.T) {
 	e, phys, _ := segmentsOnly(t, 1<<30, 0)
 	a, err := e.Alloc(3*mib, 1)
 	require.NoError(t, err)
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}}, spanStates(g), "the second granule's rest is free")
 	b, err := e.Alloc(3*mib, 1)
 	require.NoError(t, err)
@@ -527,7 +527,7 @@ func allocAll(t *testing.T, e *vmmSegments, s Stream, sizes ...uint64) []uintptr
 func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
 	e, phys, _ := segmentsOnly(t, 1<<30, 8*mib)
 	b := allocAll(t, e, 1, 3*mib, 4*mib, 1*mib)[1]
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	require.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 4, spanLive}, {7, 1, spanLive}}, spanStates(g))
 	require.EqualValues(t, 8*mib, e.Held())
 	require.NoError(t, e.Free(b, 1, true))
@@ -551,7 +551,7 @@ func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
 func TestSegmentsLendTheWholeGranulesOfASpanInUse(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 14*mib)
 	b := allocAll(t, e, 1, 3*mib, 6*mib, 1*mib)[1]
-	g := e.streams[1].segs[0]
+	g := e.streams[shareKey{s: 1}].segs[0]
 	require.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 6, spanLive}, {9, 1, spanLive}}, spanStates(g))
 	sim.Launch(1)
 	require.NoError(t, e.Free(b, 1, false))
@@ -607,7 +607,7 @@ func TestSegmentsFenceSkipsACapturingStream(t *testing.T) {
 	require.NoError(t, e.Trim(0))
 	assert.Zero(t, *records, "nothing recorded on the capturing stream")
 	assert.EqualValues(t, 8*mib, e.Held(), "not known complete: kept")
-	assert.Equal(t, unrecorded, e.streams[1].segs[0].spanList()[0].event)
+	assert.Equal(t, unrecorded, e.streams[shareKey{s: 1}].segs[0].spanList()[0].event)
 	require.NoError(t, e.CheckInvariants())
 	sim.SetCapture(1, CaptureNone)
 	require.NoError(t, e.Trim(0))
@@ -782,7 +782,7 @@ func TestSegmentsDropASiblingBetweenOthers(t *testing.T) {
 			}
 			require.NoError(t, e.CheckInvariants(), "seed %d step %d", seed, step)
 			for g, k := range before {
-				if g.order < 0 && e.streams[g.stream] != nil && int(k) < len(e.streams[g.stream].segs) {
+				if g.order < 0 && e.streams[g.key()] != nil && int(k) < len(e.streams[g.key()].segs) {
 					middle++ // a sibling after it took its place
 				}
 			}

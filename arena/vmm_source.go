@@ -23,6 +23,9 @@ type vmmSource struct {
 	used     uint64 // rounded bytes of live allocations
 	usedHigh uint64
 	closed   bool
+	// allocTag is the memory tag of the allocations that follow
+	// (Sleeper.SetAllocTag).
+	allocTag Tag
 }
 
 // pieceAlign is the alignment of what the source hands out: the caching
@@ -39,6 +42,9 @@ func newVMMSource(phys PhysDriver, mem, limit uint64) (*vmmSource, error) {
 	if err != nil {
 		return nil, err
 	}
+	if c, ok := phys.(HostCopier); ok {
+		eng.copier = c
+	}
 	return &vmmSource{eng: eng, drv: drv, profile: profile, gran: eng.granule()}, nil
 }
 
@@ -51,6 +57,8 @@ func (v *vmmSource) setCaptureUnderway(underway bool) { v.drv.underway.Store(und
 
 var errVMMClosed = errors.New("arena: VMM device is closed")
 
+// alloc places size bytes for s, with the memory tag set last
+// (setAllocTag); memory any stream may use (anyStream) is untagged.
 func (v *vmmSource) alloc(size uint64, s Stream) (uintptr, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -61,7 +69,11 @@ func (v *vmmSource) alloc(size uint64, s Stream) (uintptr, error) {
 	if n == 0 {
 		n = pieceAlign
 	}
-	p, err := v.eng.Alloc(n, s)
+	tag := v.allocTag
+	if s == anyStream {
+		tag = 0
+	}
+	p, err := v.eng.AllocTagged(n, s, tag)
 	if err == nil {
 		v.count(int64(v.eng.round(n)))
 	}
@@ -156,6 +168,46 @@ func (v *vmmSource) close() error {
 	}
 	v.closed = true
 	return v.eng.Close()
+}
+
+func (v *vmmSource) setAllocTag(tag Tag) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.allocTag = tag
+}
+
+// errSleepInCapture refuses sleep and wake while a capture is underway:
+// their events would join the capture, and their waits break it.
+var errSleepInCapture = errors.New("arena: VMM: sleep and wake are refused while a CUDA graph capture is underway on the device")
+
+func (v *vmmSource) sleep(req SleepRequest) (SleepReport, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	switch {
+	case v.closed:
+		return SleepReport{}, errVMMClosed
+	case v.drv.underway.Load():
+		return SleepReport{}, errSleepInCapture
+	}
+	return v.eng.Sleep(req)
+}
+
+func (v *vmmSource) wake(tag Tag) (WakeReport, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	switch {
+	case v.closed:
+		return WakeReport{}, errVMMClosed
+	case v.drv.underway.Load():
+		return WakeReport{}, errSleepInCapture
+	}
+	return v.eng.Wake(tag)
+}
+
+func (v *vmmSource) sleepState() SleepState {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.eng.sleepState()
 }
 
 // checkInvariants verifies the placement's invariants and the source's

@@ -24,12 +24,19 @@ type spanNode struct {
 	prev, next spanID
 }
 
-// vmmSegment is one stream's VA reservation.
+// vmmSegment is one stream's VA reservation, for one memory tag.
 type vmmSegment struct {
 	stream Stream
-	order  int32 // its place among its stream's segments, in creation order
-	base   uintptr
-	size   uint64
+	tag    Tag
+	// asleep: the segment's tag is asleep (vmm_sleep.go): it holds only
+	// live spans and no handle, but where a failed release left some.
+	asleep bool
+	// offloads are the host copies of its live spans' contents, by base,
+	// while asleep.
+	offloads map[uintptr]offloadCopy
+	order    int32 // its place among its share's segments, in creation order
+	base     uintptr
+	size     uint64
 	// nodes holds the spans, linked in address order from first to last
 	// (noSpan: none), and the nodes of no span, listed in unused for
 	// reuse. Invariant: every node is in exactly one of the two.
@@ -51,6 +58,9 @@ type vmmSegment struct {
 }
 
 func (g *vmmSegment) end() uintptr { return g.base + uintptr(g.size) }
+
+// key is the share g belongs to.
+func (g *vmmSegment) key() shareKey { return shareKey{g.stream, g.tag} }
 
 // span is the span id names; the pointer lasts until the next insert.
 func (g *vmmSegment) span(id spanID) *segSpan { return &g.nodes[id].segSpan }

@@ -1,6 +1,7 @@
 package arena
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand"
@@ -35,13 +36,26 @@ type vmmHarness struct {
 	allocStream Stream
 	violations  []string
 	cookie      uint64
+	// asleep: the memory tags asleep (sleep and wake steps); how many
+	// sleeps, wakes and wakes out of memory the steps made, and frees of
+	// sleeping blocks.
+	asleep                               map[Tag]bool
+	sleeps, wakes, wakeOOMs, asleepFrees int
 }
 
 type vmmBlock struct {
 	size   uint64
 	stream Stream
 	cookie uint64
+	tag    Tag
 }
+
+// The tags the random steps use: tag 5 is offloaded at each sleep, tag 6
+// discarded.
+const (
+	tagOffloaded Tag = 5
+	tagDiscarded Tag = 6
+)
 
 type use struct {
 	s   Stream
@@ -59,7 +73,7 @@ func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
 	d.SetManual(true)
 	d.SetCap(limit)
 	h := &vmmHarness{t: t, d: d, live: map[uintptr]vmmBlock{}, lastVA: map[uintptr]use{},
-		lastPhys: map[physCell]use{}, lastCell: map[physCell]use{}, shadow: map[physCell]uint64{}}
+		lastPhys: map[physCell]use{}, lastCell: map[physCell]use{}, shadow: map[physCell]uint64{}, asleep: map[Tag]bool{}}
 	d.phys.OnUnmap = func(va uintptr, size uint64) error {
 		for p := va; p < va+uintptr(size); p += simVMMGranule {
 			if u, ok := h.lastVA[p]; ok && !h.completed(u) {
@@ -132,14 +146,19 @@ func (h *vmmHarness) cells(p uintptr, size uint64) []physCell {
 	return out
 }
 
-func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) {
+func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) { return h.allocTagged(size, s, 0) }
+
+// allocTagged allocates in tag, and writes the block's cookie into it.
+func (h *vmmHarness) allocTagged(size uint64, s Stream, tag Tag) (uintptr, error) {
 	h.allocStream = s
 	var p uintptr
 	var err error
 	if s == anyStream {
 		p, err = h.d.AllocUncaptured(size)
 	} else {
+		h.d.SetAllocTag(tag)
 		p, err = h.d.Alloc(size, s)
+		h.d.SetAllocTag(0)
 	}
 	if err != nil {
 		return 0, err
@@ -147,7 +166,8 @@ func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) {
 	_, dup := h.live[p]
 	require.False(h.t, dup, "%#x handed out twice", p)
 	h.cookie++
-	h.live[p] = vmmBlock{size: size, stream: s, cookie: h.cookie}
+	h.live[p] = vmmBlock{size: size, stream: s, cookie: h.cookie, tag: tag}
+	h.writeCookie(p)
 	for _, c := range h.cells(p, max(size, 1)) {
 		h.shadow[c] = h.cookie
 		if u, ok := h.lastCell[c]; ok && !h.completed(u) && (u.s != s || s == anyStream) {
@@ -159,6 +179,13 @@ func (h *vmmHarness) alloc(size uint64, s Stream) (uintptr, error) {
 
 func (h *vmmHarness) free(p uintptr, s Stream) {
 	b := h.live[p]
+	if h.asleep[b.tag] {
+		h.asleepFrees++
+		// Nothing maps it, and no work may use it: freed at once.
+		require.NoError(h.t, h.d.Free(p, b.size, s))
+		delete(h.live, p)
+		return
+	}
 	if s != b.stream && b.stream != anyStream {
 		// A free ordered on another stream than the block's is correct
 		// only once that stream is ordered after the block's own (the
@@ -185,11 +212,69 @@ func (h *vmmHarness) free(p uintptr, s Stream) {
 	delete(h.live, p)
 }
 
+// writeCookie writes the cookie of the live block at p into its first 8
+// bytes (a block of fewer holds 512).
+func (h *vmmHarness) writeCookie(p uintptr) {
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], h.live[p].cookie)
+	require.NoError(h.t, h.d.phys.Write(p, b[:]))
+}
+
+// sleep puts both tags to sleep, tag 5 offloaded: the sleeping blocks'
+// cells leave the shadow (their handles are released).
+func (h *vmmHarness) sleep() {
+	_, err := h.d.Sleep(SleepRequest{Tags: []Tag{tagOffloaded, tagDiscarded}, Offload: []Tag{tagOffloaded}})
+	require.NoError(h.t, err)
+	h.asleep[tagOffloaded], h.asleep[tagDiscarded] = true, true
+	h.sleeps++
+	h.shadow = map[physCell]uint64{}
+	for p, b := range h.live {
+		if b.tag == 0 {
+			for _, c := range h.cells(p, max(b.size, 1)) {
+				h.shadow[c] = b.cookie
+			}
+		}
+	}
+}
+
+// wake wakes tag; out of memory leaves it asleep. The woken blocks' cells
+// join the shadow (fresh handles), and a discarded tag's blocks get their
+// cookies again (their contents are undefined), an offloaded one's must
+// have kept them.
+func (h *vmmHarness) wake(tag Tag) error {
+	if _, err := h.d.Wake(tag); err != nil {
+		require.True(h.t, errors.Is(err, ErrOutOfMemory), "%v", err)
+		h.wakeOOMs++
+		return err
+	}
+	h.wakes++
+	delete(h.asleep, tag)
+	for p, b := range h.live {
+		if b.tag != tag {
+			continue
+		}
+		if tag == tagDiscarded {
+			h.writeCookie(p)
+		}
+		for _, c := range h.cells(p, max(b.size, 1)) {
+			h.shadow[c] = b.cookie
+		}
+	}
+	return nil
+}
+
 // check verifies the engine's invariants, the cookies, and the hooks.
 func (h *vmmHarness) check() {
 	require.NoError(h.t, h.d.CheckInvariants())
 	require.Empty(h.t, h.violations)
 	for p, b := range h.live {
+		if h.asleep[b.tag] {
+			continue
+		}
+		got, err := h.d.phys.Read(p, 8)
+		if err != nil || binary.LittleEndian.Uint64(got) != b.cookie {
+			h.t.Fatalf("block %#x (tag %d) lost its contents: %x, %v", p, b.tag, got, err)
+		}
 		for _, c := range h.cells(p, max(b.size, 1)) {
 			if h.shadow[c] != b.cookie {
 				h.t.Fatalf("block %#x lost cell %v to cookie %d", p, c, h.shadow[c])
@@ -211,6 +296,9 @@ func liveGranuleBytes(seg *vmmSegments) uint64 {
 	var n uint64
 	for _, g := range seg.segs {
 		last := -1
+		if g.asleep {
+			continue
+		}
 		for _, sp := range g.spanList() {
 			if sp.state != spanLive {
 				continue
@@ -233,6 +321,11 @@ func TestVMMRandomOps(t *testing.T) {
 	if n, err := strconv.Atoi(os.Getenv("GOALLOC_VMM_SEEDS")); err == nil && n > 0 {
 		seeds = int64(n) // more seeds, for a hunt: GOALLOC_VMM_SEEDS=500 go test -run TestVMMRandomOps ./arena
 	}
+	var sleeps, wakes, wakeOOMs, asleepFrees int
+	defer func() {
+		t.Logf("%d sleeps, %d wakes, %d wakes out of memory, %d frees of sleeping blocks", sleeps, wakes, wakeOOMs, asleepFrees)
+		assert.True(t, sleeps > 0 && wakes > 0 && asleepFrees > 0, "the steps slept, woke and freed sleeping blocks")
+	}()
 	for seed := int64(1); seed <= seeds; seed++ {
 		t.Run(fmt.Sprint(seed), func(t *testing.T) {
 			rng := rand.New(rand.NewSource(seed))
@@ -245,44 +338,31 @@ func TestVMMRandomOps(t *testing.T) {
 			streams := []Stream{1, 2, 3, anyStream}
 			sizes := []uint64{0, 512, 3000, 64 << 10, 300 << 10, mib, 2 * mib, 2*mib + 1, 6 * mib, 10 * mib, 31 * mib}
 			for step := 0; step < 800; step++ {
-				switch r := rng.Intn(10); {
-				case r < 5:
-					s := streams[rng.Intn(len(streams))]
-					size := sizes[rng.Intn(len(sizes))]
-					_, err := h.alloc(size, s)
-					if err != nil {
-						require.True(t, errors.Is(err, ErrOutOfMemory), "%v", err)
-						h.check()
-						// After the layer above synchronises, what is
-						// live is all that holds memory.
-						require.NoError(t, h.d.Synchronize())
-						if _, err := h.alloc(size, s); err != nil {
-							require.True(t, errors.Is(err, ErrOutOfMemory), "%v", err)
-							e := h.d.src.eng
-							bound := capacity
-							if limit > 0 {
-								bound = limit
-							}
-							live := liveGranuleBytes(e)
-							assert.Greater(t, live+roundUp(e.round(size), e.granule()), bound,
-								"OOM with %d live of %d after a synchronise", live, bound)
-						}
-					}
-				case r < 9 && len(h.live) > 0:
+				switch r := rng.Intn(20); {
+				case r < 10:
+					h.randomAlloc(rng, streams, sizes, capacity, limit)
+				case r < 18 && len(h.live) > 0:
 					// Pick from the live blocks in address order: the pick
 					// must follow the seed alone, not Go's map order, or a
 					// failure cannot be replayed.
-					keys := make([]uintptr, 0, len(h.live))
-					for q := range h.live {
-						keys = append(keys, q)
-					}
-					slices.Sort(keys)
+					keys := h.liveKeys()
 					p := keys[rng.Intn(len(keys))]
 					s := h.live[p].stream
 					if s == anyStream || rng.Intn(8) == 0 {
 						s = streams[rng.Intn(3)]
 					}
 					h.free(p, s)
+				case r == 18:
+					// Both tags to sleep, or one of them awake again
+					// (out of memory leaves it asleep, for a later step).
+					if len(h.asleep) == 0 {
+						h.sleep()
+					} else {
+						tags := []Tag{tagOffloaded, tagDiscarded}
+						if t := tags[rng.Intn(2)]; h.asleep[t] {
+							_ = h.wake(t)
+						}
+					}
 				default:
 					switch rng.Intn(3) {
 					case 0:
@@ -295,6 +375,8 @@ func TestVMMRandomOps(t *testing.T) {
 				}
 				h.check()
 			}
+			h.wakeAll()
+			sleeps, wakes, wakeOOMs, asleepFrees = sleeps+h.sleeps, wakes+h.wakes, wakeOOMs+h.wakeOOMs, asleepFrees+h.asleepFrees
 			keys := make([]uintptr, 0, len(h.live))
 			for q := range h.live {
 				keys = append(keys, q)
@@ -311,6 +393,67 @@ func TestVMMRandomOps(t *testing.T) {
 			require.NoError(t, h.d.Close())
 			assert.Zero(t, h.d.Sim.Events(), "events leaked")
 		})
+	}
+}
+
+// liveKeys is the live blocks' addresses, in order.
+func (h *vmmHarness) liveKeys() []uintptr {
+	keys := make([]uintptr, 0, len(h.live))
+	for q := range h.live {
+		keys = append(keys, q)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// randomAlloc allocates a random size on a random stream, in a random tag
+// that is awake (or untagged); out of memory must be real: after a
+// synchronisation, live memory leaves no room.
+func (h *vmmHarness) randomAlloc(rng *rand.Rand, streams []Stream, sizes []uint64, capacity, limit uint64) {
+	t := h.t
+	s := streams[rng.Intn(len(streams))]
+	size := sizes[rng.Intn(len(sizes))]
+	tag := []Tag{0, 0, tagOffloaded, tagDiscarded}[rng.Intn(4)]
+	if h.asleep[tag] || s == anyStream {
+		tag = 0
+	}
+	_, err := h.allocTagged(size, s, tag)
+	if err == nil {
+		return
+	}
+	require.True(t, errors.Is(err, ErrOutOfMemory), "%v", err)
+	h.check()
+	// After the layer above synchronises, what is live is all that holds
+	// memory.
+	require.NoError(t, h.d.Synchronize())
+	if _, err := h.allocTagged(size, s, tag); err != nil {
+		require.True(t, errors.Is(err, ErrOutOfMemory), "%v", err)
+		e := h.d.src.eng
+		bound := capacity
+		if limit > 0 {
+			bound = limit
+		}
+		live := liveGranuleBytes(e)
+		assert.Greater(t, live+roundUp(e.round(size), e.granule()), bound,
+			"OOM with %d live of %d after a synchronise", live, bound)
+	}
+}
+
+// wakeAll wakes every tag asleep, freeing the untagged blocks first if
+// that is what makes room.
+func (h *vmmHarness) wakeAll() {
+	for _, tag := range []Tag{tagOffloaded, tagDiscarded} {
+		if !h.asleep[tag] || h.wake(tag) == nil {
+			continue
+		}
+		for _, p := range h.liveKeys() {
+			if h.live[p].tag == 0 {
+				h.free(p, h.live[p].stream%4)
+			}
+		}
+		require.NoError(h.t, h.d.Synchronize())
+		require.NoError(h.t, h.wake(tag))
+		h.check()
 	}
 }
 

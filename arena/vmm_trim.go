@@ -27,7 +27,7 @@ func (e *vmmSegments) Trim(keep uint64) error {
 	}
 	var free []segRef
 	for _, g := range e.segs {
-		if g.nfree == 0 {
+		if g.nfree == 0 || g.asleep {
 			continue
 		}
 		for id := g.first; id != noSpan; id = g.next(id) {
@@ -83,7 +83,7 @@ func (e *vmmSegments) dropEmpty() error {
 // (order -1) is left alone; one the driver would not free stays, as it
 // was.
 func (e *vmmSegments) dropIfEmpty(g *vmmSegment) error {
-	if g.first != noSpan || g.order < 0 {
+	if g.first != noSpan || g.order < 0 || (g.asleep && g.holdsHandles()) {
 		return nil
 	}
 	if err := e.drv.FreeVA(g.base, g.size); err != nil {
@@ -94,10 +94,10 @@ func (e *vmmSegments) dropIfEmpty(g *vmmSegment) error {
 	}
 	i := slices.Index(e.segs, g)
 	e.segs = slices.Delete(e.segs, i, i+1)
-	st := e.streams[g.stream]
+	st := e.streams[g.key()]
 	st.remove(g)
 	if len(st.segs) == 0 {
-		delete(e.streams, g.stream)
+		delete(e.streams, g.key())
 		if e.last == st {
 			e.last = nil
 		}
@@ -152,7 +152,8 @@ func (e *vmmSegments) Close() error {
 	for _, ev := range e.events {
 		errs = append(errs, e.drv.DestroyEvent(ev))
 	}
-	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, streams: map[Stream]*segStream{},
-		drainMaps: map[PhysHandle]int32{}}
+	errs = append(errs, e.host.close(e.copier))
+	*e = vmmSegments{drv: e.drv, gran: e.gran, segVA: e.segVA, mem: e.mem, streams: map[shareKey]*segStream{},
+		drainMaps: map[PhysHandle]int32{}, sleeping: map[Tag]bool{}, copier: e.copier}
 	return errors.Join(errs...)
 }

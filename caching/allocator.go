@@ -109,6 +109,11 @@ type Allocator struct {
 	reserveBytes uint64
 	// private holds the pools of CUDA graph captures (graphs.go).
 	private map[PoolID]*cachePool
+	// tags holds the pools of memory tags (sleep.go), made on first use;
+	// tagsInUse says the process uses memory tags, which keeps the front
+	// off (SetTagsInUse).
+	tags      map[Tag]*cachePool
+	tagsInUse bool
 	// retained is what the general cache keeps of freed memory (its cached
 	// large blocks, least recently freed first, and its empty segments),
 	// the Allocator's own so that reclaiming memory (out of memory,

@@ -9,7 +9,11 @@ import "github.com/goalloc/goalloc/arena"
 // A cachePool is a set of stream free lists: the general cache, or one
 // private pool of CUDA graph captures.
 type cachePool struct {
-	id PoolID // the zero PoolID for the general cache
+	id PoolID // the zero PoolID for the general cache and the tags' pools
+	// tag is a memory tag's pool's tag (sleep.go), 0 for the others;
+	// asleep says the tag is asleep.
+	tag    Tag
+	asleep bool
 	// lists has one StreamFreeList per stream that holds memory here
 	// (byStream finds it); last is the one used most recently, checked
 	// first because one stream does most work. A list that holds nothing

@@ -2,7 +2,10 @@ package caching
 
 import (
 	"fmt"
+	"slices"
 	"sort"
+
+	"github.com/goalloc/goalloc/arena"
 )
 
 // CheckInvariants recomputes everything the allocator keeps incrementally
@@ -13,9 +16,9 @@ func (a *Allocator) CheckInvariants() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if f := a.Front(); f != nil {
-		want := a.history == nil && !a.capturing()
+		want := a.frontAllowed()
 		if got := f.enabled.Load() == 1; got != want {
-			return fmt.Errorf("front log enabled %v, but history %v and capture windows %d say %v", got, a.history != nil, len(a.windows), want)
+			return fmt.Errorf("front log enabled %v, but history %v, capture windows %d and tags in use %v say %v", got, a.history != nil, len(a.windows), a.tagsInUse, want)
 		}
 	}
 	type span struct {
@@ -65,7 +68,7 @@ func (a *Allocator) CheckInvariants() error {
 	if a.largeByAddr.Len() != int(segs[StatLarge]) {
 		return fmt.Errorf("%d addresses indexed, %d large blocks held", a.largeByAddr.Len(), segs[StatLarge])
 	}
-	pools := append([]*cachePool{a.general}, a.privatePools()...)
+	pools := a.cachePools()
 	for _, p := range pools {
 		if poolCached[p] != p.cachedLarge {
 			return fmt.Errorf("pool %v: cachedLarge %d, cached blocks add up to %d", p.id, p.cachedLarge, poolCached[p])
@@ -222,10 +225,15 @@ func (a *Allocator) CheckInvariants() error {
 			st.InactiveSplit[StatAll].Current, st.InactiveSplitBytes[StatAll].Current, inactiveN, inactive)
 	}
 	// The stack under the cache counts what it handed out on its own; the
-	// cap is only right if that count is reserved_bytes.
-	if own := uint64(reserved[StatAll] - x.reserved[StatAll]); a.limited.Held() != own+x.claimed || a.counting.Held() != own {
-		return fmt.Errorf("the memory stack holds %d bytes (cap's count, own-allocator pools' %d in it) and %d (device count), blocks add up to %d",
-			a.limited.Held(), x.claimed, a.counting.Held(), own)
+	// cap is only right if that count is reserved_bytes, but for what is
+	// asleep, which holds nothing on the device (sleep.go).
+	own := uint64(reserved[StatAll] - x.reserved[StatAll])
+	if asleep := a.asleepBytes(); a.limited.Held() != own+x.claimed-asleep || a.counting.Held() != own {
+		return fmt.Errorf("the memory stack holds %d bytes (cap's count, own-allocator pools' %d in it, %d asleep out of it) and %d (device count), blocks add up to %d",
+			a.limited.Held(), x.claimed, asleep, a.counting.Held(), own)
+	}
+	if err := a.checkTagPools(); err != nil {
+		return err
 	}
 	for _, p := range pools {
 		if poolBytes[p] != p.reserved {
@@ -292,7 +300,7 @@ func (a *Allocator) checkStreamRecords() error {
 	for l, n := range listEmpty {
 		emptyHeld[l.pool] += l.pool.emptySegs.heldFor(n)
 	}
-	pools := append([]*cachePool{a.general}, a.privatePools()...)
+	pools := a.cachePools()
 	for _, p := range pools {
 		n := 0
 		for seg := p.emptySegs.head; seg != nil; seg = seg.emptyNext {
@@ -364,10 +372,35 @@ func (a *Allocator) isPending(ptr uintptr) bool {
 	return false
 }
 
+// checkTagPools checks the memory tags' pools: filed under their tag, a
+// pool asleep caches nothing, and the device's tags asleep are theirs.
+func (a *Allocator) checkTagPools() error {
+	for t, p := range a.tags {
+		if p.tag != t || t == 0 || p.id != (PoolID{}) {
+			return fmt.Errorf("the pool of memory tag %d is filed as tag %d, pool %v", p.tag, t, p.id)
+		}
+		if p.asleep && !a.capturing() && (p.cachedLarge > 0 || p.emptySegs.head != nil) {
+			return fmt.Errorf("memory tag %d is asleep and caches %d bytes of blocks, empty segments %v", t, p.cachedLarge, p.emptySegs.head != nil)
+		}
+	}
+	if sl, ok := a.dev.(arena.Sleeper); ok {
+		if got, want := sl.SleepState().Asleep, a.asleepTags(); !slices.Equal(got, want) {
+			return fmt.Errorf("the device has memory tags %v asleep, the pools %v", got, want)
+		}
+	}
+	return nil
+}
+
+// cachePools is every cache pool: the general cache, the memory tags'
+// pools and the private pools.
+func (a *Allocator) cachePools() []*cachePool {
+	return append(append([]*cachePool{a.general}, a.tagPools()...), a.privatePools()...)
+}
+
 // allLists is every StreamFreeList of every cache pool.
 func (a *Allocator) allLists() []*StreamFreeList {
-	out := append([]*StreamFreeList(nil), a.general.lists...)
-	for _, p := range a.privatePools() {
+	var out []*StreamFreeList
+	for _, p := range a.cachePools() {
 		out = append(out, p.lists...)
 	}
 	return out

@@ -137,20 +137,26 @@ func (a *Allocator) DrainFront() {
 }
 
 // publishFront tells the front whether it may serve and take frees: not
-// while history is recorded or a capture window is open. Called with a.mu
-// held by whatever changes either (RecordHistory, BeginAllocateToPool,
-// EndAllocateToPool) and when the log is made; CheckInvariants checks that
-// the flag agrees.
+// while history is recorded or a capture window is open, and never once
+// the process uses memory tags (SetTagsInUse). Called with a.mu held by
+// whatever changes one of them (RecordHistory, BeginAllocateToPool,
+// EndAllocateToPool, SetTagsInUse) and when the log is made;
+// CheckInvariants checks that the flag agrees.
 func (a *Allocator) publishFront() {
 	f := a.Front()
 	if f == nil {
 		return
 	}
 	var on uint32
-	if a.history == nil && !a.capturing() {
+	if a.frontAllowed() {
 		on = 1
 	}
 	f.enabled.Store(on)
+}
+
+// frontAllowed says whether the front may serve and take frees now.
+func (a *Allocator) frontAllowed() bool {
+	return a.history == nil && !a.capturing() && !a.tagsInUse
 }
 
 // drainFront applies the front log's entries in their order. Called by

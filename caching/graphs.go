@@ -227,16 +227,17 @@ func (a *Allocator) captureTarget(s arena.Stream) (*cachePool, error) {
 var errCapturing = errors.New("a CUDA graph capture is underway")
 
 // mayFree says whether giving memory of pool p back to the device, ordered
-// on s, is safe now. Not while s is being captured: the free would become
-// a node of the graph. Nor, while any capture is underway, memory of a
-// private pool: it was taken outside the captures for any stream's use
+// on s, is safe now (the general cache's and the memory tags' pools
+// alike). Not while s is being captured: the free would become a node of
+// the graph. Nor, while any capture is underway, memory of a private
+// pool: it was taken outside the captures for any stream's use
 // (AllocUncaptured), so its free needs events, which wait for the end of
 // the captures (capturesEnd gives it back then).
 func (a *Allocator) mayFree(p *cachePool, s arena.Stream) error {
 	if !a.capturing() {
 		return nil
 	}
-	if p != a.general {
+	if p.id != (PoolID{}) {
 		return errCapturing
 	}
 	st, err := a.dev.CaptureStatus(s)

@@ -23,7 +23,7 @@ import (
 func (a *Allocator) MallocIn(id PoolID, size uint64, s arena.Stream) (uintptr, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.mallocInPool(id, size, s)
+	return a.mallocInPool(id, 0, size, s)
 }
 
 // MallocInCtx is MallocIn for a call whose context id is ctx (history.go,
@@ -33,7 +33,23 @@ func (a *Allocator) MallocInCtx(id PoolID, size uint64, s arena.Stream, ctx uint
 	defer a.mu.Unlock()
 	a.callCtx = ctx
 	defer a.endCall()
-	return a.mallocInPool(id, size, s)
+	return a.mallocInPool(id, 0, size, s)
+}
+
+// MallocInTagged is MallocInRounded in memory tag tag: the zero id's
+// allocation comes from the tag's pool (sleep.go).
+func (a *Allocator) MallocInTagged(tag Tag, id PoolID, size, block uint64, s arena.Stream, ctx uint64) (uintptr, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if block > MaxRequest {
+		return 0, a.checkRequest(block)
+	}
+	a.callCtx = ctx
+	if block > size {
+		a.callBlock = block
+	}
+	defer a.endCall()
+	return a.mallocInPool(id, tag, size, s)
 }
 
 // MallocInRounded is MallocInCtx for a request of size bytes that the
@@ -52,20 +68,26 @@ func (a *Allocator) MallocInRounded(id PoolID, size, block uint64, s arena.Strea
 		a.callBlock = block
 	}
 	defer a.endCall()
-	return a.mallocInPool(id, size, s)
+	return a.mallocInPool(id, 0, size, s)
 }
 
 // endCall ends a call with a context id or a rounding of its own: what the
 // allocator does later under another call is not this one's.
 func (a *Allocator) endCall() { a.callCtx, a.callBlock = 0, 0 }
 
-// mallocInPool is MallocIn with a.mu held.
-func (a *Allocator) mallocInPool(id PoolID, size uint64, s arena.Stream) (uintptr, error) {
+// mallocInPool is MallocIn with a.mu held, in memory tag tag where id is
+// the zero PoolID.
+func (a *Allocator) mallocInPool(id PoolID, tag Tag, size uint64, s arena.Stream) (uintptr, error) {
 	if size > MaxRequest {
 		return 0, a.checkRequest(size)
 	}
 	cp := a.general
-	if id != (PoolID{}) {
+	if id == (PoolID{}) && tag != 0 {
+		var err error
+		if cp, err = a.tagPool(tag); err != nil {
+			return 0, err
+		}
+	} else if id != (PoolID{}) {
 		cp = a.private[id]
 		if cp == nil || cp.users == 0 {
 			return 0, a.badInput("invalid_pool", fmt.Sprintf("malloc in pool (%d, %d) on device %d, which is not in use", id[0], id[1], a.dev.Ordinal()))

@@ -2,6 +2,8 @@ package caching
 
 import (
 	"errors"
+
+	"github.com/goalloc/goalloc/arena"
 )
 
 // Giving memory back to the device pool: one block or segment, what a miss
@@ -15,7 +17,7 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	if err := a.mayFree(b.list.pool, b.stream); err != nil {
 		return err
 	}
-	if err := a.mem.Free(b.addr, b.size, b.stream); err != nil {
+	if err := a.freeToPool(b.list.pool, b.addr, b.size, b.stream); err != nil {
 		return err
 	}
 	a.uncache(id, nil)
@@ -36,6 +38,21 @@ func (a *Allocator) releaseBlock(id blockID) error {
 	return nil
 }
 
+// freeToPool gives n bytes at addr of cache pool p back to the memory
+// stack, ordered on s. Memory of a pool asleep is out of the cap's count
+// (sleep.go), which the stack's free takes it out of again: it is counted
+// back first.
+func (a *Allocator) freeToPool(p *cachePool, addr uintptr, n uint64, s arena.Stream) error {
+	if p.asleep {
+		a.limited.Resume(n, true)
+	}
+	err := a.mem.Free(addr, n, s)
+	if err != nil && p.asleep {
+		a.limited.Suspend(n)
+	}
+	return err
+}
+
 // segmentFreeCtx is the context id of a segment_free entry: the call's
 // that gives the segment back, else the segment's own (history.go,
 // "Context ids").
@@ -50,7 +67,7 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	if err := a.mayFree(seg.list.pool, seg.stream); err != nil {
 		return err
 	}
-	if err := a.mem.Free(seg.addr, seg.size, seg.stream); err != nil {
+	if err := a.freeToPool(seg.list.pool, seg.addr, seg.size, seg.stream); err != nil {
 		return err
 	}
 	l := seg.list
@@ -73,13 +90,13 @@ func (a *Allocator) releaseSegment(seg *Segment) error {
 	return nil
 }
 
-// releaseAtLeast gives the general cache's least recently freed blocks back
-// to the pool until at least n bytes went back or nothing is cached.
-func (a *Allocator) releaseAtLeast(n uint64) {
+// releaseAtLeast gives p's least recently freed blocks back to the pool
+// until at least n bytes went back or nothing is cached.
+func (a *Allocator) releaseAtLeast(p *cachePool, n uint64) {
 	var released uint64
-	for released < n && a.lru.head != noBlock {
-		size := a.blocks[a.lru.head].size
-		if a.releaseBlock(a.lru.head) != nil {
+	for released < n && p.lru.head != noBlock {
+		size := a.blocks[p.lru.head].size
+		if a.releaseBlock(p.lru.head) != nil {
 			return
 		}
 		released += size
@@ -87,15 +104,16 @@ func (a *Allocator) releaseAtLeast(n uint64) {
 }
 
 // releaseForMiss makes room in the pool for an n-byte block on l's stream:
-// it gives back the smallest cached block of at least n bytes, which the
-// pool's best fit will then reuse in place; with none, the least recently
-// freed blocks until n bytes went back. Blocks of l's own stream come
-// first: memory another stream freed reaches l's stream only once that free
-// has completed, or by the pool making l's stream wait for it.
+// it gives back the smallest cached block of l's cache pool of at least n
+// bytes, which the pool's best fit will then reuse in place; with none,
+// the least recently freed blocks until n bytes went back. Blocks of l's
+// own stream come first: memory another stream freed reaches l's stream
+// only once that free has completed, or by the pool making l's stream
+// wait for it.
 func (a *Allocator) releaseForMiss(l *StreamFreeList, n uint64) {
 	best := a.smallestCachedAtLeast(l, n)
 	if best == noBlock {
-		for _, other := range a.general.lists {
+		for _, other := range l.pool.lists {
 			if b := a.smallestCachedAtLeast(other, n); b != noBlock &&
 				(best == noBlock || a.blocks[b].size < a.blocks[best].size) {
 				best = b
@@ -106,7 +124,7 @@ func (a *Allocator) releaseForMiss(l *StreamFreeList, n uint64) {
 		_ = a.releaseBlock(best)
 		return
 	}
-	a.releaseAtLeast(n)
+	a.releaseAtLeast(l.pool, n)
 }
 
 // smallestCachedAtLeast is the least recently freed block of the smallest
@@ -120,24 +138,47 @@ func (a *Allocator) smallestCachedAtLeast(l *StreamFreeList, n uint64) blockID {
 	return noBlock
 }
 
-// releaseCached gives the general cache's cached large blocks back to the
-// pool, oldest first, until at most keep bytes stay cached.
+// releaseCached gives the cached large blocks of the general cache and of
+// the memory tags' pools back to the pool, oldest first, until at most
+// keep bytes stay cached in each.
 func (a *Allocator) releaseCached(keep uint64) {
-	for a.cachedLarge > keep && a.lru.head != noBlock {
-		if a.releaseBlock(a.lru.head) != nil {
+	for _, p := range a.freeCaches() {
+		a.releaseLRU(p, keep)
+	}
+}
+
+// releaseLRU gives p's cached large blocks back to the pool, oldest first,
+// until at most keep bytes stay cached.
+func (a *Allocator) releaseLRU(p *cachePool, keep uint64) {
+	for p.cachedLarge > keep && p.lru.head != noBlock {
+		if a.releaseBlock(p.lru.head) != nil {
 			return
 		}
 	}
 }
 
 // releaseEmptySegments gives every empty small segment of the general
-// cache back to the pool.
+// cache and of the memory tags' pools back to the pool.
 func (a *Allocator) releaseEmptySegments() {
-	for seg := a.emptySegs.head; seg != nil; {
+	for _, p := range a.freeCaches() {
+		a.releaseEmptyOf(p)
+	}
+}
+
+// releaseEmptyOf gives every empty small segment of p back to the pool.
+func (a *Allocator) releaseEmptyOf(p *cachePool) {
+	for seg := p.emptySegs.head; seg != nil; {
 		next := seg.emptyNext
 		_ = a.releaseSegment(seg) // a capturing stream keeps its segment
 		seg = next
 	}
+}
+
+// freeCaches is the cache pools whose free memory goes back when memory
+// is reclaimed or empty_cache is called: the general cache and the memory
+// tags' pools (a graph's private pool keeps its memory until released).
+func (a *Allocator) freeCaches() []*cachePool {
+	return append([]*cachePool{a.general}, a.tagPools()...)
 }
 
 // releaseAll gives back everything not in use: it waits for the device so
@@ -194,7 +235,9 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 	}
 	// Forget the streams that hold nothing now: a stream's record costs
 	// host memory, and operations that look at every stream time.
-	a.general.dropAllUnused()
+	for _, p := range a.freeCaches() {
+		p.dropAllUnused()
+	}
 	for _, p := range a.private {
 		p.dropAllUnused()
 	}

@@ -187,7 +187,11 @@ type Stats struct {
 	GraphPools, GraphReservedBytes int64
 	// Calls of the three graph hooks, and releases that emptied a pool.
 	GraphBegins, GraphEnds, GraphReleases int64
-	BadInput                              map[string]int64
+	// Sleep and wake (sleep.go), read when the stats are taken: the bytes
+	// of goalloc's blocks and segments asleep, and of host copies kept for
+	// them.
+	AsleepBytes, OffloadedBytes int64
+	BadInput                    map[string]int64
 	// DriverCalls is the VMM backend's profile of its driver calls (count
 	// and ns per driver function), read when the stats are taken; nil under
 	// a device that keeps none.
@@ -305,6 +309,8 @@ func (s *Stats) Map() map[string]int64 {
 	m["goalloc.graph_hooks.begin"] = s.GraphBegins
 	m["goalloc.graph_hooks.end"] = s.GraphEnds
 	m["goalloc.graph_hooks.release"] = s.GraphReleases
+	m["goalloc.sleep.asleep_bytes"] = s.AsleepBytes
+	m["goalloc.sleep.offloaded_bytes"] = s.OffloadedBytes
 	for k, v := range s.BadInput {
 		m["goalloc.bad_input."+k] = v
 	}
@@ -391,6 +397,10 @@ func (a *Allocator) Stats() Stats {
 	}
 	pools, bytes := a.graphPoolBytes()
 	st.GraphPools, st.GraphReservedBytes = int64(pools), int64(bytes)
+	st.AsleepBytes = int64(a.asleepBytes())
+	if sl, ok := a.dev.(arena.Sleeper); ok {
+		st.OffloadedBytes = int64(sl.SleepState().Offloaded)
+	}
 	st.OwnReserved = st.ReservedBytes[StatAll]
 	r := &st.ReservedBytes[StatAll]
 	r.Current, r.Peak = a.mu.held.get()

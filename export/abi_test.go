@@ -32,6 +32,10 @@ import (
 // the ends of C's int.
 var badDevices = []cInt{-1, 2, maxDevices, math.MaxInt32, math.MinInt32}
 
+// everyDeviceOrBad are the bad device numbers of a call that takes -1 for
+// every device.
+var everyDeviceOrBad = []cInt{-2, 2, maxDevices, math.MaxInt32, math.MinInt32}
+
 // abiBuildTags are the build tags this test binary was built with, as far
 // as the package's files depend on them: a test file built only under a
 // tag adds it, with its rows (bench_test.go).
@@ -375,6 +379,58 @@ var abiRows = map[string]func(t *testing.T){
 		require.Zero(t, goalloc_external_segment(0, 0, blk, 20<<20, 1, nil))
 		assert.Zero(t, goalloc_stat(0, cInt(caching.ScalarAllocatedBytes)))
 	},
+	"goalloc_set_memory_tag": func(t *testing.T) {
+		defer goalloc_set_memory_tag(nil)
+		for _, bad := range []string{"a,b", "two words", strings.Repeat("x", caching.MaxTagName+1)} {
+			name := cString(bad)
+			wantFailed(t, errBadArgument, "memory tag", func() { assert.EqualValues(t, -1, goalloc_set_memory_tag(name)) })
+			goalloc_string_free(name)
+		}
+		wantAccepted(t, func() { assert.Zero(t, goalloc_set_memory_tag(nil)) }) // NULL: untagged
+		empty := cString("")
+		defer goalloc_string_free(empty)
+		wantAccepted(t, func() { assert.Zero(t, goalloc_set_memory_tag(empty)) })
+	},
+	"goalloc_memory_tag": func(t *testing.T) {
+		defer goalloc_set_memory_tag(nil)
+		wantAccepted(t, func() { assert.Empty(t, takeString(goalloc_memory_tag())) })
+		name := cString("abi-row")
+		defer goalloc_string_free(name)
+		require.Zero(t, goalloc_set_memory_tag(name))
+		wantAccepted(t, func() { assert.Equal(t, "abi-row", takeString(goalloc_memory_tag())) })
+	},
+	"goalloc_sleep": func(t *testing.T) {
+		for _, d := range everyDeviceOrBad {
+			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_sleep(d, nil)) })
+		}
+		unknown := cString("never-set-by-anyone")
+		defer goalloc_string_free(unknown)
+		wantFailed(t, errBadArgument, "is unknown", func() { assert.Nil(t, goalloc_sleep(-1, unknown)) })
+		tag := cString("abi-sleep")
+		defer goalloc_string_free(tag)
+		require.Zero(t, goalloc_set_memory_tag(tag))
+		p := goalloc_malloc(1<<20, 0, nil)
+		require.Zero(t, goalloc_set_memory_tag(nil))
+		require.NotNil(t, p)
+		wantAccepted(t, func() { assert.Contains(t, takeString(goalloc_sleep(0, tag)), `"offloaded_bytes":1048576`) })
+		wantFailed(t, errBadState, "wake_up them first", func() { assert.Nil(t, goalloc_sleep(-1, nil)) })
+		wantAccepted(t, func() { assert.NotNil(t, goalloc_wake_up(-1, nil)) })
+		my_free(p, 1<<20, 0, nil)
+	},
+	"goalloc_wake_up": func(t *testing.T) {
+		for _, d := range everyDeviceOrBad {
+			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_wake_up(d, nil)) })
+		}
+		wantFailed(t, errBadState, "nothing is asleep", func() { assert.Nil(t, goalloc_wake_up(-1, nil)) })
+		wantFailed(t, errBadState, "nothing is asleep", func() { assert.Nil(t, goalloc_wake_up(1, nil)) })
+		empty := cString("")
+		defer goalloc_string_free(empty)
+		wantFailed(t, errBadArgument, "no memory tag named", func() { assert.Nil(t, goalloc_wake_up(0, empty)) })
+		unknown := cString("kv,never-set-by-anyone")
+		defer goalloc_string_free(unknown)
+		wantFailed(t, errBadArgument, "is unknown", func() { assert.Nil(t, goalloc_wake_up(0, unknown)) })
+	},
+	"goalloc_sleep_state_json": jsonRow(goalloc_sleep_state_json, badDevices),
 	"goalloc_sched_yield": func(t *testing.T) {
 		wantAccepted(t, func() { goalloc_sched_yield() })
 	},
@@ -425,6 +481,12 @@ var abiRows = map[string]func(t *testing.T){
 	"goalloc_warnings_notify": func(t *testing.T) {
 		wantAccepted(t, func() { assert.Zero(t, goalloc_warnings_notify(nil)) }) // NULL: none
 	},
+}
+
+// takeString is the string p and frees it ("" for NULL).
+func takeString(p *cChar) string {
+	defer goalloc_string_free(p)
+	return goString(p)
 }
 
 // jsonRow is the row of a function of one device that returns a string:

@@ -249,7 +249,9 @@ func (l *library) mallocInCtx(size, block uint64, d int, s uintptr, id caching.P
 		return 0, err
 	}
 	var p uintptr
-	switch {
+	switch tag := l.allocTag(); {
+	case tag != 0:
+		p, err = a.MallocInTagged(tag, id, size, block, arena.Stream(s), ctx)
 	case block > size:
 		p, err = a.MallocInRounded(id, size, block, arena.Stream(s), ctx)
 	case ctx == 0:

@@ -21,6 +21,7 @@ const (
 	errOutOfMemory
 	errFailed
 	errTooLate
+	errBadState
 )
 
 // errorKindNames names the kinds, by number: goalloc.h's names, and
@@ -32,6 +33,7 @@ var errorKindNames = [...]string{
 	errOutOfMemory: "out_of_memory",
 	errFailed:      "failed",
 	errTooLate:     "too_late",
+	errBadState:    "bad_state",
 }
 
 // kindError gives err a kind that its type does not say; its message is
@@ -53,11 +55,16 @@ func withKind(k errorKind, err error) error { return &kindError{kind: k, err: er
 func kindOf(err error) errorKind {
 	var ke *kindError
 	var ie *caching.InputError
+	var se *caching.StateError
 	switch {
 	case err == nil:
 		return errNone
 	case errors.As(err, &ke):
 		return ke.kind
+	case errors.As(err, &se):
+		return errBadState
+	case errors.Is(err, caching.ErrNeedsVMM):
+		return errBadConfig
 	case errors.Is(err, arena.ErrOutOfMemory): // a *caching.OOMError is one
 		return errOutOfMemory
 	case errors.As(err, &ie):

@@ -127,7 +127,7 @@ func TestErrorKindsAreNamed(t *testing.T) {
 	for k, name := range errorKindNames {
 		assert.NotEmpty(t, name, "kind %d", k)
 	}
-	assert.Len(t, errorKindNames, int(errTooLate)+1)
+	assert.Len(t, errorKindNames, int(errBadState)+1)
 	assert.Equal(t, errNone, kindOf(nil))
 }
 

@@ -146,7 +146,8 @@ func TestStatTablesMatchTheHeader(t *testing.T) {
 	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_ARRAYS")), arrays, "GOALLOC_STAT_ARRAYS")
 	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_POOLS")), pools, "GOALLOC_STAT_POOLS")
 	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_VALUES")), values, "GOALLOC_STAT_VALUES")
-	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_COUNTERS")), counters, "GOALLOC_STAT_COUNTERS")}
+	assert.Equal(t, firstArgs(xMacroEntries(t, "GOALLOC_STAT_COUNTERS")), counters, "GOALLOC_STAT_COUNTERS")
+}
 
 // The error kinds are goalloc.h's: the same names at the same numbers, as C
 // callers and the Python package read them from there.

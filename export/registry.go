@@ -55,6 +55,10 @@ type library struct {
 	// yet.
 	labels map[int]caching.TraceLabels
 
+	// tagsUsed: a thread set a memory tag (sleep.go); from then on each
+	// allocation reads its thread's tag, and the front stays off.
+	tagsUsed atomic.Bool
+
 	// warned says which kinds of bad input have printed their one warning.
 	warned map[string]bool
 	// badInput counts bad calls caught here, before any device is involved.
@@ -217,6 +221,9 @@ func (l *library) device(d int) (*caching.Allocator, error) {
 	if l.history.MaxEntries > 0 {
 		a.RecordHistoryWith(l.history)
 	}
+	if l.tagsUsed.Load() {
+		a.SetTagsInUse()
+	}
 	l.devices[d].Store(a)
 	return a, nil
 }
@@ -286,7 +293,7 @@ func (l *library) malloc(size int64, d int, s uintptr) uintptr {
 	if err != nil {
 		return 0
 	}
-	p, err := a.Malloc(uint64(size), arena.Stream(s))
+	p, err := a.MallocTagged(l.allocTag(), uint64(size), arena.Stream(s))
 	if err != nil {
 		l.report(err)
 		return 0

@@ -114,6 +114,27 @@ func (d *DeferredFrees) Add(ptr uintptr, used []arena.Stream) {
 
 func (d *DeferredFrees) fail() { d.Errors++ }
 
+// Pending lists the pointers whose frees are waiting, in the order added.
+func (d *DeferredFrees) Pending() []uintptr {
+	out := make([]uintptr, len(d.pending))
+	for i, f := range d.pending {
+		out[i] = f.ptr
+	}
+	return out
+}
+
+// Events is the events the free of ptr waits for; ok is false when one of
+// them could not be recorded or queried (only a device-wide
+// synchronisation proves that free done), or ptr waits for nothing.
+func (d *DeferredFrees) Events(ptr uintptr) (events []arena.Event, ok bool) {
+	for _, f := range d.pending {
+		if f.ptr == ptr {
+			return append([]arena.Event(nil), f.events...), !f.needsSync
+		}
+	}
+	return nil, false
+}
+
 // Len is how many frees are waiting.
 func (d *DeferredFrees) Len() int { return len(d.pending) }
 

@@ -22,17 +22,19 @@ import numbers
 import operator
 import os
 import pickle
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Union
 
 from . import _lib, _snapshot, _summary, _torch, _trace
-from ._lib import GoallocError, library_path
+from ._lib import GoallocError, OutOfMemoryError, library_path
 from ._warnings import GoallocWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GoallocError",
+    "OutOfMemoryError",
     "GoallocWarning",
     "Fragmentation",
     "install",
@@ -55,6 +57,13 @@ __all__ = [
     "dump_snapshot",
     "record_history",
     "record_trace",
+    "memory_tag",
+    "sleep",
+    "wake_up",
+    "sleep_state",
+    "current_memory_tag",
+    "SleepResult",
+    "WakeResult",
     "library_path",
 ]
 
@@ -393,3 +402,153 @@ def record_trace(path: Union[str, os.PathLike[str]], device: Device = 0,
     if workload is not None and not isinstance(workload, str):
         raise TypeError(f"goalloc: workload must be a str, not {type(workload).__name__}")
     return _trace.TraceRecorder(path, _device_index(device), entries, workload)
+
+
+# --- memory tags, sleep and wake ------------------------------------------------
+#
+# For a process that alternates between two users of the GPU (an RL
+# inference engine and a trainer): the memory of tagged allocations can be
+# put to sleep, its physical memory released and its addresses kept, and
+# woken again at the same addresses, the tags offloaded copied back, so that
+# CUDA graphs and pointers stay valid. Names follow vLLM's CuMemAllocator.
+# backend:vmm only (the default). The design: caching/sleep.go and Note
+# [Sleep and wake] in arena/vmm_sleep.go.
+
+_tag_stack = threading.local()
+
+
+class memory_tag:
+    """A context manager: allocations this thread makes inside carry the tag
+    name (the innermost of nested tags), so that sleep() can release their
+    memory and wake_up() bring it back at the same addresses. Untagged
+    memory is never touched by sleep. An allocation of a CUDA graph capture,
+    or one in a torch.cuda.MemPool, is not tagged; nor is one made on
+    another thread (autograd's backward thread included). What torch
+    allocates for itself inside the block is (the cuBLAS workspace of a
+    stream's first matmul). Names are 1 to 64
+    printable ASCII characters without spaces or commas::
+
+        with goalloc.memory_tag("weights"):
+            model = Model().cuda()
+        with goalloc.memory_tag("kv_cache"):
+            cache = torch.empty(...)
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"goalloc: a memory tag is a str, not {name!r}")
+        if not name or "\0" in name:
+            raise ValueError(f"goalloc: memory tag {name!r}: give a non-empty name without NUL")
+        self.name = name
+
+    def __enter__(self) -> "memory_tag":
+        _lib.set_memory_tag(self.name)  # the library checks the name
+        _tags_of_thread().append(self.name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack = _tags_of_thread()
+        stack.pop()
+        _lib.set_memory_tag(stack[-1] if stack else "")
+
+
+def _tags_of_thread() -> list[str]:
+    stack: Optional[list[str]] = getattr(_tag_stack, "names", None)
+    if stack is None:
+        stack = _tag_stack.names = []
+    return stack
+
+
+def current_memory_tag() -> str:
+    """The memory tag this thread's allocations carry now ("" for none)."""
+    return _lib.memory_tag()
+
+
+@dataclass(frozen=True)
+class SleepResult:
+    """What sleep() did."""
+
+    #: Bytes of live tagged blocks copied to pinned host memory.
+    offloaded_bytes: int
+    #: Bytes of physical memory the devices hold less: memory_reserved()'s drop.
+    released_bytes: int
+    #: Seconds spent pinning the host memory the copies go to (the first
+    #: sleep that offloads, or one that needs more than the last).
+    prepare_seconds: float = field(default=0.0, compare=False)
+    #: Seconds from the first copy to the host queued to the last complete
+    #: (the work already queued on the memory included).
+    offload_seconds: float = field(default=0.0, compare=False)
+
+
+@dataclass(frozen=True)
+class WakeResult:
+    """What wake_up() did."""
+
+    #: Bytes of physical memory mapped again for the tags woken.
+    mapped_bytes: int
+    #: Bytes copied back from the host.
+    restored_bytes: int
+    #: The tags woken.
+    woken: tuple[str, ...]
+    #: Seconds spent mapping physical memory again, and copying back.
+    map_seconds: float = field(default=0.0, compare=False)
+    restore_seconds: float = field(default=0.0, compare=False)
+
+
+def _tag_names(tags: Union[str, Iterable[str]], what: str) -> str:
+    """tags (a name, or names) as the library's comma-separated list."""
+    names = [tags] if isinstance(tags, str) else list(tags)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"goalloc: {what} holds {n!r}, not a tag's name")
+        if "\0" in n:
+            raise ValueError(f"goalloc: {what}: tag {n!r} contains a NUL character")
+    return ",".join(names)
+
+
+def _every_device_or(device: Device) -> int:
+    return -1 if device is None else _device_index(device)
+
+
+def sleep(offload_tags: Union[str, Iterable[str]] = ("weights",), device: Device = None) -> SleepResult:
+    """Put every memory tag's memory to sleep on device (None: every device
+    goalloc has used): the live blocks of offload_tags are copied to pinned
+    host memory, then the physical memory of every tagged block and of the
+    free cache is released, the addresses kept. Waits for the work queued
+    on that memory, not for the whole device. memory_reserved() drops by
+    released_bytes; memory_allocated() does not (the tensors live on).
+
+    Raises ValueError for a tag no allocation was ever tagged with,
+    GoallocError for a sleep while anything is asleep or during a CUDA
+    graph capture, and ValueError on backend:async, which cannot sleep.
+    """
+    r = _lib.sleep(_every_device_or(device), _tag_names(offload_tags, "offload_tags"))
+    return SleepResult(offloaded_bytes=r["offloaded_bytes"], released_bytes=r["released_bytes"],
+                       prepare_seconds=r["prepare_seconds"], offload_seconds=r["offload_seconds"])
+
+
+def wake_up(tags: Union[str, Iterable[str], None] = None, device: Device = None) -> WakeResult:
+    """Map the memory of tags (None: every tag asleep) again on device (None:
+    every device where one is asleep), at the same addresses, and copy back
+    what sleep() offloaded; a tag not offloaded comes back usable, its
+    contents undefined. Each tag wakes whole or not at all, in order.
+
+    Raises OutOfMemoryError (a torch.OutOfMemoryError where torch is loaded)
+    when a tag does not fit: it and the tags after it stay asleep, so that
+    the caller can free memory and call wake_up() again. GoallocError when
+    nothing named is asleep.
+    """
+    names = None if tags is None else _tag_names(tags, "tags")
+    if names == "":
+        raise ValueError("goalloc: wake_up: tags names no tag; give None to wake every tag asleep")
+    r = _lib.wake_up(_every_device_or(device), names)
+    return WakeResult(mapped_bytes=r["mapped_bytes"], restored_bytes=r["restored_bytes"], woken=tuple(r["woken"]),
+                      map_seconds=r["map_seconds"], restore_seconds=r["restore_seconds"])
+
+
+def sleep_state(device: Device = None) -> dict[str, Any]:
+    """A device's memory tags: {"tags": {name: {"reserved_bytes", "asleep"}},
+    "asleep": [names], "offloaded_bytes" (host copies kept),
+    "host_area_bytes" (pinned host memory kept for them, reused by the next
+    sleep), "device"}."""
+    return _lib.sleep_state(_device_index(device))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -41,15 +42,41 @@ class GoallocError(RuntimeError):
     """The library refused a call; the message is goalloc_last_error()."""
 
 
+class OutOfMemoryError(GoallocError):
+    """The device, or the cap on it, had no room (the library's out_of_memory
+    kind). Where torch is loaded the exception raised is also a
+    torch.OutOfMemoryError (see _out_of_memory), as torch's own allocator
+    raises."""
+
+
 # The library's error kinds, by number (goalloc.h's GOALLOC_ERROR_KINDS, which
 # says what each means; config()["error_kinds"] is the library's own list),
 # and the exception each becomes: the caller's mistakes, a bad argument or a
-# bad setting, are ValueError; out of memory, a failed driver or device, and
-# a call made too late are GoallocError, as is a failure of no kind (none).
+# bad setting, are ValueError; out of memory is OutOfMemoryError (a
+# GoallocError, and a torch.OutOfMemoryError where torch is loaded); a failed
+# driver or device, a call made too late or one the allocator's state
+# refuses (bad_state) are GoallocError, as is a failure of no kind (none).
 ERROR_KINDS = _abi.names("GOALLOC_ERROR_KINDS")
+def _out_of_memory(msg: str) -> Exception:
+    """OutOfMemoryError, and torch.OutOfMemoryError too where torch is loaded
+    (it is never imported here: a program without it gets the first alone)."""
+    torch = sys.modules.get("torch")
+    base = getattr(torch, "OutOfMemoryError", None)
+    if not (isinstance(base, type) and issubclass(base, BaseException)):
+        return OutOfMemoryError(msg)
+    cls = _torch_oom_classes.get(base)
+    if cls is None:
+        cls = type("OutOfMemoryError", (OutOfMemoryError, base), {"__module__": __name__})
+        _torch_oom_classes[base] = cls
+    return cls(msg)
+
+
+_torch_oom_classes: dict[type, type] = {}
+
 _EXCEPTION_OF_KIND: dict[str, Callable[[str], Exception]] = {
     "bad_argument": ValueError,
     "bad_config": ValueError,
+    "out_of_memory": _out_of_memory,
 }
 
 # The range of a C int, which ctypes refuses to go beyond with its own error.
@@ -126,6 +153,13 @@ SIGNATURES: dict[str, tuple[Any, Optional[list[Any]]]] = {
     "goalloc_set_fraction": (_c_int, [_c_int, _c_double]),
     "goalloc_empty_cache_device": (_c_int, [_c_int]),
     "goalloc_record_history": (_c_int, [_c_int]),
+    # Memory tags, sleep and wake (NULL for a list: none for sleep, every
+    # tag asleep for wake_up).
+    "goalloc_set_memory_tag": (_c_int, [_c_char_p]),
+    "goalloc_memory_tag": (_c_void_p, []),
+    "goalloc_sleep": (_c_void_p, [_c_int, _c_char_p]),
+    "goalloc_wake_up": (_c_void_p, [_c_int, _c_char_p]),
+    "goalloc_sleep_state_json": (_c_void_p, [_c_int]),
     # The per-step figures (STAT_KEYS): a number, -1 on error. No
     # argtypes: converting each argument through c_int.from_param
     # would cost more than the call itself; stat()'s callers pass ints
@@ -365,3 +399,31 @@ def empty_cache_device(device: int) -> None:
 
 def record_history(max_entries: int) -> None:
     _check(lib().goalloc_record_history(max_entries), "record_history")
+
+
+# Memory tags, sleep and wake (goalloc.h, "memory tags, sleep and wake").
+
+def set_memory_tag(name: str) -> None:
+    """goalloc_set_memory_tag: the calling thread's allocations carry name
+    ("": none)."""
+    _check(lib().goalloc_set_memory_tag(name.encode("utf-8")), "memory_tag")
+
+
+def memory_tag() -> str:
+    """goalloc_memory_tag: the calling thread's tag, "" if none."""
+    return _take_string(lib().goalloc_memory_tag()) or ""
+
+
+def sleep(device: int, offload: str) -> dict[str, Any]:
+    """goalloc_sleep: device -1 is every device; offload a comma-separated list."""
+    return _json(lib().goalloc_sleep(device, offload.encode("utf-8")), "sleep")
+
+
+def wake_up(device: int, tags: Optional[str]) -> dict[str, Any]:
+    """goalloc_wake_up: tags None wakes every tag asleep."""
+    arg = None if tags is None else tags.encode("utf-8")
+    return _json(lib().goalloc_wake_up(device, arg), "wake_up")
+
+
+def sleep_state(device: int) -> dict[str, Any]:
+    return _json(lib().goalloc_sleep_state_json(device), "sleep_state")

@@ -314,6 +314,60 @@ int goalloc_external_segment(int device, int alloc, void *addr, size_t size, int
 int goalloc_external_block(int device, int alloc, void *addr, size_t size, size_t requested, int large,
                            void *stream);
 
+/* --- memory tags, sleep and wake (export/sleep.go) ------------------------ */
+
+/* Allocations carry a memory tag, so that the memory of a tag can be put to
+ * sleep (its physical memory released, its addresses kept) and woken again
+ * at the same addresses, as an RL trainer and inference engine sharing GPUs
+ * need (caching/sleep.go, and Note [Sleep and wake] in arena/vmm_sleep.go).
+ * Untagged memory is never touched by sleep. Tags are names: 1 to 64
+ * printable ASCII characters, without spaces or commas; a list of tags is
+ * comma-separated. Sleep and wake need backend:vmm (else kind bad_config);
+ * a call the allocator's state refuses (sleep while anything is asleep or
+ * during a CUDA graph capture, wake with nothing asleep, an allocation in a
+ * tag asleep) is kind bad_state, and changes nothing. */
+
+/* goalloc_set_memory_tag makes the calling OS thread's allocations carry
+ * the tag name from now on, whichever way they arrive (PyTorch's pluggable
+ * allocator, goalloc's C++ class, goalloc_malloc); NULL or "": untagged.
+ * An allocation of a CUDA graph capture, or one that names a pool, is
+ * never tagged. Once a tag is set, the C++ class's front stays off for
+ * the process (caching/front.go). 0, or -1 for a bad name. */
+int goalloc_set_memory_tag(const char *name);
+
+/* goalloc_memory_tag is the calling thread's tag ("" when untagged), a
+ * string to free with goalloc_string_free. */
+char *goalloc_memory_tag(void);
+
+/* goalloc_sleep puts every memory tag of device (-1: of every device
+ * goalloc has made) to sleep: the live blocks of the tags in offload_tags
+ * (NULL or "": none) are copied to pinned host memory, then the physical
+ * memory of every tagged block and of the free cache is released, the
+ * addresses kept. It waits for the work queued on the tags' memory to
+ * complete, never for the whole device. It returns JSON,
+ * {"offloaded_bytes", "released_bytes" (what the devices hold less),
+ * "prepare_seconds" (pinning the host memory), "offload_seconds" (the
+ * copies), "devices": [...]}, or NULL: a tag no thread ever set (bad_argument), a
+ * device already asleep (bad_state), ... */
+char *goalloc_sleep(int device, const char *offload_tags);
+
+/* goalloc_wake_up maps the memory of the tags listed in tags (NULL: every
+ * tag asleep) again on device (-1: every device where one of them is
+ * asleep), at the same addresses, and copies back what was offloaded; the
+ * others' contents are undefined. Each tag wakes whole or not at all, in
+ * order. It returns JSON, {"mapped_bytes", "restored_bytes",
+ * "map_seconds", "restore_seconds", "woken": [names], "devices": [...]},
+ * or NULL: out of memory (kind out_of_memory)
+ * leaves the tag that did not fit, and those after it, asleep, for another
+ * call once memory is freed; nothing asleep there (bad_state). */
+char *goalloc_wake_up(int device, const char *tags);
+
+/* goalloc_sleep_state_json is device's memory tags as JSON: {"device",
+ * "tags": {name: {"reserved_bytes", "asleep"}}, "asleep": [names],
+ * "offloaded_bytes" (host copies kept), "host_area_bytes" (the pinned host
+ * memory kept for them, reused by the next sleep)}. */
+char *goalloc_sleep_state_json(int device);
+
 /* --- Go's scheduler (export/sched.go says why) ---------------------------- */
 
 /* goalloc_sched_yield yields the calling thread's goroutine to Go's
@@ -368,9 +422,14 @@ int goalloc_warnings_notify(goalloc_notify_fn fn);
  *                 allocator found itself inconsistent
  *   too_late      a call that must come before the first allocation came
  *                 after it (goalloc_configure)
+ *   bad_state     a call the allocator's state refuses now: sleep while
+ *                 anything is asleep or during a CUDA graph capture,
+ *                 wake_up with nothing asleep, an allocation in a memory
+ *                 tag that is asleep; nothing changed
  *
  * Kinds bad_argument and bad_config are the caller's to fix (Python raises
- * ValueError); the others are GoallocError. Go's copy is
+ * ValueError); out_of_memory is OutOfMemoryError (a GoallocError, and a
+ * torch.OutOfMemoryError where torch is loaded); the others GoallocError. Go's copy is
  * export/errkind.go's, which export/header_test.go holds to this one; the
  * Python package reads this table. */
 
@@ -381,7 +440,8 @@ int goalloc_warnings_notify(goalloc_notify_fn fn);
 	X(bad_config)          \
 	X(out_of_memory)       \
 	X(failed)              \
-	X(too_late)
+	X(too_late)            \
+	X(bad_state)
 
 #define GOALLOC_ERROR_KIND_ENUM_(name) GOALLOC_ERROR_##name,
 /* The kinds as C constants: GOALLOC_ERROR_none, GOALLOC_ERROR_bad_argument, ... */
