@@ -14,9 +14,13 @@ goalloc (goalloc.install("backend:async"), a CUDA stream-ordered pool),
 goalloc-vmm (goalloc.install("backend:vmm"), goalloc's default), goalloc-mempool
 (the workload inside torch.cuda.use_mem_pool(goalloc.mempool())).
 
-Workloads: env (versions and the GPU), gpt2, llama and resnet50 (training
-steps of a shape drawn per step). The result is one JSON object written to
---out; "ok" is true only when the whole run finished.
+Workloads: env (versions and the GPU); gpt2, llama and resnet50 (training
+steps of a shape drawn per step); issue 33's harsher ones: rollout (RL-style
+generate then train, in one process), checkpoint (FSDP with activation
+checkpointing), serving (generate for a stream of requests) and moe (a
+mixture of experts whose per-expert token counts change every step). The
+result is one JSON object written to --out; "ok" is true only when the whole
+run finished.
 """
 
 from __future__ import annotations
@@ -36,11 +40,27 @@ import traceback
 from typing import Any, Callable, Optional
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool")
-WORKLOADS = ("env", "gpt2", "llama", "resnet50")
 GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")  # figures from goalloc.memory_stats
 GOALLOC_CONFIGS = GOALLOC_INSTALLED + ("goalloc-mempool",)
-TOKEN_WORKLOADS = ("gpt2", "llama")
-SHAPE_SEED = {"gpt2": 1, "resnet50": 2, "llama": 3}  # two workloads of one repeat draw apart
+# What each workload draws its steps' shapes from: (option, MIN, MAX); the
+# suite has the same options (--NAME MIN MAX) and passes them on.
+SHAPE_RANGES = {
+    "gpt2": (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024)),
+    "llama": (("llama-batch", 1, 8), ("llama-seq", 512, 3072)),
+    "resnet50": (("resnet-batch", 32, 64), ("resnet-res", 160, 224)),
+    # Per iteration ROLLOUT_GENERATES prompts batches, each a batch, prompt
+    # and generated length; then micro-batches of rows of what they made.
+    "rollout": (("rollout-batch", 8, 32), ("rollout-prompt", 128, 768), ("rollout-new", 32, 192),
+                ("rollout-micro", 2, 12)),
+    "checkpoint": (("checkpoint-batch", 1, 8), ("checkpoint-seq", 512, 4096)),
+    "serving": (("serving-batch", 1, 48), ("serving-prompt", 64, 2048), ("serving-new", 16, 256)),
+    "moe": (("moe-batch", 4, 16), ("moe-seq", 512, 2048)),
+}
+WORKLOADS = ("env",) + tuple(SHAPE_RANGES)
+UNITS = {"resnet50": "images"}  # the others: tokens (serving's generated, rollout's generated and trained)
+SHAPE_SEED = {w: i for i, w in enumerate(("gpt2", "resnet50", "llama", "rollout", "checkpoint", "serving", "moe"), 1)}
+ROLLOUT_GENERATES = 3
+HISTORY_ENTRIES = 1 << 20  # --record-history: the most events the library's history ring (and torch's) keeps
 MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")  # goalloc.device_alloc_ns.*, ns
 
 
@@ -82,20 +102,42 @@ def driver_totals(stats: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def train_shapes(workload: str, repeat: int, count: int, limits: dict[str, int]) -> list[tuple[int, int]]:
-    """The (batch, length) or (batch, resolution) of every step of a run,
-    seeded by the repeat and the workload alone: every configuration of a
-    repeat trains the same shapes, and the repeats differ."""
+def draw(rng: random.Random, limits: dict[str, int], key: str, step: int = 1) -> int:
+    """A value of limits' key_min..key_max, in multiples of step from key_min."""
+    return rng.randrange(limits[f"{key}_min"], limits[f"{key}_max"] + 1, step)
+
+
+def rollout_iteration(rng: random.Random, limits: dict[str, int]) -> tuple[Any, ...]:
+    """One rollout iteration: ((batch, prompt, new), ...) for each generate
+    call, then the training micro-batches' row counts, which add up to all
+    the rows generated."""
+    gens = tuple((draw(rng, limits, "batch"), draw(rng, limits, "prompt", 64), draw(rng, limits, "new", 16))
+                 for _ in range(ROLLOUT_GENERATES))
+    rows, micro = sum(b for b, _, _ in gens), []
+    while rows > 0:
+        micro.append(min(rows, draw(rng, limits, "micro")))
+        rows -= micro[-1]
+    return gens, tuple(micro)
+
+
+def train_shapes(workload: str, repeat: int, count: int, limits: dict[str, int]) -> list[Any]:
+    """The shape of every step of a run, seeded by the repeat and the
+    workload alone: every configuration of a repeat runs the same shapes,
+    and the repeats differ. (batch, length) or (batch, resolution); serving
+    (batch, prompt, new); moe (batch, length, router skew's seed); rollout
+    rollout_iteration's."""
     rng = random.Random(7919 * (repeat + 1) + SHAPE_SEED[workload])
-    shapes = []
+    shapes: list[Any] = []
     for _ in range(count):
-        if workload in TOKEN_WORKLOADS:
-            b = rng.randint(limits["batch_min"], limits["batch_max"])
-            s = rng.randrange(limits["seq_min"], limits["seq_max"] + 1, 64)
+        if workload == "resnet50":
+            shapes.append((draw(rng, limits, "batch", 8), draw(rng, limits, "res", 16)))
+        elif workload == "rollout":
+            shapes.append(rollout_iteration(rng, limits))
+        elif workload == "serving":
+            shapes.append((draw(rng, limits, "batch"), draw(rng, limits, "prompt", 16), draw(rng, limits, "new")))
         else:
-            b = rng.randrange(limits["batch_min"], limits["batch_max"] + 1, 8)
-            s = rng.randrange(limits["res_min"], limits["res_max"] + 1, 16)
-        shapes.append((b, s))
+            shape = (draw(rng, limits, "batch"), draw(rng, limits, "seq", 64))
+            shapes.append(shape + (rng.randrange(1 << 30),) if workload == "moe" else shape)
     return shapes
 
 
@@ -335,12 +377,28 @@ def run_env(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-Model = tuple[Any, Any, Callable[[tuple[int, int]], tuple[Any, int]]]
+# step(shape) runs one step of a workload and returns its "units" (tokens or
+# images), its "loss" (a tensor, or None) and any more figures to log.
+Step = Callable[[Any], dict[str, Any]]
 
 
-def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any) -> Model:
-    """model_cls(cfg), randomly initialised on the device, with AdamW;
-    forward((batch, length)) trains on random tokens: (loss, tokens)."""
+def trainer(torch: Any, dev: Any, opt: Any, forward: Callable[[Any], tuple[Any, int]]) -> Step:
+    """A step of forward(shape) -> (loss, units) under bf16 autocast, its
+    backward and an optimizer step."""
+    def step(shape: Any) -> dict[str, Any]:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss, units = forward(shape)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"loss": loss.detach(), "units": units}
+
+    return step
+
+
+def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any) -> tuple[Any, Step]:
+    """model_cls(cfg), randomly initialised on the device, and a step that
+    trains it (AdamW) on random tokens of a shape (batch, length)."""
     with dev:
         model = model_cls(cfg)
     model.train()
@@ -350,14 +408,14 @@ def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any) -> Model:
         ids = torch.randint(0, cfg.vocab_size, shape, device=dev)
         return model(input_ids=ids, labels=ids).loss, shape[0] * shape[1]
 
-    return model, opt, forward
+    return model, trainer(torch, dev, opt, forward)
 
 
-def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> Model:
+def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> Step:
     """GPT-2 124M from its default config; tiny (--smoke-cpu): 2 narrow layers."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return causal_lm(torch, dev, GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64) if tiny else GPT2Config())
+    return causal_lm(torch, dev, GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64) if tiny else GPT2Config())[1]
 
 
 # 12 layers of hidden size 2048, 16 query heads sharing 4 key/value heads, a
@@ -366,15 +424,22 @@ LLAMA_CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=
                     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
 LLAMA_TINY_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096)
+ROLLOUT_LAYERS = 10  # issue 33's RL-style loop: the LLaMA above with 10 layers, 582M parameters
 
 
-def build_llama(torch: Any, dev: Any, tiny: bool = False) -> Model:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(tiny: bool, **more: Any) -> Any:
+    from transformers import LlamaConfig
 
-    return causal_lm(torch, dev, LlamaForCausalLM, LlamaConfig(**(LLAMA_TINY_CONFIG if tiny else LLAMA_CONFIG)))
+    return LlamaConfig(**(LLAMA_TINY_CONFIG if tiny else LLAMA_CONFIG | more), pad_token_id=0)
 
 
-def build_resnet50(torch: Any, dev: Any, tiny: bool = False) -> Model:
+def build_llama(torch: Any, dev: Any, tiny: bool = False) -> Step:
+    from transformers import LlamaForCausalLM
+
+    return causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny))[1]
+
+
+def build_resnet50(torch: Any, dev: Any, tiny: bool = False) -> Step:
     """torchvision's ResNet-50, random weights, channels_last, SGD with momentum."""
     import torchvision
 
@@ -388,13 +453,150 @@ def build_resnet50(torch: Any, dev: Any, tiny: bool = False) -> Model:
         y = torch.randint(0, 1000, (b,), device=dev)
         return torch.nn.functional.cross_entropy(model(x), y), b
 
-    return model, opt, forward
+    return trainer(torch, dev, opt, forward)
 
 
-BUILDERS = {"gpt2": build_gpt2, "llama": build_llama, "resnet50": build_resnet50}
+def generate(torch: Any, model: Any, batch: int, prompt: int, new: int) -> Any:
+    """batch random prompts of prompt tokens, each given exactly new tokens
+    by greedy decoding (transformers' generate: a key/value cache grown by a
+    token a step): the [batch, prompt + new] token ids."""
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=model.device)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
-def planning_steps(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def build_serving(torch: Any, dev: Any, tiny: bool = False) -> Step:
+    """The LLaMA above in bf16, no gradients; a step is one request,
+    (batch, prompt, new): generate's tokens for a batch of prompts."""
+    from transformers import LlamaForCausalLM
+
+    with dev:
+        model = LlamaForCausalLM(llama_config(tiny)).to(torch.bfloat16).eval()
+
+    def step(shape: tuple[int, int, int]) -> dict[str, Any]:
+        b, p, n = shape
+        generate(torch, model, b, p, n)
+        return {"loss": None, "units": b * n}
+
+    return step
+
+
+def build_rollout(torch: Any, dev: Any, tiny: bool = False) -> Step:
+    """RL-style colocation in one process: a step is an iteration
+    (rollout_iteration's shape) that generates from the model under bf16
+    autocast, then trains it (AdamW, activation checkpointing) on the rows
+    generated, in micro-batches padded to their longest row, one optimizer
+    step an iteration. Units: the tokens generated and trained."""
+    from transformers import LlamaForCausalLM
+
+    model, _ = causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny, num_hidden_layers=ROLLOUT_LAYERS))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    pad = torch.nn.utils.rnn.pad_sequence
+
+    def step(shape: tuple[Any, Any]) -> dict[str, Any]:
+        gens, micro = shape
+        model.eval()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            rows = [r for b, p, n in gens for r in generate(torch, model, b, p, n).unbind(0)]
+        model.train()
+        total, trained, loss = len(rows), 0, 0.0
+        for k in micro:
+            batch, rows = rows[:k], rows[k:]
+            ids, labels = pad(batch, batch_first=True), pad(batch, batch_first=True, padding_value=-100)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                part = model(input_ids=ids, labels=labels).loss * (k / total)
+            part.backward()
+            loss, trained = loss + part.detach(), trained + sum(len(r) for r in batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"loss": loss, "units": sum(b * n for b, _, n in gens) + trained}
+
+    return step
+
+
+def build_checkpoint(torch: Any, dev: Any, tiny: bool = False) -> Step:
+    """The LLaMA above under FSDP (fully_shard on each decoder layer, then
+    the whole; bf16 parameters, fp32 gradient reduction) in a process group
+    of one, with activation checkpointing, trained like llama."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaForCausalLM
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = llama_config(tiny)
+    with dev:
+        model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def forward(shape: tuple[int, int]) -> tuple[Any, int]:
+        ids = torch.randint(0, cfg.vocab_size, shape, device=dev)
+        return model(input_ids=ids, labels=ids).loss, shape[0] * shape[1]
+
+    return trainer(torch, dev, opt, forward)
+
+
+# hidden size, each expert's SwiGLU width, experts, experts per token, layers:
+# 4 layers of 16 experts, 1.1B parameters, 2 experts (69M parameters) a token.
+MOE_CONFIG, MOE_TINY_CONFIG = (2048, 2816, 16, 2, 4), (64, 96, 4, 2, 2)
+MOE_SKEW = 1.5  # the spread of a per-step bias on the router's logits: hot experts change step by step
+
+
+def build_moe(torch: Any, dev: Any, tiny: bool = False) -> Step:
+    """Layers of a mixture of experts, each x + Σ gate·expert(x) over a
+    token's top-k experts, trained with AdamW on random inputs of a shape
+    (batch, length, seed); each step's router gets a bias drawn from seed, so
+    the experts' token counts (logged) change every step. The tokens are
+    sorted by expert and each expert's SwiGLU runs on its own slice."""
+    d, f, e, k, layers = MOE_TINY_CONFIG if tiny else MOE_CONFIG
+    with dev:
+        router = torch.nn.Parameter(torch.randn(layers, d, e) * d ** -0.5)
+        w_in = torch.nn.Parameter(torch.randn(layers, e, d, 2 * f) * d ** -0.5)
+        w_out = torch.nn.Parameter(torch.randn(layers, e, f, d) * f ** -0.5)
+    opt = torch.optim.AdamW([router, w_in, w_out], lr=1e-4)
+
+    def moe_layer(x: Any, i: int, bias: Any) -> tuple[Any, list[int]]:
+        gate, expert = ((x @ router[i]).float() + bias).softmax(-1).topk(k, dim=-1)
+        order = expert.flatten().argsort(stable=True)  # the token-expert pairs, by expert
+        counts = torch.bincount(expert.flatten(), minlength=e).tolist()
+        xs = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, d)[order]
+        outs = []
+        for j, part in enumerate(xs.split(counts)):
+            a, b = (part @ w_in[i, j]).chunk(2, dim=-1)
+            outs.append((torch.nn.functional.silu(a) * b) @ w_out[i, j])
+        y = torch.cat(outs)[order.argsort()].view(-1, k, d)
+        return x + (y * gate.unsqueeze(-1).to(y.dtype)).sum(1), counts
+
+    def step(shape: tuple[int, int, int]) -> dict[str, Any]:
+        b, s, seed = shape
+        bias = (torch.randn(e, generator=torch.Generator().manual_seed(seed)) * MOE_SKEW).to(dev)
+        x, counts = torch.randn(b * s, d, device=dev), []
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            for i in range(layers):
+                x, c = moe_layer(x, i, bias)
+                counts.append(c)
+            loss = x.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"loss": loss.detach(), "units": b * s, "expert_tokens": counts}
+
+    return step
+
+
+BUILDERS = {"gpt2": build_gpt2, "llama": build_llama, "resnet50": build_resnet50, "rollout": build_rollout,
+            "checkpoint": build_checkpoint, "serving": build_serving, "moe": build_moe}
+
+
+def planning_steps(shapes: list[Any]) -> list[Any]:
     """One untimed step of every distinct shape, in order of first use
     (--plan-shapes): a shape's first step (cuDNN planning it, on the host)
     costs 100-250 ms under every allocator, and stays out of the timed steps."""
@@ -402,16 +604,18 @@ def planning_steps(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def train_limits(args: argparse.Namespace, workload: str) -> dict[str, int]:
-    if workload in TOKEN_WORKLOADS:
-        batch, seq = (args.gpt2_batch, args.gpt2_seq) if workload == "gpt2" else (args.llama_batch, args.llama_seq)
-        return {"batch_min": batch[0], "batch_max": batch[1], "seq_min": seq[0], "seq_max": seq[1]}
-    return {"batch_min": args.resnet_batch[0], "batch_max": args.resnet_batch[1],
-            "res_min": args.resnet_res[0], "res_max": args.resnet_res[1]}
+    """The workload's shape ranges, as {"batch_min": .., "batch_max": .., ...}."""
+    out = {}
+    for name, _, _ in SHAPE_RANGES[workload]:
+        lo, hi = getattr(args, name.replace("-", "_"))
+        key = name.split("-", 1)[1]
+        out |= {f"{key}_min": lo, f"{key}_max": hi}
+    return out
 
 
 def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory],
               args: argparse.Namespace) -> dict[str, Any]:
-    """Training steps of a shape drawn per step, each timed between device
+    """Steps of a shape drawn per step, each timed between device
     synchronisations; the allocator's and the driver's peak memory, and
     every thread's CPU time over the timed steps."""
     workload, cuda = args.workload, not args.smoke_cpu
@@ -422,48 +626,44 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
     planned = planning_steps(shapes) if args.plan_shapes else []
     warmup, shapes = args.warmup + len(planned), planned + shapes
     torch.manual_seed(1000 + args.repeat)  # the same weights and data for every configuration of a repeat
-    out: dict[str, Any] = {"unit": "tokens" if workload in TOKEN_WORKLOADS else "images", "warmup": warmup,
+    out: dict[str, Any] = {"unit": UNITS.get(workload, "tokens"), "warmup": warmup,
                            "steps": args.steps, "limits": limits, "planned_shapes": len(planned)}
     log: list[dict[str, Any]] = []
     with alloc.scope() if alloc is not None else contextlib.nullcontext():
         t_build = time.perf_counter()
-        model, opt, forward = BUILDERS[workload](torch, dev, tiny=not cuda)
+        step = BUILDERS[workload](torch, dev, tiny=not cuda)
         sync()
         out["build_s"] = time.perf_counter() - t_build
         if mem is not None:
             mem.start()
         threads_before: dict[int, tuple[str, float]] = {}
         turns = Turns(args.turns) if args.turns else None
-        for i, shape in enumerate(shapes):
-            if turns is not None:
-                turns.wait()
-            sync()
-            if args.pin_threads and i in (1, warmup):
-                # After the first step (autograd's thread starts at the first
-                # backward), and again for threads started since.
-                cpus = args.pin_threads
-                out["pinned_threads"] = pin_threads(cpus[0], cpus[1], set(cpus[2:]), threading.get_native_id())
-            if i == warmup:
-                threads_before = thread_times()
-            t0 = time.perf_counter()
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss, units = forward(shape)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-            entry = {"shape": list(shape), "seconds": time.perf_counter() - t0, "units": units,
-                     "timed": i >= warmup, "loss": float(loss.detach().float().item())}
-            del loss
-            if mem is not None:
-                entry["device_used"] = mem.sample()
-            if alloc is not None and alloc.goalloc is not None:
-                entry["pool_reserved"] = alloc.read_pool()
-                if alloc.config in GOALLOC_INSTALLED:
-                    entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
-            if turns is not None:
-                entry["turn"] = turns.done()
-            log.append(entry)
+        with recording_history(torch, alloc, args.record_history, out):
+            for i, shape in enumerate(shapes):
+                if turns is not None:
+                    turns.wait()
+                sync()
+                if args.pin_threads and i in (1, warmup):
+                    # After the first step (autograd's thread starts at the first
+                    # backward), and again for threads started since.
+                    cpus = args.pin_threads
+                    out["pinned_threads"] = pin_threads(cpus[0], cpus[1], set(cpus[2:]), threading.get_native_id())
+                if i == warmup:
+                    threads_before = thread_times()
+                t0 = time.perf_counter()
+                entry = step(shape)
+                sync()
+                entry.update(shape=list(shape), seconds=time.perf_counter() - t0, timed=i >= warmup,
+                             loss=None if entry["loss"] is None else float(entry["loss"].float().item()))
+                if mem is not None:
+                    entry["device_used"] = mem.sample()
+                if alloc is not None and alloc.goalloc is not None:
+                    entry["pool_reserved"] = alloc.read_pool()
+                    if alloc.config in GOALLOC_INSTALLED:
+                        entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
+                if turns is not None:
+                    entry["turn"] = turns.done()
+                log.append(entry)
         if turns is not None:
             turns.finish()
         if threads_before:
@@ -475,13 +675,36 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
         out.update(step_log=log, timed_seconds=seconds, timed_units=units,
                    units_per_s=units / seconds if seconds > 0 else None,
                    median_step_s=median([e["seconds"] for e in timed]) if timed else None,
-                   losses_finite=all(math.isfinite(e["loss"]) for e in log))
+                   losses_finite=all(math.isfinite(e["loss"]) for e in log if e["loss"] is not None))
         if alloc is not None:
             out["allocator"] = alloc.figures()
         if mem is not None:
             out["device"] = mem.figures()
-        del model, opt, forward
+        del step
     return out
+
+
+@contextlib.contextmanager
+def recording_history(torch: Any, alloc: Optional[Allocator], stem: Optional[str], out: dict[str, Any]) -> Any:
+    """--record-history STEM: the allocations made inside, for `goalloc
+    replay` and the simulator's test set: with goalloc installed its trace
+    (STEM.jsonl.gz, goalloc.record_trace), else torch's memory history
+    (STEM.pickle, torch.cuda.memory._dump_snapshot); out["history"] names
+    the file. No STEM: nothing recorded."""
+    if not stem:
+        yield
+    elif alloc is not None and alloc.config in GOALLOC_INSTALLED:
+        out["history"] = f"{stem}.jsonl.gz"
+        with alloc.goalloc.record_trace(out["history"], max_entries=HISTORY_ENTRIES, workload=os.path.basename(stem)):
+            yield
+    else:
+        out["history"] = f"{stem}.pickle"
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context=None)
+        try:
+            yield
+        finally:
+            torch.cuda.memory._dump_snapshot(out["history"])
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 class Turns:
@@ -533,9 +756,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval; 0: off")
     p.add_argument("--warmup", type=int, default=3, help="training steps before the timed ones")
     p.add_argument("--steps", type=int, default=10, help="timed training steps")
-    for name, lo, hi in (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024), ("llama-batch", 1, 8),
-                         ("llama-seq", 512, 3072), ("resnet-batch", 32, 64), ("resnet-res", 160, 224)):
+    for name, lo, hi in (r for ranges in SHAPE_RANGES.values() for r in ranges):
         p.add_argument(f"--{name}", type=int, nargs=2, default=(lo, hi), metavar=("MIN", "MAX"))
+    p.add_argument("--record-history", metavar="STEM", help="record the steps' allocations: STEM.jsonl.gz "
+                   "(goalloc's trace, goalloc installed) or STEM.pickle (torch's memory snapshot)")
     p.add_argument("--plan-shapes", action="store_true",
                    help="before the warm-up, one untimed step of every distinct shape the run trains")
     p.add_argument("--turns", type=turn_fds, metavar="GO,REPLY",
@@ -547,6 +771,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke_cpu and args.config != "native":
         p.error("--smoke-cpu runs with --config native only")
+    if args.smoke_cpu and args.record_history:
+        p.error("--record-history records a device's allocations: not with --smoke-cpu")
     if (args.turns or args.pin_threads) and args.workload == "env":
         p.error("--turns, --pin-threads: only the training workloads take turns or pin threads")
     return args
