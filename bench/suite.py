@@ -38,29 +38,41 @@ from typing import Any, Optional
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool")
-# Training under these by default; goalloc-mempool by name (--train-configs).
+sys.path.insert(0, str(BENCH))
+import workloads  # noqa: E402  (bench/workloads.py: the configurations, the workloads and their shape ranges)
+from workloads import CONFIGS, GOALLOC_CONFIGS, write_json_atomic  # noqa: E402
+
+# Running under these by default; goalloc-mempool by name (--train-configs).
 DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
-GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm", "goalloc-mempool")
-WORKLOADS = TRAIN_WORKLOADS = ("gpt2", "llama", "resnet50")
+WORKLOADS = TRAIN_WORKLOADS = tuple(workloads.SHAPE_RANGES)
+DEFAULT_WORKLOADS = ("gpt2", "llama", "resnet50")  # issue 33's rollout, checkpoint, serving and moe by name
 DEFAULT_BUDGET_S = 480.0
 
-# Estimated seconds per run on an H200 (a process start, then a cost per
-# training step), for the plan and, until a run of the kind has finished, for
-# the budget.
-ESTIMATE_FIXED_S = {"env": 20.0, "gpt2": 9.0, "llama": 15.0, "resnet50": 6.5}
-ESTIMATE_PER_STEP_S = {"gpt2": 0.15, "llama": 0.35, "resnet50": 0.12}
-# LlamaConfig's max_position_embeddings in bench/workloads.py.
-LLAMA_MAX_SEQ = 4096
+# Per workload: the prefix of its options (--PREFIX-steps, --PREFIX-warmup),
+# its default timed and warm-up steps, and the seconds a run is estimated to
+# take on an H200 (a process start, then a cost per step), for the plan and,
+# until a run of the kind has finished, for the budget. The new workloads'
+# estimates are not yet measured on a GPU.
+STEPS = {"gpt2": ("gpt2", 45, 5, 9.0, 0.15), "llama": ("llama", 27, 3, 15.0, 0.35),
+         "resnet50": ("resnet", 35, 5, 6.5, 0.12), "rollout": ("rollout", 4, 1, 20.0, 5.0),
+         "checkpoint": ("checkpoint", 60, 3, 20.0, 0.35), "serving": ("serving", 12, 2, 15.0, 2.0),
+         "moe": ("moe", 200, 5, 15.0, 0.1)}
+ENV_ESTIMATE_S = 20.0
+# The most tokens a sequence may hold: GPT-2's context, LlamaConfig's
+# max_position_embeddings in bench/workloads.py.
+CONTEXT = {"gpt2": 1024, "llama": 4096, "rollout": 4096, "checkpoint": 4096, "serving": 4096}
 # A run is stopped after this many times its estimate (at least MIN_TIMEOUT_S).
 TIMEOUT_FACTOR, MIN_TIMEOUT_S, ENV_TIMEOUT_S = 5.0, 45.0, 150.0
 # Seconds a run may still start within past the budget's end, for its timeout.
 GRACE_S = 15.0
 TAIL_CHARS = 3000
-# The shapes drawn per training step: batch, then sequence length (in
-# multiples of 64) or resolution (of 16).
-SHAPE_RANGES = (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024), ("llama-batch", 1, 8), ("llama-seq", 512, 3072),
-                ("resnet-batch", 32, 64), ("resnet-res", 160, 224))
+SHAPE_RANGES = tuple(r for ranges in workloads.SHAPE_RANGES.values() for r in ranges)
+# --quick's shapes.
+QUICK_RANGES = {"gpt2-batch": [2, 4], "gpt2-seq": [128, 256], "llama-batch": [1, 2], "llama-seq": [128, 256],
+                "resnet-batch": [16, 32], "resnet-res": [128, 160], "rollout-batch": [2, 4],
+                "rollout-prompt": [64, 128], "rollout-new": [16, 32], "rollout-micro": [2, 4],
+                "checkpoint-batch": [1, 2], "checkpoint-seq": [128, 256], "serving-batch": [1, 4],
+                "serving-prompt": [64, 128], "serving-new": [16, 32], "moe-batch": [1, 2], "moe-seq": [128, 256]}
 
 
 @dataclass
@@ -138,10 +150,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "call (or GPU) given the next N draws other shapes and its runs merge without colliding")
     p.add_argument("--train-configs", type=csv_list(CONFIGS), default=list(DEFAULT_TRAIN_CONFIGS),
                    help=f"configurations of the training workloads (default: {','.join(DEFAULT_TRAIN_CONFIGS)})")
-    p.add_argument("--workloads", type=csv_list(WORKLOADS), default=list(WORKLOADS))
-    for w, steps, warmup in (("gpt2", 45, 5), ("llama", 27, 3), ("resnet", 35, 5)):
-        p.add_argument(f"--{w}-steps", type=positive_int, default=steps, help=f"timed steps per run (default {steps})")
-        p.add_argument(f"--{w}-warmup", type=nonneg_int, default=warmup)
+    p.add_argument("--workloads", type=csv_list(WORKLOADS), default=list(DEFAULT_WORKLOADS),
+                   help=f"default {','.join(DEFAULT_WORKLOADS)}")
+    for prefix, steps, warmup, _, _ in STEPS.values():
+        p.add_argument(f"--{prefix}-steps", type=positive_int, default=steps, help=f"timed steps per run (default {steps})")
+        p.add_argument(f"--{prefix}-warmup", type=nonneg_int, default=warmup)
     for name, lo, hi in SHAPE_RANGES:
         p.add_argument(f"--{name}", type=positive_int, nargs=2, default=[lo, hi], metavar=("MIN", "MAX"))
     for w in ("resnet", "llama"):
@@ -149,6 +162,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help=f"{w} runs first take one untimed step of every shape they train (a shape's first "
                             "step, cuDNN planning it, costs 100-250 ms more under every allocator)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
+    p.add_argument("--record-history", action="store_true",
+                   help="every run records its allocations in OUTDIR/history/ (bench/workloads.py --record-history)")
     p.add_argument("--goalloc-conf", default="",
                    help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
                         "no backend: goalloc-vmm adds backend:vmm to it")
@@ -165,20 +180,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1
-        args.gpt2_steps, args.gpt2_warmup = 2, 1
-        args.llama_steps, args.llama_warmup = 2, 1
-        args.resnet_steps, args.resnet_warmup = 2, 1
-        args.gpt2_batch, args.gpt2_seq = [2, 4], [128, 256]
-        args.llama_batch, args.llama_seq = [1, 2], [128, 256]
-        args.resnet_batch, args.resnet_res = [16, 32], [128, 160]
+        for prefix, _, _, _, _ in STEPS.values():
+            setattr(args, f"{prefix}_steps", 2)
+            setattr(args, f"{prefix}_warmup", 1)
+        for name, v in QUICK_RANGES.items():
+            setattr(args, name.replace("-", "_"), v)
     for name, _, _ in SHAPE_RANGES:
         lo, hi = getattr(args, name.replace("-", "_"))
         if lo > hi:
             p.error(f"--{name}: MIN {lo} is above MAX {hi}")
-    if args.gpt2_seq[1] > 1024:
-        p.error("--gpt2-seq: GPT-2's context is 1024 tokens")
-    if args.llama_seq[1] > LLAMA_MAX_SEQ:
-        p.error(f"--llama-seq: the LLaMA's context is {LLAMA_MAX_SEQ} tokens")
+    for w, limit in CONTEXT.items():
+        names = [n for n, _, _ in workloads.SHAPE_RANGES[w] if n.endswith(("-seq", "-prompt", "-new"))]
+        if sum(getattr(args, n.replace("-", "_"))[1] for n in names) > limit:
+            p.error(f"--{' + --'.join(names)}: {w}'s model holds {limit} tokens (its context)")
     if "backend" in (kv.split(":", 1)[0].strip() for kv in args.goalloc_conf.split(",")):
         p.error("--goalloc-conf: no backend here: goalloc runs backend:async and goalloc-vmm backend:vmm")
     if args.budget <= 0:
@@ -188,20 +202,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def step_counts(workload: str, args: argparse.Namespace) -> tuple[int, int]:
+    """A workload's timed and warm-up steps."""
+    prefix = STEPS[workload][0]
+    return getattr(args, f"{prefix}_steps"), getattr(args, f"{prefix}_warmup")
+
+
+def plans_shapes(workload: str, args: argparse.Namespace) -> bool:
+    return bool(getattr(args, f"{STEPS[workload][0]}_plan_shapes", False))
+
+
 def estimate(workload: str, args: argparse.Namespace) -> float:
     """The default estimate of one run of a workload, in seconds."""
-    s = ESTIMATE_FIXED_S[workload]
-    if workload == "gpt2":
-        s += ESTIMATE_PER_STEP_S["gpt2"] * (args.gpt2_steps + args.gpt2_warmup)
-    elif workload == "llama":
-        # Planning: at most one step per step drawn.
-        planned = args.llama_steps + args.llama_warmup if args.llama_plan_shapes else 0
-        s += ESTIMATE_PER_STEP_S["llama"] * (args.llama_steps + args.llama_warmup + planned)
-    elif workload == "resnet50":
-        # Planning: at most one step per distinct shape (25 with the default ranges).
-        planned = 25 if args.resnet_plan_shapes else 0
-        s += ESTIMATE_PER_STEP_S["resnet50"] * (args.resnet_steps + args.resnet_warmup + planned)
-    return s
+    _, _, _, fixed, per_step = STEPS[workload]
+    steps = sum(step_counts(workload, args))
+    # Planning: at most one step per distinct shape: per step drawn (llama), 25 (resnet50's default ranges).
+    planned = (25 if workload == "resnet50" else steps) if plans_shapes(workload, args) else 0
+    return fixed + per_step * (steps + planned)
 
 
 def rotated(items: list[str], r: int) -> list[str]:
@@ -214,7 +231,7 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
     """Every run, repeat by repeat, configurations rotated within each workload."""
     plan: list[Run] = []
     for r in range(args.first_repeat, args.first_repeat + args.repeats):
-        for w in WORKLOADS:
+        for w in WORKLOADS:  # in this order, whatever --workloads's
             if w not in args.workloads:
                 continue
             for c in rotated(list(args.train_configs), r):
@@ -224,11 +241,11 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
 
 def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
     """Print the plan with its estimates; return the estimated total."""
-    total = ESTIMATE_FIXED_S["env"]
+    total = ENV_ESTIMATE_S
     first = f" (repeats {args.first_repeat}..{args.first_repeat + args.repeats - 1})" if args.first_repeat else ""
     print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s){first}")
     print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}")
-    print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ESTIMATE_FIXED_S['env']:>6.1f}")
+    print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ENV_ESTIMATE_S:>6.1f}")
     for run in plan:
         total += run.estimate_s
         print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}")
@@ -237,7 +254,7 @@ def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
         per.setdefault(run.workload, []).append(run.estimate_s)
     parts = ", ".join(f"{w} {len(v)} x {v[0]:.1f} s" for w, v in per.items())
     fits = total <= args.budget
-    print(f"estimated total: {total:.0f} s (env {ESTIMATE_FIXED_S['env']:.0f} s, {parts}); "
+    print(f"estimated total: {total:.0f} s (env {ENV_ESTIMATE_S:.0f} s, {parts}); "
           f"budget {args.budget:.0f} s: {'fits' if fits else 'OVER BUDGET'}")
     return total
 
@@ -247,12 +264,6 @@ def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
 
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def child_env(config: str, args: argparse.Namespace) -> dict[str, str]:
@@ -280,19 +291,14 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
     """The command of one run."""
     cmd = [args.python, args.workloads_script, "--workload", run.workload, "--config", run.config,
            "--repeat", str(run.repeat), "--out", str(out), "--sample-ms", str(args.sample_ms)]
-    if run.workload == "gpt2":
-        cmd += ["--steps", str(args.gpt2_steps), "--warmup", str(args.gpt2_warmup),
-                "--gpt2-batch", *map(str, args.gpt2_batch), "--gpt2-seq", *map(str, args.gpt2_seq)]
-    elif run.workload == "llama":
-        cmd += ["--steps", str(args.llama_steps), "--warmup", str(args.llama_warmup),
-                "--llama-batch", *map(str, args.llama_batch), "--llama-seq", *map(str, args.llama_seq)]
-        if args.llama_plan_shapes:
-            cmd.append("--plan-shapes")
-    elif run.workload == "resnet50":
-        cmd += ["--steps", str(args.resnet_steps), "--warmup", str(args.resnet_warmup),
-                "--resnet-batch", *map(str, args.resnet_batch), "--resnet-res", *map(str, args.resnet_res)]
-        if args.resnet_plan_shapes:
-            cmd.append("--plan-shapes")
+    steps, warmup = step_counts(run.workload, args)
+    cmd += ["--steps", str(steps), "--warmup", str(warmup)]
+    for name, _, _ in workloads.SHAPE_RANGES[run.workload]:
+        cmd += [f"--{name}", *map(str, getattr(args, name.replace("-", "_")))]
+    if plans_shapes(run.workload, args):
+        cmd.append("--plan-shapes")
+    if args.record_history:
+        cmd += ["--record-history", str(Path(args.outdir).resolve() / "history" / run.name)]
     return cmd
 
 
@@ -432,6 +438,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.outdir).resolve()
     results = out / "results"
     results.mkdir(parents=True, exist_ok=True)
+    if args.record_history:
+        (out / "history").mkdir(exist_ok=True)
     start = time.monotonic()
     opts = {k: v for k, v in vars(args).items() if k not in ("outdir", "command", "dry_run")}
     state = State(doc={

@@ -50,7 +50,7 @@ SHAPE_RANGES = {
     "resnet50": (("resnet-batch", 32, 64), ("resnet-res", 160, 224)),
     # Per iteration ROLLOUT_GENERATES prompts batches, each a batch, prompt
     # and generated length; then micro-batches of rows of what they made.
-    "rollout": (("rollout-batch", 8, 32), ("rollout-prompt", 128, 768), ("rollout-new", 32, 192),
+    "rollout": (("rollout-batch", 8, 32), ("rollout-prompt", 128, 768), ("rollout-new", 32, 160),
                 ("rollout-micro", 2, 12)),
     "checkpoint": (("checkpoint-batch", 1, 8), ("checkpoint-seq", 512, 4096)),
     "serving": (("serving-batch", 1, 48), ("serving-prompt", 64, 2048), ("serving-new", 16, 256)),
@@ -524,6 +524,7 @@ def build_checkpoint(torch: Any, dev: Any, tiny: bool = False) -> Step:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaForCausalLM
 
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the GPU machines' rule)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = llama_config(tiny)
