@@ -21,14 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool")
-GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")  # goalloc's own memory; the goals take the better
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/workloads.py: the configurations (goalloc's own memory in GOALLOC_INSTALLED: the goals take the better).
+from workloads import CONFIGS, GOALLOC_CONFIGS, GOALLOC_INSTALLED, SHAPE_RANGES  # noqa: E402
+
 DEFAULT_GOALLOC = "goalloc-vmm"  # backend:vmm, goalloc's default backend
-GOALLOC_CONFIGS = GOALLOC_INSTALLED + ("goalloc-mempool",)
 TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("llama", "LLaMA 672M (GQA)", "tokens/s"),
-         ("resnet50", "ResNet-50", "images/s"))
-# The goals: peak device memory over peak live per workload; throughput against native.
-GOAL_MEMORY_OVER_LIVE = {"gpt2": 1.03, "llama": 1.03, "resnet50": 1.05}
+         ("resnet50", "ResNet-50", "images/s"), ("rollout", "RL-style rollout, LLaMA 582M", "tokens/s"),
+         ("checkpoint", "FSDP, LLaMA 672M", "tokens/s"), ("serving", "LLaMA 672M", "tokens/s"),
+         ("moe", "Mixture of experts 1.1B", "tokens/s"))
+SECTION = {"rollout": "Generating, then training", "serving": "Serving"}  # the others: "Training"
+# The goals: peak device memory over peak live per workload (1.03 where not
+# named); throughput against native.
+GOAL_MEMORY_OVER_LIVE = {"resnet50": 1.05}
 GOAL_THROUGHPUT_VS_NATIVE = 0.98
 GiB, MiB, KiB = float(1 << 30), float(1 << 20), float(1 << 10)
 
@@ -227,17 +232,14 @@ def environment(doc: dict[str, Any]) -> list[str]:
     first, reps = opts.get("first_repeat") or 0, opts.get("repeats", "?")
     if first and isinstance(reps, int):
         reps = f"{reps} (repeats {first}–{first + reps - 1})"
-    planned = {p.get("workload") for p in doc.get("plan", [])}
+    planned = {p.get("workload") for p in doc.get("plan", [])} or {"gpt2", "resnet50"}
     train = []
-    if "gpt2" in planned or not planned:
-        train.append(f"GPT-2 {opts.get('gpt2_warmup', '?')} warm-up + {opts.get('gpt2_steps', '?')} timed steps, "
-                     f"batch {rng(opts.get('gpt2_batch'))}, sequence {rng(opts.get('gpt2_seq'))}")
-    if "llama" in planned:
-        train.append(f"LLaMA {opts.get('llama_warmup', '?')} + {opts.get('llama_steps', '?')} steps, "
-                     f"batch {rng(opts.get('llama_batch'))}, sequence {rng(opts.get('llama_seq'))}")
-    if "resnet50" in planned or not planned:
-        train.append(f"ResNet-50 {opts.get('resnet_warmup', '?')} + {opts.get('resnet_steps', '?')} steps, "
-                     f"batch {rng(opts.get('resnet_batch'))}, {rng(opts.get('resnet_res'))} px")
+    for w, ranges in SHAPE_RANGES.items():
+        prefix = ranges[0][0].split("-")[0]
+        if w in planned:
+            train.append(f"{w} {opts.get(f'{prefix}_warmup', '?')} warm-up + {opts.get(f'{prefix}_steps', '?')} timed "
+                         "steps, " + ", ".join(f"{n.split('-')[1]} {rng(opts.get(n.replace('-', '_')))}"
+                                               for n, _, _ in ranges))
     workloads = opts.get("workloads")
     lines = [
         f"- GPU: {smi.get('name') or env.get('gpu') or 'unknown'}; driver {smi.get('driver_version') or 'unknown'}; "
@@ -268,12 +270,21 @@ def train_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg
 MODELS = {"gpt2": "`transformers.GPT2LMHeadModel(GPT2Config())`, AdamW",
           "llama": "`transformers.LlamaForCausalLM`, 12 layers, hidden 2048, 16 query heads sharing 4 key/value "
                    "heads, AdamW",
-          "resnet50": "`torchvision.models.resnet50(weights=None)`, channels_last, SGD with momentum"}
+          "resnet50": "`torchvision.models.resnet50(weights=None)`, channels_last, SGD with momentum",
+          "rollout": "an RL-style iteration in one process: 3 `generate` calls (greedy, a KV cache growing by a token "
+                     "a step) from a 10-layer `LlamaForCausalLM`, then training (AdamW, activation checkpointing) on "
+                     "the rows generated, in micro-batches of varied size",
+          "checkpoint": "the LLaMA above under FSDP (`fully_shard` per decoder layer, bf16 parameters) in a process "
+                        "group of one, activation checkpointing, AdamW",
+          "serving": "the LLaMA above in bf16, `generate` for a stream of requests (batch, prompt and generated "
+                     "length drawn per request)",
+          "moe": "4 layers of 16 SwiGLU experts, top-2 routing with a per-step router bias (the experts' token "
+                 "counts change every step), AdamW"}
 
 
 def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, heading: str) -> list[str]:
     configs = present_configs(doc, workload)
-    lines = [f"## {heading}. Training: {label}", "",
+    lines = [f"## {heading}. {SECTION.get(workload, 'Training')}: {label}", "",
              f"{MODELS[workload]}; random init, bf16 autocast, a shape drawn per step (the same for every",
              "configuration of a repeat)" + ("; every shape first trained once untimed (`--plan-shapes`)."
                                              if any(dig(r, "result", "planned_shapes") for r in runs_of(doc, workload))
@@ -389,7 +400,7 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
     """A training workload's goals: the better goalloc configuration's peak
     memory over peak live and below every other configuration's, goalloc
     (backend:async) against torch's cudaMallocAsync, and throughput against native."""
-    goal = GOAL_MEMORY_OVER_LIVE.get(workload, max(GOAL_MEMORY_OVER_LIVE.values()))
+    goal = GOAL_MEMORY_OVER_LIVE.get(workload, 1.03)
     best, cands = best_goalloc(doc, workload)
     g = cands.get(best) if best else None
     mem = g["memory"].median if g else None
@@ -546,7 +557,7 @@ def render(doc: dict[str, Any]) -> str:
     planned = {p.get("workload") for p in doc.get("plan", [])} | {r.get("workload") for r in doc.get("runs", [])}
     for i, (workload, label, unit) in enumerate(TRAIN):
         if workload in planned:
-            lines += [""] + section_train(doc, workload, label, unit, "3" + "abc"[i])
+            lines += [""] + section_train(doc, workload, label, unit, "3" + "abcdefg"[i])
     if doc.get("lockstep"):
         lines += [""] + section_lockstep(doc)
     return "\n".join(lines + [""] + goals(doc)[0]) + "\n"

@@ -84,7 +84,7 @@ def test_quick_is_one_short_repeat():
     assert args.repeats == 1 and args.gpt2_steps == 2 and args.resnet_steps == 2 and args.llama_steps == 2
     assert args.llama_seq == [128, 256]
     assert len(plan) == 5 + 5 + 5
-    assert sum(r.estimate_s for r in plan) + suite.ESTIMATE_FIXED_S["env"] < 240
+    assert sum(r.estimate_s for r in plan) + suite.ENV_ESTIMATE_S < 240
 
 
 def test_plan_interleaves_configs_in_a_rotated_order():
@@ -560,8 +560,8 @@ def test_render_merges_suites_and_computes_the_issue_goals():
     assert "`bench.json` files (2, merged)" in text
     assert "Input 1: `A/bench.json`" in text and "Input 2: `B/bench.json`" in text
     assert "CUDA_VISIBLE_DEVICES=0" in text and "CUDA_VISIBLE_DEVICES=1" in text
-    assert "- options: workloads llama,resnet50; repeats 2 (repeats 1–2); LLaMA 3 + 27 steps, batch 1–8, sequence " \
-           "512–3072; ResNet-50 5 + 35 steps" in text
+    assert "- options: workloads llama,resnet50; repeats 2 (repeats 1–2); llama 3 warm-up + 27 timed steps, batch " \
+           "1–8, seq 512–3072; resnet50 5 warm-up + 35 timed steps" in text
     assert "5 run(s) of an earlier input replaced by a later one's" in text
     assert "## 3b. Training: LLaMA 672M (GQA)" in text and "## 3c. Training: ResNet-50" in text
     assert "`transformers.LlamaForCausalLM`, 12 layers" in text
