@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# bench/workloads.py: the configurations (goalloc's own memory in GOALLOC_INSTALLED: the goals take the better).
-from workloads import CONFIGS, GOALLOC_CONFIGS, GOALLOC_INSTALLED, SHAPE_RANGES  # noqa: E402
+# bench/workloads.py: the configurations (goalloc installed in GOALLOC_CONFIGS: the goals take the better).
+from workloads import CONFIGS, GOALLOC_CONFIGS, SHAPE_RANGES  # noqa: E402
 
 DEFAULT_GOALLOC = "goalloc-vmm"  # backend:vmm, goalloc's default backend
 TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("llama", "LLaMA 672M (GQA)", "tokens/s"),
@@ -111,7 +111,7 @@ def memory_of_record(config: str, result: dict[str, Any]) -> Any:
     of its memory source (the pool's reserved bytes; for goalloc-vmm the
     physical memory mapped), for torch's allocators their max reserved."""
     a = result.get("allocator") or {}
-    return a.get("pool_reserved_max_read") if config in GOALLOC_INSTALLED else a.get("reserved_peak")
+    return a.get("pool_reserved_max_read") if config in GOALLOC_CONFIGS else a.get("reserved_peak")
 
 
 def device_peak(_: str, result: dict[str, Any]) -> Any:
@@ -136,8 +136,7 @@ def memory_medians(doc: dict[str, Any], workload: str, a: str, b: str,
 
 
 MEMORY_BASIS = {"goalloc": "driver pool reserved high-water mark",
-                "goalloc-vmm": "physical memory mapped, high-water mark",
-                "goalloc-mempool": "torch max reserved (its pool's segments come from goalloc)"}
+                "goalloc-vmm": "physical memory mapped, high-water mark"}
 
 
 # --- formatting ------------------------------------------------------------------
@@ -303,9 +302,6 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
                      MEMORY_BASIS.get(c, "torch max reserved")])
     lines += table(["config", unit, "× native", "peak device memory", "÷ peak live", "× native",
                     "device peak over idle", "peak live", "basis"], rows)
-    if "goalloc-mempool" in configs:
-        lines += ["", "goalloc-mempool: `torch.cuda.use_mem_pool` routes the calling thread's allocations only;",
-                  "autograd's thread allocates from torch's own allocator."]
     miss = miss_latency_table(doc, workload, [c for c in configs if c in GOALLOC_CONFIGS])
     return lines + ([""] + miss if miss else [])
 
@@ -384,7 +380,7 @@ def best_goalloc(doc: dict[str, Any], workload: str) -> tuple[Optional[str], dic
     repeats both ran (on a tie the default backend's), and the figures of
     each that ran; None when neither has memory figures."""
     present = present_configs(doc, workload)
-    aggs = {c: train_aggs(doc, workload, c) for c in GOALLOC_INSTALLED if c in present}
+    aggs = {c: train_aggs(doc, workload, c) for c in GOALLOC_CONFIGS if c in present}
     measured = [c for c, a in aggs.items() if a["memory"].median is not None]
     if len(measured) < 2:
         return (measured[0] if measured else None), aggs
@@ -418,7 +414,7 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
         add(name, r <= goal, how + ".")
         lines.extend(breakdown(doc, workload, best))
     others = ["native", "expandable", "async"]
-    for other in others + [c for c in present_configs(doc, workload) if c not in others + list(GOALLOC_INSTALLED)]:
+    for other in others + [c for c in present_configs(doc, workload) if c not in others + list(GOALLOC_CONFIGS)]:
         mine, theirs, note = memory_medians(doc, workload, best, other) if best else (None, None, "")
         rr = ratio(mine, theirs)
         name = f"{label} peak memory below {other}"

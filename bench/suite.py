@@ -42,8 +42,7 @@ sys.path.insert(0, str(BENCH))
 import workloads  # noqa: E402  (bench/workloads.py: the configurations, the workloads and their shape ranges)
 from workloads import CONFIGS, GOALLOC_CONFIGS, write_json_atomic  # noqa: E402
 
-# Running under these by default; goalloc-mempool by name (--train-configs).
-DEFAULT_TRAIN_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
+DEFAULT_TRAIN_CONFIGS = CONFIGS
 WORKLOADS = TRAIN_WORKLOADS = tuple(workloads.SHAPE_RANGES)
 DEFAULT_WORKLOADS = ("gpt2", "llama", "resnet50")  # issue 33's rollout, checkpoint, serving and moe by name
 DEFAULT_BUDGET_S = 480.0

@@ -11,8 +11,7 @@ functions that need them, so that --help and the tests work without them.
 Configurations (the parent sets the environment): native (PyTorch's caching
 allocator), expandable (expandable_segments:True), async (backend:cudaMallocAsync),
 goalloc (goalloc.install("backend:async"), a CUDA stream-ordered pool),
-goalloc-vmm (goalloc.install("backend:vmm"), goalloc's default), goalloc-mempool
-(the workload inside torch.cuda.use_mem_pool(goalloc.mempool())).
+goalloc-vmm (goalloc.install("backend:vmm"), goalloc's default).
 
 Workloads: env (versions and the GPU); gpt2, llama and resnet50 (training
 steps of a shape drawn per step); issue 33's harsher ones: rollout (RL-style
@@ -39,9 +38,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm", "goalloc-mempool")
-GOALLOC_INSTALLED = ("goalloc", "goalloc-vmm")  # figures from goalloc.memory_stats
-GOALLOC_CONFIGS = GOALLOC_INSTALLED + ("goalloc-mempool",)
+CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
+GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm")  # goalloc installed: figures from goalloc.memory_stats
 # What each workload draws its steps' shapes from: (option, MIN, MAX); the
 # suite has the same options (--NAME MIN MAX) and passes them on.
 SHAPE_RANGES = {
@@ -64,17 +62,9 @@ HISTORY_ENTRIES = 1 << 20  # --record-history: the most events the library's his
 MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")  # goalloc.device_alloc_ns.*, ns
 
 
-def backend_conf(base: str, backend: str) -> str:
-    """GOALLOC_CONF of a goalloc configuration: the suite's --goalloc-conf, then the backend."""
-    return ",".join(x for x in (base.strip(" ,"), backend) if x)
-
-
-def vmm_conf(base: str) -> str:
-    return backend_conf(base, "backend:vmm")
-
-
-def async_conf(base: str) -> str:
-    return backend_conf(base, "backend:async")
+def goalloc_conf(base: str, config: str) -> str:
+    """GOALLOC_CONF of a goalloc configuration: the suite's --goalloc-conf, then its backend."""
+    return ",".join(x for x in (base.strip(" ,"), "backend:vmm" if config == "goalloc-vmm" else "backend:async") if x)
 
 
 def miss_latency(stats: dict[str, Any]) -> Optional[dict[str, int]]:
@@ -227,12 +217,11 @@ def pin_threads(main_cpu: int, autograd_cpu: int, other_cpus: set[int], main_tid
 
 
 class Allocator:
-    """The configuration's allocator: setup() before CUDA starts, start()
-    right after, scope() around the workload, figures() its own counters."""
+    """The configuration's allocator: setup() before CUDA starts, figures()
+    its own counters."""
 
     def __init__(self, torch: Any, config: str):
         self.torch, self.config = torch, config
-        self.pool: Any = None
         self.goalloc: Any = None
         self.pool_reserved_max = 0  # goalloc's memory source, max of the readings so far
 
@@ -241,18 +230,7 @@ class Allocator:
             import goalloc
 
             self.goalloc = goalloc
-        conf = os.environ.get("GOALLOC_CONF", "")
-        if self.config == "goalloc":
-            self.goalloc.install(async_conf(conf))
-        elif self.config == "goalloc-vmm":
-            self.goalloc.install(vmm_conf(conf))
-
-    def start(self) -> None:
-        if self.config == "goalloc-mempool":
-            self.pool = self.goalloc.mempool()
-
-    def scope(self) -> Any:
-        return self.torch.cuda.use_mem_pool(self.pool) if self.pool is not None else contextlib.nullcontext()
+            goalloc.install(goalloc_conf(os.environ.get("GOALLOC_CONF", ""), self.config))
 
     def read_pool(self) -> Optional[int]:
         """What goalloc's memory source holds now (the pool's reserved bytes,
@@ -267,7 +245,7 @@ class Allocator:
 
     def figures(self) -> dict[str, Any]:
         """The allocator's own figures, in bytes."""
-        own = self.config in GOALLOC_INSTALLED
+        own = self.goalloc is not None
         s = self.goalloc.memory_stats(0) if own else self.torch.cuda.memory_stats(0)
         out: dict[str, Any] = {"source": "goalloc.memory_stats" if own else "torch.cuda.memory_stats"}
         for key, stat in (("reserved", "reserved_bytes"), ("allocated", "allocated_bytes")):
@@ -281,11 +259,7 @@ class Allocator:
             out.update(pool_reserved_current=int(f.pool_reserved_bytes), pool_used_current=int(f.pool_used_bytes),
                        pool_reserved_max_read=self.pool_reserved_max,
                        pool_reserved_high=int(getattr(f, "pool_reserved_high_bytes", 0)))
-            g = s
-            if self.config == "goalloc-mempool":  # goalloc's view of the segments it gave torch's pool
-                g = out["goalloc_stats"] = self.goalloc.memory_stats(0)
-                out["goalloc_reserved_peak"] = g.get("reserved_bytes.all.peak")
-            lat = miss_latency(g)
+            lat = miss_latency(s)
             if lat is not None:
                 out["device_alloc_ns"] = lat
         return out
@@ -630,58 +604,55 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
     out: dict[str, Any] = {"unit": UNITS.get(workload, "tokens"), "warmup": warmup,
                            "steps": args.steps, "limits": limits, "planned_shapes": len(planned)}
     log: list[dict[str, Any]] = []
-    with alloc.scope() if alloc is not None else contextlib.nullcontext():
-        t_build = time.perf_counter()
-        step = BUILDERS[workload](torch, dev, tiny=not cuda)
-        sync()
-        out["build_s"] = time.perf_counter() - t_build
-        if mem is not None:
-            mem.start()
-        threads_before: dict[int, tuple[str, float]] = {}
-        turns = Turns(args.turns) if args.turns else None
-        with recording_history(torch, alloc, args.record_history, out):
-            for i, shape in enumerate(shapes):
-                if turns is not None:
-                    turns.wait()
-                sync()
-                if args.pin_threads and i in (1, warmup):
-                    # After the first step (autograd's thread starts at the first
-                    # backward), and again for threads started since.
-                    cpus = args.pin_threads
-                    out["pinned_threads"] = pin_threads(cpus[0], cpus[1], set(cpus[2:]), threading.get_native_id())
-                if i == warmup:
-                    threads_before = thread_times()
-                t0 = time.perf_counter()
-                entry = step(shape)
-                sync()
-                entry.update(shape=list(shape), seconds=time.perf_counter() - t0, timed=i >= warmup,
-                             loss=None if entry["loss"] is None else float(entry["loss"].float().item()))
-                if mem is not None:
-                    entry["device_used"] = mem.sample()
-                if alloc is not None and alloc.goalloc is not None:
-                    entry["pool_reserved"] = alloc.read_pool()
-                    if alloc.config in GOALLOC_INSTALLED:
-                        entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
-                if turns is not None:
-                    entry["turn"] = turns.done()
-                log.append(entry)
-        if turns is not None:
-            turns.finish()
-        if threads_before:
-            out["threads"] = thread_delta(threads_before, thread_times(), threading.get_native_id())
-        if mem is not None:
-            mem.stop()
-        timed = [e for e in log if e["timed"]]
-        seconds, units = sum(e["seconds"] for e in timed), sum(e["units"] for e in timed)
-        out.update(step_log=log, timed_seconds=seconds, timed_units=units,
-                   units_per_s=units / seconds if seconds > 0 else None,
-                   median_step_s=median([e["seconds"] for e in timed]) if timed else None,
-                   losses_finite=all(math.isfinite(e["loss"]) for e in log if e["loss"] is not None))
-        if alloc is not None:
-            out["allocator"] = alloc.figures()
-        if mem is not None:
-            out["device"] = mem.figures()
-        del step
+    t_build = time.perf_counter()
+    step = BUILDERS[workload](torch, dev, tiny=not cuda)
+    sync()
+    out["build_s"] = time.perf_counter() - t_build
+    if mem is not None:
+        mem.start()
+    threads_before: dict[int, tuple[str, float]] = {}
+    turns = Turns(args.turns) if args.turns else None
+    with recording_history(torch, alloc, args.record_history, out):
+        for i, shape in enumerate(shapes):
+            if turns is not None:
+                turns.wait()
+            sync()
+            if args.pin_threads and i in (1, warmup):
+                # After the first step (autograd's thread starts at the first
+                # backward), and again for threads started since.
+                cpus = args.pin_threads
+                out["pinned_threads"] = pin_threads(cpus[0], cpus[1], set(cpus[2:]), threading.get_native_id())
+            if i == warmup:
+                threads_before = thread_times()
+            t0 = time.perf_counter()
+            entry = step(shape)
+            sync()
+            entry.update(shape=list(shape), seconds=time.perf_counter() - t0, timed=i >= warmup,
+                         loss=None if entry["loss"] is None else float(entry["loss"].float().item()))
+            if mem is not None:
+                entry["device_used"] = mem.sample()
+            if alloc is not None and alloc.goalloc is not None:
+                entry["pool_reserved"] = alloc.read_pool()
+                entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
+            if turns is not None:
+                entry["turn"] = turns.done()
+            log.append(entry)
+    if turns is not None:
+        turns.finish()
+    if threads_before:
+        out["threads"] = thread_delta(threads_before, thread_times(), threading.get_native_id())
+    if mem is not None:
+        mem.stop()
+    timed = [e for e in log if e["timed"]]
+    seconds, units = sum(e["seconds"] for e in timed), sum(e["units"] for e in timed)
+    out.update(step_log=log, timed_seconds=seconds, timed_units=units,
+               units_per_s=units / seconds if seconds > 0 else None,
+               median_step_s=median([e["seconds"] for e in timed]) if timed else None,
+               losses_finite=all(math.isfinite(e["loss"]) for e in log if e["loss"] is not None))
+    if alloc is not None:
+        out["allocator"] = alloc.figures()
+    if mem is not None:
+        out["device"] = mem.figures()
     return out
 
 
@@ -694,7 +665,7 @@ def recording_history(torch: Any, alloc: Optional[Allocator], stem: Optional[str
     the file. No STEM: nothing recorded."""
     if not stem:
         yield
-    elif alloc is not None and alloc.config in GOALLOC_INSTALLED:
+    elif alloc is not None and alloc.goalloc is not None:
         out["history"] = f"{stem}.jsonl.gz"
         with alloc.goalloc.record_trace(out["history"], max_entries=HISTORY_ENTRIES, workload=os.path.basename(stem)):
             yield
@@ -798,7 +769,6 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     torch.cuda.init()
     torch.cuda.synchronize()
     mem = DeviceMemory(torch, args.sample_ms)  # the idle baseline: nothing allocated yet
-    alloc.start()
     result["ready_s"] = time.perf_counter() - t0
     result["result"] = run_train(torch, alloc, mem, args)
     result["verify"] = alloc.verify()

@@ -94,8 +94,8 @@ def test_plan_interleaves_configs_in_a_rotated_order():
     assert by_repeat[0] == list(suite.CONFIGS)
     assert by_repeat[1] == list(suite.CONFIGS[1:]) + [suite.CONFIGS[0]]
     assert by_repeat[2] == list(suite.CONFIGS[2:]) + list(suite.CONFIGS[:2])
-    assert [r.id for r in plan] == list(range(1, 19))
-    assert len({r.name for r in plan}) == 18
+    assert [r.id for r in plan] == list(range(1, 16))
+    assert len({r.name for r in plan}) == 15
 
 
 def test_steps_and_repeats_are_options_and_change_the_estimate():
@@ -136,15 +136,15 @@ def test_child_environments():
     assert suite.child_env("async", args)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
     assert "GOALLOC_CONF" not in suite.child_env("goalloc", args)
     tuned = suite.parse_args(["OUT", "--goalloc-conf", "large_cache:512M"])
-    assert suite.child_env("goalloc-mempool", tuned)["GOALLOC_CONF"] == "large_cache:512M"
+    assert suite.child_env("goalloc", tuned)["GOALLOC_CONF"] == "large_cache:512M"
     assert "GOALLOC_CONF" not in suite.child_env("native", tuned)
     assert suite.child_env("goalloc-vmm", tuned)["GOALLOC_CONF"] == "large_cache:512M"
     assert "GOALLOC_CONF" not in suite.child_env("goalloc-vmm", args)
     # workloads.py adds the backend to what the suite passes (goalloc.install(conf) replaces GOALLOC_CONF).
-    assert workloads.vmm_conf("") == "backend:vmm"
-    assert workloads.vmm_conf("large_cache:512M") == "large_cache:512M,backend:vmm"
-    assert workloads.async_conf("") == "backend:async"
-    assert workloads.async_conf("large_cache:512M,") == "large_cache:512M,backend:async"
+    assert workloads.goalloc_conf("", "goalloc-vmm") == "backend:vmm"
+    assert workloads.goalloc_conf("large_cache:512M", "goalloc-vmm") == "large_cache:512M,backend:vmm"
+    assert workloads.goalloc_conf("", "goalloc") == "backend:async"
+    assert workloads.goalloc_conf("large_cache:512M,", "goalloc") == "large_cache:512M,backend:async"
 
 
 def test_plan_has_llama_and_goalloc_vmm_and_the_issue_step_counts():
@@ -158,10 +158,8 @@ def test_plan_has_llama_and_goalloc_vmm_and_the_issue_step_counts():
     llama = [r for r in plan if r.workload == "llama"]
     assert sorted({r.config for r in llama}) == sorted(args.train_configs) and len(llama) == 15
     assert all(r.estimate_s == pytest.approx(15 + 0.35 * 30) for r in llama)
-    assert not [r for r in plan if r.config == "goalloc-mempool"]
-    # goalloc-mempool still trains when asked for by name.
-    named = suite.parse_args(["OUT", "--workloads", "llama", "--train-configs", "goalloc-mempool"])
-    assert {r.config for r in suite.build_plan(named)} == {"goalloc-mempool"}
+    named = suite.parse_args(["OUT", "--workloads", "llama", "--train-configs", "goalloc-vmm"])
+    assert {r.config for r in suite.build_plan(named)} == {"goalloc-vmm"}
     cmd = suite.workload_command(llama[0], args, Path("r.json"))
     assert cmd[cmd.index("--workload") + 1] == "llama"
     assert cmd[cmd.index("--steps") + 1:cmd.index("--steps") + 4] == ["27", "--warmup", "3"]
@@ -209,7 +207,7 @@ def test_goalloc_vmm_figures_on_the_simulated_device():
         spec = importlib.util.spec_from_file_location("w", {str(BENCH / "workloads.py")!r})
         w = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(w)
-        goalloc.configure(w.vmm_conf("quiet:true"))   # what Allocator.setup gives install()
+        goalloc.configure(w.goalloc_conf("quiet:true", "goalloc-vmm"))  # what Allocator.setup gives install()
         a = w.Allocator(None, "goalloc-vmm")
         a.goalloc = goalloc                          # setup() without torch
         L = _lib.lib()
@@ -245,7 +243,7 @@ def test_nvidia_smi_is_asked_for_the_visible_gpu(monkeypatch: pytest.MonkeyPatch
 
 def test_workloads_help_and_shapes_need_no_torch():
     p = run_py(str(BENCH / "workloads.py"), "--help")
-    assert p.returncode == 0 and "goalloc-mempool" in p.stdout
+    assert p.returncode == 0 and "goalloc-vmm" in p.stdout and "--record-history" in p.stdout
     limits = {"batch_min": 4, "batch_max": 8, "seq_min": 256, "seq_max": 1024}
     a = workloads.train_shapes("gpt2", 1, 13, limits)
     assert a == workloads.train_shapes("gpt2", 1, 13, limits)  # the same for every config of a repeat
