@@ -5,17 +5,14 @@
         [--repeats 8] [--first-repeat 0] [--budget 480] [--pin-threads 1,2,3,4] [bench/suite.py options ...]
     python3 bench/lockstep.py report OUTDIR/lockstep.json [MORE.json ...]
 
-The training steps are bound by the host, and the host drifts (native's own
-median ResNet-50 step went from 14.9 to 29.6 ms between repeats a minute
-apart), so runs made one after another compare hosts as much as allocators.
-Here the two configurations of a repeat run at the same time, each in a fresh
-process, on one GPU, never at once: the coordinator lets A take one training
-step (timed between device synchronisations), then B the same step (the same
-shape), and so on, A, B, A, B. With --pin-threads both pin their training
-thread, torch's autograd thread and the rest alike, so that a CPU slowed for
-a while slows both. Per repeat it reports B's throughput over A's, the median
-over the steps of A's step time over B's.
-Memory is not measured (the two processes share the device). A pair of one
+Host-bound steps drift with the host, so runs made one after another compare
+hosts as much as allocators. Here the two configurations of a repeat run at
+the same time, each a fresh process on one GPU, in turns: A takes one step
+(timed between device synchronisations), then B the same shape, A, B, A, B.
+With --pin-threads both pin their training thread, torch's autograd thread
+and the rest alike, so a CPU slowed for a while slows both. Per repeat: B's
+throughput over A's, the median over the steps of A's step time over B's.
+Memory is not measured (the processes share the device); a pair of one
 configuration (native,native) shows how far from 1 the method itself lands.
 
 Writes OUTDIR/lockstep.json (bench/render.py --lockstep reads it),
@@ -31,11 +28,11 @@ import platform
 import select
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -112,10 +109,7 @@ class Side:
                                "command": self.command, "status": self.status}
         if self.proc is not None:
             rec["returncode"] = self.proc.returncode
-        try:
-            child = json.loads(self.out.read_text())
-        except (OSError, ValueError):
-            child = None
+        child = suite.read_json(self.out)
         rec["result"] = child.pop("result", None) if child else None
         rec["meta"] = child
         if self.status == "ok" and (child is None or not child.get("ok")):
@@ -163,10 +157,6 @@ def run_pair(sides: list[Side], cmds: list[list[str]], envs: list[dict[str, str]
             if side.proc is not None:
                 side.proc.wait()
             side.close()
-
-
-def median(xs: list[float]) -> Optional[float]:
-    return statistics.median(xs) if xs else None
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -> dict[str, Any]:
@@ -392,16 +382,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(report_line(rep, pair, ("a", "b")), flush=True)
     doc["finished"] = suite.now_iso()
     save()
-    s = doc["summary"]
-    if s.get("throughput"):
-        t, m = s["throughput"], s["step_median"]
-        print(f"b={b} against a={a} over {s['repeats']} repeats: throughput {t['median']:.3f} "
-              f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}); "
-              f"b faster in {s['b_faster']} of {s['repeats']}; steps that overlapped: {s['overlapping_steps']}", flush=True)
-    else:
-        print("lockstep: no repeat compared", flush=True)
-        status = 1
-    return status
+    compared = bool(doc["summary"].get("throughput"))
+    print(report([str(out / "lockstep.json")]) + f"\nsteps that overlapped: {doc['summary']['overlapping_steps']}"
+          if compared else "lockstep: no repeat compared", flush=True)
+    return status if compared else 1
 
 
 if __name__ == "__main__":

@@ -4,24 +4,23 @@ in its own process, and keep every result.
 
     python3 bench/suite.py OUTDIR [options]        # normally through bench/run.sh OUTDIR
     python3 bench/suite.py OUTDIR --dry-run        # the plan and its estimated time, nothing run
-    CUDA_VISIBLE_DEVICES=1 python3 bench/suite.py OUT1 --workloads llama --first-repeat 3
-                                                   # another GPU or call; bench/render.py merges
 
-An 'env' process first (versions, the GPU, every module imported once so that
-no timed process pays for a cold page cache); then the plan, repeat by
-repeat, each workload's configurations in an order rotated by the repeat,
-each run a fresh process of bench/workloads.py with its own timeout. A failed, crashed or timed-out run is recorded
-with the tail of its output and the suite goes on. A run whose estimate (the
-longest of the last three of its kind, else the default) no longer fits the
-budget is skipped, so the suite ends within it with whole repeats first.
-After every run OUTDIR/results/NAME.json and OUTDIR/bench.json are rewritten,
-so a suite stopped at any point (SIGTERM, SIGINT) keeps all it finished.
-Standard library only.
+An 'env' process first (versions, the GPU, every module imported once: no
+timed process pays for a cold page cache); then the plan, repeat by repeat,
+each workload's configurations in an order rotated by the repeat, each run a
+fresh process of bench/workloads.py with its own timeout. A run that fails,
+crashes or times out is recorded with the tail of its output. A run whose
+estimate (the longest of the last three of its kind, else the default) no
+longer fits the budget is skipped. After every run OUTDIR/results/NAME.json
+and OUTDIR/bench.json are rewritten, so a suite stopped at any point
+(SIGTERM, SIGINT) keeps all it finished. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import datetime as dt
 import json
 import os
@@ -126,18 +125,16 @@ def csv_list(choices: tuple[str, ...]) -> Any:
     return parse
 
 
-def positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s}: must be at least 1")
-    return v
+def int_from(least: int) -> Any:
+    """An argparse type: an int of least or more."""
+    def parse(s: str) -> int:
+        if int(s) < least:
+            raise argparse.ArgumentTypeError(f"{s}: must be " + ("at least 1" if least == 1 else f"{least} or more"))
+        return int(s)
+    return parse
 
 
-def nonneg_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{s}: must be 0 or more")
-    return v
+positive_int, nonneg_int = int_from(1), int_from(0)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -346,38 +343,40 @@ def run_one(run: Run, args: argparse.Namespace, results: Path, timeout: float) -
     cmd = workload_command(run, args, out)
     rec = run.record(timeout_s=round(timeout, 1), command=shlex.join(cmd))
     status, rc, output, seconds = execute(cmd, child_env(run.config, args), timeout)
-    rec.update(status=status, returncode=rc, wall_s=round(seconds, 3), output_tail=output[-TAIL_CHARS:])
-    try:
-        child = json.loads(out.read_text())
-    except (OSError, ValueError):
-        child = None
-    if child is None:
-        rec["result"] = None
-        if status == "ok":
-            rec.update(status="failed", reason="no result file")
-    else:
-        rec["result"] = child.pop("result", None)
+    child = read_json(out)
+    rec.update(status=status, returncode=rc, wall_s=round(seconds, 3), output_tail=output[-TAIL_CHARS:],
+               result=child.pop("result", None) if child else None)
+    if child is not None:
         rec["meta"] = child
-        if status == "ok" and not child.get("ok"):
-            rec["status"] = "failed"
-    if rec["status"] != "ok" and "reason" not in rec:
-        err = (rec.get("meta") or {}).get("error")
-        if err:
-            rec["reason"] = err
-        elif status == "timeout":
-            rec["reason"] = f"timed out after {timeout:.0f} s"
-        else:
-            why = f"exit status {rc}"
-            if rc is not None and rc < 0:
-                try:
-                    why += f" ({signal.Signals(-rc).name})"
-                except ValueError:
-                    pass
-            if rec.get("meta") is None:
-                why += "; no result file"
-            rec["reason"] = why
+    if status == "ok" and not (child or {}).get("ok"):
+        rec["status"] = "failed"
+    if rec["status"] != "ok":
+        rec["reason"] = failure_reason(status, rc, child, timeout)
     write_json_atomic(out, rec)
     return rec
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in a file, or None where it is missing or not JSON (a run that died writing it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def failure_reason(status: str, rc: Optional[int], child: Optional[dict[str, Any]], timeout: float) -> str:
+    """Why a run did not finish: its own error, its timeout, or how it exited."""
+    if child and child.get("error"):
+        return str(child["error"])
+    if status == "timeout":
+        return f"timed out after {timeout:.0f} s"
+    if status == "ok" and child is None:
+        return "no result file"
+    why = f"exit status {rc}"
+    if rc is not None and rc < 0:
+        with contextlib.suppress(ValueError):
+            why += f" ({signal.Signals(-rc).name})"
+    return why + ("; no result file" if child is None else "")
 
 
 def visible_gpu() -> Optional[str]:
@@ -518,9 +517,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "the suite was stopped while it ran" if killed else "the suite was stopped")))
         state.doc["finished"] = now_iso()
         save()
-    counts: dict[str, int] = {}
-    for r in state.runs:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = collections.Counter(r["status"] for r in state.runs)
     print(f"goalloc bench: {state.doc['status']} in {state.doc['elapsed_s']:.0f} s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), flush=True)
     if exit_status == 0 and any(r["status"] != "ok" for r in state.runs):
@@ -533,14 +530,10 @@ def run_env(args: argparse.Namespace, results: Path) -> dict[str, Any]:
     out = results / "000-env.json"
     cmd = [args.python, args.workloads_script, "--workload", "env", "--out", str(out)]
     status, rc, output, seconds = execute(cmd, child_env("native", args), ENV_TIMEOUT_S)
-    env: dict[str, Any] = {"status": status, "wall_s": round(seconds, 3)}
-    try:
-        child = json.loads(out.read_text())
-        env.update(child.get("result") or {})
-        if child.get("error"):
-            env["error"] = child["error"]
-    except (OSError, ValueError):
-        env["error"] = output[-TAIL_CHARS:]
+    child = read_json(out)
+    env: dict[str, Any] = {"status": status, "wall_s": round(seconds, 3)} | ((child or {}).get("result") or {})
+    if child is None or child.get("error"):
+        env["error"] = child["error"] if child else output[-TAIL_CHARS:]
     return env
 
 

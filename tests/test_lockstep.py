@@ -90,7 +90,7 @@ def test_pairs_take_turns_step_by_step(tmp_path: Path):
         assert 2.0 < c["step_median"] < 3.6 and 2.0 < c["throughput"] < 3.6, c
     s = doc["summary"]
     assert s["repeats"] == 2 and s["b_faster"] == 2 and s["overlapping_steps"] == 0
-    assert "b=goalloc-vmm against a=native over 2 repeats: throughput" in p.stdout
+    assert "resnet50: b=goalloc-vmm against a=native, 2 repeats: throughput" in p.stdout
 
 
 def test_a_pair_of_one_configuration_lands_near_one(tmp_path: Path):
