@@ -27,7 +27,6 @@ import os
 import platform
 import select
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from statistics import median
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import render  # noqa: E402  (bench/render.py: lockstep runs grouped and summed up)
 import suite  # noqa: E402  (bench/suite.py: the processes' commands and environments)
 from workloads import cpu_roles  # noqa: E402  (the CPUs --pin-threads takes)
 
@@ -99,10 +99,7 @@ class Side:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            suite.kill_group(self.proc)  # type: ignore[arg-type]
 
     def record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"label": self.label, "config": self.config, "name": self.name,
@@ -191,20 +188,6 @@ def compare(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -> di
     }
 
 
-def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians and ranges over the repeats that compared."""
-    ok = [p["compare"] for p in pairs if p.get("compare") and "error" not in p["compare"]]
-    out: dict[str, Any] = {"repeats": len(ok)}
-    for key in ("throughput", "step_median"):
-        xs = [c[key] for c in ok]
-        if xs:
-            out[key] = {"median": median(xs), "min": min(xs), "max": max(xs), "values": xs}
-    if ok:
-        out["b_faster"] = sum(1 for c in ok if c["throughput"] > 1)
-        out["overlapping_steps"] = sum(c["overlapping_steps"] for c in ok)
-    return out
-
-
 def slim(doc: dict[str, Any]) -> dict[str, Any]:
     """doc without the processes' step logs and output (results/NAME.json and NAME.log keep them)."""
     out = dict(doc, pairs=[])
@@ -245,21 +228,11 @@ def report(paths: list[str]) -> str:
     """Several lockstep.json files merged by workload and pair: the comparison
     over all their repeats, each repeat's line, and each configuration's
     median step and CPU a step by thread (medians over its processes)."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for path in paths:
-        doc = read_lockstep(path)
-        pair = doc.get("pair") or ["?", "?"]
-        groups.setdefault((str(doc.get("workload")), pair[0], pair[1]), []).extend(
-            p for p in doc.get("pairs", []) if p.get("status") == "ok" and "error" not in (p.get("compare") or {"error": 1}))
     lines = []
-    for (workload, a, b), pairs in groups.items():
-        s = summarize(pairs)
-        if not s.get("throughput"):
-            continue
-        t, m = s["throughput"], s["step_median"]
-        lines.append(f"{workload}: b={b} against a={a}, {s['repeats']} repeats: throughput {t['median']:.3f} "
-                     f"({t['min']:.3f}-{t['max']:.3f}), step median {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f}), "
-                     f"b faster in {s['b_faster']}")
+    for (workload, a, b), pairs in render.lockstep_groups({"lockstep": [read_lockstep(p) for p in paths]}).items():
+        m = render.Agg([p["compare"]["step_median"] for p in pairs])
+        lines.append(f"{workload}: b={b} against a={a}: throughput {render.lockstep_summary([p['compare'] for p in pairs])}"
+                     f", step median {m.median:.3f} ({m.lo:.3f}-{m.hi:.3f})")
         lines += [report_line(p["repeat"], p, ("a", "b")) for p in pairs]
         for k, label in enumerate(("a", "b")):
             cpu = [c for c in (thread_cpu(p["sides"][k]["result"] or {}) for p in pairs) if c]
@@ -343,7 +316,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save() -> None:
         doc["elapsed_s"] = round(time.monotonic() - start, 1)
-        doc["summary"] = summarize(doc["pairs"])
         suite.write_json_atomic(out / "lockstep.json", slim(doc))
 
     print(f"lockstep: {args.workload}, B={b} against A={a}, repeats {args.first_repeat}.."
@@ -382,8 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(report_line(rep, pair, ("a", "b")), flush=True)
     doc["finished"] = suite.now_iso()
     save()
-    compared = bool(doc["summary"].get("throughput"))
-    print(report([str(out / "lockstep.json")]) + f"\nsteps that overlapped: {doc['summary']['overlapping_steps']}"
+    compared = [p["compare"] for p in doc["pairs"] if "error" not in p.get("compare", {"error": None})]
+    print(report([str(out / "lockstep.json")]) + f"\nsteps that overlapped: {sum(c['overlapping_steps'] for c in compared)}"
           if compared else "lockstep: no repeat compared", flush=True)
     return status if compared else 1
 

@@ -238,7 +238,7 @@ def environment(doc: dict[str, Any]) -> list[str]:
         if w in planned:
             train.append(f"{w} {opts.get(f'{prefix}_warmup', '?')} warm-up + {opts.get(f'{prefix}_steps', '?')} timed "
                          "steps, " + ", ".join(f"{n.split('-')[1]} {rng(opts.get(n.replace('-', '_')))}"
-                                               for n, _, _ in ranges))
+                                               for n, *_ in ranges))
     workloads = opts.get("workloads")
     lines = [
         f"- GPU: {smi.get('name') or env.get('gpu') or 'unknown'}; driver {smi.get('driver_version') or 'unknown'}; "
@@ -491,14 +491,13 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
 
 
 def lockstep_groups(doc: dict[str, Any]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
-    """The lockstep inputs' compared repeats by (workload, A, B): each one's comparison of B against A."""
+    """The lockstep inputs' compared repeats by (workload, A, B); each one's "compare" is B's against A's."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for ls in doc.get("lockstep", []):
         pair = list(ls.get("pair") or [])
         if len(pair) == 2:
             groups.setdefault((str(ls.get("workload")), pair[0], pair[1]), []).extend(
-                p["compare"] for p in ls.get("pairs", [])
-                if p.get("status") == "ok" and p.get("compare") and "error" not in p["compare"])
+                p for p in ls.get("pairs", []) if p.get("status") == "ok" and p.get("compare") and "error" not in p["compare"])
     return {k: v for k, v in groups.items() if v}
 
 
@@ -524,7 +523,8 @@ def section_lockstep(doc: dict[str, Any]) -> list[str]:
                   f"{(opts.get('first_repeat') or 0) + (opts.get('repeats') or 0) - 1}; "
                   f"{ok} compared, {len(pairs) - ok} not", ""]
     rows = []
-    for (workload, a, b), cs in lockstep_groups(doc).items():
+    for (workload, a, b), pairs in lockstep_groups(doc).items():
+        cs = [p["compare"] for p in pairs]
         sm = Agg([c["step_median"] for c in cs])
         ma, mb = (Agg([c["median_step_s"][k] for c in cs]).median for k in ("a", "b"))
         rows.append([workload, f"{b} against {a}", lockstep_summary(cs), f"{sm.median:.3f}× ({sm.lo:.3f}–{sm.hi:.3f})",
@@ -538,7 +538,7 @@ def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[t
     of the repeats' throughput ratios, its text, and the method's own spread
     (native against native) where that ran too."""
     groups = lockstep_groups(doc)
-    cs, aa = groups.get((workload, "native", config)), groups.get((workload, "native", "native"))
+    cs, aa = ([p["compare"] for p in groups.get((workload, "native", c), [])] for c in (config, "native"))
     if not cs:
         return None
     return (Agg([c["throughput"] for c in cs]).median, f"In lockstep with native, {config} {lockstep_summary(cs)}",

@@ -65,12 +65,6 @@ TIMEOUT_FACTOR, MIN_TIMEOUT_S, ENV_TIMEOUT_S = 5.0, 45.0, 150.0
 GRACE_S = 15.0
 TAIL_CHARS = 3000
 SHAPE_RANGES = tuple(r for ranges in workloads.SHAPE_RANGES.values() for r in ranges)
-# --quick's shapes.
-QUICK_RANGES = {"gpt2-batch": [2, 4], "gpt2-seq": [128, 256], "llama-batch": [1, 2], "llama-seq": [128, 256],
-                "resnet-batch": [16, 32], "resnet-res": [128, 160], "rollout-batch": [2, 4],
-                "rollout-prompt": [64, 128], "rollout-new": [16, 32], "rollout-micro": [2, 4],
-                "checkpoint-batch": [1, 2], "checkpoint-seq": [128, 256], "serving-batch": [1, 4],
-                "serving-prompt": [64, 128], "serving-new": [16, 32], "moe-batch": [1, 2], "moe-seq": [128, 256]}
 
 
 @dataclass
@@ -151,7 +145,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for prefix, steps, warmup, _, _ in STEPS.values():
         p.add_argument(f"--{prefix}-steps", type=positive_int, default=steps, help=f"timed steps per run (default {steps})")
         p.add_argument(f"--{prefix}-warmup", type=nonneg_int, default=warmup)
-    for name, lo, hi in SHAPE_RANGES:
+    for name, lo, hi, _, _ in SHAPE_RANGES:
         p.add_argument(f"--{name}", type=positive_int, nargs=2, default=[lo, hi], metavar=("MIN", "MAX"))
     for w in ("resnet", "llama"):
         p.add_argument(f"--{w}-plan-shapes", action="store_true",
@@ -179,14 +173,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         for prefix, _, _, _, _ in STEPS.values():
             setattr(args, f"{prefix}_steps", 2)
             setattr(args, f"{prefix}_warmup", 1)
-        for name, v in QUICK_RANGES.items():
-            setattr(args, name.replace("-", "_"), v)
-    for name, _, _ in SHAPE_RANGES:
+        for name, _, _, lo, hi in SHAPE_RANGES:
+            setattr(args, name.replace("-", "_"), [lo, hi])
+    for name, *_ in SHAPE_RANGES:
         lo, hi = getattr(args, name.replace("-", "_"))
         if lo > hi:
             p.error(f"--{name}: MIN {lo} is above MAX {hi}")
     for w, limit in CONTEXT.items():
-        names = [n for n, _, _ in workloads.SHAPE_RANGES[w] if n.endswith(("-seq", "-prompt", "-new"))]
+        names = [n for n, *_ in workloads.SHAPE_RANGES[w] if n.endswith(("-seq", "-prompt", "-new"))]
         if sum(getattr(args, n.replace("-", "_"))[1] for n in names) > limit:
             p.error(f"--{' + --'.join(names)}: {w}'s model holds {limit} tokens (its context)")
     if "backend" in (kv.split(":", 1)[0].strip() for kv in args.goalloc_conf.split(",")):
@@ -289,7 +283,7 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
            "--repeat", str(run.repeat), "--out", str(out), "--sample-ms", str(args.sample_ms)]
     steps, warmup = step_counts(run.workload, args)
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
-    for name, _, _ in workloads.SHAPE_RANGES[run.workload]:
+    for name, *_ in workloads.SHAPE_RANGES[run.workload]:
         cmd += [f"--{name}", *map(str, getattr(args, name.replace("-", "_")))]
     if plans_shapes(run.workload, args):
         cmd.append("--plan-shapes")

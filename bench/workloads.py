@@ -40,19 +40,20 @@ from typing import Any, Callable, Optional
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm")  # goalloc installed: figures from goalloc.memory_stats
-# What each workload draws its steps' shapes from: (option, MIN, MAX); the
-# suite has the same options (--NAME MIN MAX) and passes them on.
+# What each workload draws its steps' shapes from: (option, MIN, MAX, and
+# the suite's --quick MIN, MAX); the suite has the same options (--NAME MIN
+# MAX) and passes them on.
 SHAPE_RANGES = {
-    "gpt2": (("gpt2-batch", 4, 8), ("gpt2-seq", 256, 1024)),
-    "llama": (("llama-batch", 1, 8), ("llama-seq", 512, 3072)),
-    "resnet50": (("resnet-batch", 32, 64), ("resnet-res", 160, 224)),
-    # Per iteration ROLLOUT_GENERATES prompts batches, each a batch, prompt
-    # and generated length; then micro-batches of rows of what they made.
-    "rollout": (("rollout-batch", 8, 32), ("rollout-prompt", 128, 768), ("rollout-new", 32, 160),
-                ("rollout-micro", 2, 12)),
-    "checkpoint": (("checkpoint-batch", 1, 8), ("checkpoint-seq", 512, 4096)),
-    "serving": (("serving-batch", 1, 48), ("serving-prompt", 64, 2048), ("serving-new", 16, 256)),
-    "moe": (("moe-batch", 4, 16), ("moe-seq", 512, 2048)),
+    "gpt2": (("gpt2-batch", 4, 8, 2, 4), ("gpt2-seq", 256, 1024, 128, 256)),
+    "llama": (("llama-batch", 1, 8, 1, 2), ("llama-seq", 512, 3072, 128, 256)),
+    "resnet50": (("resnet-batch", 32, 64, 16, 32), ("resnet-res", 160, 224, 128, 160)),
+    # ROLLOUT_GENERATES generate calls an iteration, each of a batch, prompt
+    # and generated length; then micro-batches of the rows they made.
+    "rollout": (("rollout-batch", 8, 32, 2, 4), ("rollout-prompt", 128, 768, 64, 128),
+                ("rollout-new", 32, 160, 16, 32), ("rollout-micro", 2, 12, 2, 4)),
+    "checkpoint": (("checkpoint-batch", 1, 8, 1, 2), ("checkpoint-seq", 512, 4096, 128, 256)),
+    "serving": (("serving-batch", 1, 48, 1, 4), ("serving-prompt", 64, 2048, 64, 128), ("serving-new", 16, 256, 16, 32)),
+    "moe": (("moe-batch", 4, 16, 1, 2), ("moe-seq", 512, 2048, 128, 256)),
 }
 WORKLOADS = ("env",) + tuple(SHAPE_RANGES)
 UNITS = {"resnet50": "images"}  # the others: tokens (serving's generated, rollout's generated and trained)
@@ -370,11 +371,14 @@ def trainer(torch: Any, dev: Any, opt: Any, forward: Callable[[Any], tuple[Any, 
     return step
 
 
-def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any) -> tuple[Any, Step]:
-    """model_cls(cfg), randomly initialised on the device, and a step that
-    trains it (AdamW) on random tokens of a shape (batch, length)."""
+def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any,
+              prepare: Callable[[Any], None] = lambda model: None) -> tuple[Any, Any, Step]:
+    """model_cls(cfg), randomly initialised on the device and given to
+    prepare (checkpointing, sharding) before AdamW takes its parameters; the
+    optimizer; a step that trains it on random tokens of a shape (batch, length)."""
     with dev:
         model = model_cls(cfg)
+    prepare(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -382,14 +386,19 @@ def causal_lm(torch: Any, dev: Any, model_cls: Any, cfg: Any) -> tuple[Any, Step
         ids = torch.randint(0, cfg.vocab_size, shape, device=dev)
         return model(input_ids=ids, labels=ids).loss, shape[0] * shape[1]
 
-    return model, trainer(torch, dev, opt, forward)
+    return model, opt, trainer(torch, dev, opt, forward)
+
+
+def checkpointing(model: Any) -> None:
+    """Activation checkpointing of every decoder layer (transformers' own, not reentrant)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build_gpt2(torch: Any, dev: Any, tiny: bool = False) -> Step:
     """GPT-2 124M from its default config; tiny (--smoke-cpu): 2 narrow layers."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return causal_lm(torch, dev, GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64) if tiny else GPT2Config())[1]
+    return causal_lm(torch, dev, GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=2, n_embd=64) if tiny else GPT2Config())[2]
 
 
 # 12 layers of hidden size 2048, 16 query heads sharing 4 key/value heads, a
@@ -410,7 +419,7 @@ def llama_config(tiny: bool, **more: Any) -> Any:
 def build_llama(torch: Any, dev: Any, tiny: bool = False) -> Step:
     from transformers import LlamaForCausalLM
 
-    return causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny))[1]
+    return causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny))[2]
 
 
 def build_resnet50(torch: Any, dev: Any, tiny: bool = False) -> Step:
@@ -464,9 +473,8 @@ def build_rollout(torch: Any, dev: Any, tiny: bool = False) -> Step:
     step an iteration. Units: the tokens generated and trained."""
     from transformers import LlamaForCausalLM
 
-    model, _ = causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny, num_hidden_layers=ROLLOUT_LAYERS))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model, opt, _ = causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny, num_hidden_layers=ROLLOUT_LAYERS),
+                              checkpointing)
     pad = torch.nn.utils.rnn.pad_sequence
 
     def step(shape: tuple[Any, Any]) -> dict[str, Any]:
@@ -501,22 +509,14 @@ def build_checkpoint(torch: Any, dev: Any, tiny: bool = False) -> Step:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the GPU machines' rule)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cfg = llama_config(tiny)
-    with dev:
-        model = LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def forward(shape: tuple[int, int]) -> tuple[Any, int]:
-        ids = torch.randint(0, cfg.vocab_size, shape, device=dev)
-        return model(input_ids=ids, labels=ids).loss, shape[0] * shape[1]
+    def shard(model: Any) -> None:
+        checkpointing(model)
+        for module in [*model.model.layers, model]:
+            fully_shard(module, mp_policy=policy)
 
-    return trainer(torch, dev, opt, forward)
+    return causal_lm(torch, dev, LlamaForCausalLM, llama_config(tiny), shard)[2]
 
 
 # hidden size, each expert's SwiGLU width, experts, experts per token, layers:
@@ -581,7 +581,7 @@ def planning_steps(shapes: list[Any]) -> list[Any]:
 def train_limits(args: argparse.Namespace, workload: str) -> dict[str, int]:
     """The workload's shape ranges, as {"batch_min": .., "batch_max": .., ...}."""
     out = {}
-    for name, _, _ in SHAPE_RANGES[workload]:
+    for name, *_ in SHAPE_RANGES[workload]:
         lo, hi = getattr(args, name.replace("-", "_"))
         key = name.split("-", 1)[1]
         out |= {f"{key}_min": lo, f"{key}_max": hi}
@@ -728,7 +728,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval; 0: off")
     p.add_argument("--warmup", type=int, default=3, help="training steps before the timed ones")
     p.add_argument("--steps", type=int, default=10, help="timed training steps")
-    for name, lo, hi in (r for ranges in SHAPE_RANGES.values() for r in ranges):
+    for name, lo, hi, _, _ in (r for ranges in SHAPE_RANGES.values() for r in ranges):
         p.add_argument(f"--{name}", type=int, nargs=2, default=(lo, hi), metavar=("MIN", "MAX"))
     p.add_argument("--record-history", metavar="STEM", help="record the steps' allocations: STEM.jsonl.gz "
                    "(goalloc's trace, goalloc installed) or STEM.pickle (torch's memory snapshot)")
