@@ -2,7 +2,7 @@
 """The benchmark suite's bench.json as markdown tables and goals (BENCHMARKS.md quotes them).
 
     python3 bench/render.py OUTDIR/bench.json [--output F.md]
-    python3 bench/render.py A/bench.json B/bench.json [--drop A/bench.json:goalloc]   # several suites, merged
+    python3 bench/render.py A/bench.json B/bench.json     # several suites, merged
     python3 bench/render.py A/bench.json --lockstep L/lockstep.json --keep bench/results/training.json
 
 Every figure is computed here from the runs: medians over repeats, ratios of
@@ -12,6 +12,7 @@ medians, goals met or missed and by how much. Standard library only.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -80,10 +81,10 @@ def runs_of(doc: dict[str, Any], workload: str, config: Optional[str] = None) ->
             and config in (None, r.get("config"))]
 
 
-def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Agg:
-    """Agg of get(run["result"]) over the runs where it is a number (a run
-    that failed part way counts for the sections it finished)."""
-    return Agg([v for v in (number(get(r["result"])) for r in runs) if v is not None])
+def collect(runs: Iterable[dict[str, Any]], get: Callable[[dict[str, Any]], Any], scale: float = 1.0) -> Agg:
+    """Agg of get(run["result"]) * scale over the runs where it is a number
+    (a run that failed part way counts for the sections it finished)."""
+    return Agg([v * scale for v in (number(get(r["result"])) for r in runs) if v is not None])
 
 
 def by_repeat(doc: dict[str, Any], workload: str, config: str,
@@ -187,9 +188,7 @@ def first_line(s: Any, last: bool = False) -> str:
 
 
 def status_counts(runs: list[dict[str, Any]]) -> str:
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+    counts = collections.Counter(r.get("status", "?") for r in runs)
     return ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "none"
 
 
@@ -254,7 +253,7 @@ def environment(doc: dict[str, Any]) -> list[str]:
         f"- runs: {status_counts(doc.get('runs', []))}"
         + (f"; repository commit {doc['git_commit']}" if doc.get("git_commit") else ""),
     ]
-    return lines + ([f"- left out (`--drop`): {', '.join(doc['dropped'])}"] if doc.get("dropped") else [])
+    return lines
 
 
 def train_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg]:
@@ -270,15 +269,11 @@ MODELS = {"gpt2": "`transformers.GPT2LMHeadModel(GPT2Config())`, AdamW",
           "llama": "`transformers.LlamaForCausalLM`, 12 layers, hidden 2048, 16 query heads sharing 4 key/value "
                    "heads, AdamW",
           "resnet50": "`torchvision.models.resnet50(weights=None)`, channels_last, SGD with momentum",
-          "rollout": "an RL-style iteration in one process: 3 `generate` calls (greedy, a KV cache growing by a token "
-                     "a step) from a 10-layer `LlamaForCausalLM`, then training (AdamW, activation checkpointing) on "
-                     "the rows generated, in micro-batches of varied size",
-          "checkpoint": "the LLaMA above under FSDP (`fully_shard` per decoder layer, bf16 parameters) in a process "
-                        "group of one, activation checkpointing, AdamW",
-          "serving": "the LLaMA above in bf16, `generate` for a stream of requests (batch, prompt and generated "
-                     "length drawn per request)",
-          "moe": "4 layers of 16 SwiGLU experts, top-2 routing with a per-step router bias (the experts' token "
-                 "counts change every step), AdamW"}
+          "rollout": "3 `generate` calls from the LLaMA with 10 layers, then AdamW with activation checkpointing "
+                     "on the rows generated, in micro-batches of varied size: an iteration a step",
+          "checkpoint": "the LLaMA under FSDP (`fully_shard` per layer, bf16) in a group of one, checkpointed, AdamW",
+          "serving": "the LLaMA in bf16, `generate` for requests of varied batch, prompt and generated length",
+          "moe": "4 layers of 16 SwiGLU experts, top-2 routing, a router bias drawn per step, AdamW"}
 
 
 def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, heading: str) -> list[str]:
@@ -329,8 +324,8 @@ def miss_latency_table(doc: dict[str, Any], workload: str, configs: list[str]) -
         runs = runs_of(doc, workload, c)
         a = {"count": collect(runs, lambda r: dig(r, "allocator", "device_alloc_ns", "count"))}
         for k in ("p50", "p99", "max"):
-            a[k] = collect(runs, lambda r, k=k: none_or(number(dig(r, "allocator", "device_alloc_ns", k)), 1e-3))
-        a["driver_ms"] = collect(runs, lambda r: none_or(timed_driver(r, "ns"), 1e-6))
+            a[k] = collect(runs, lambda r, k=k: dig(r, "allocator", "device_alloc_ns", k), 1e-3)
+        a["driver_ms"] = collect(runs, lambda r: timed_driver(r, "ns"), 1e-6)
         a["moves"] = collect(runs, lambda r: timed_driver(r, "unmaps"))
         aggs[c] = a
     if all(a["count"].n == 0 for a in aggs.values()):
@@ -348,10 +343,6 @@ def miss_latency_table(doc: dict[str, Any], workload: str, configs: list[str]) -
         for row, a in zip(rows, aggs.values()):
             row += [fmt(a["driver_ms"].median, 1), fmt(a["moves"].median, 0)]
     return lines + table(head, rows)
-
-
-def none_or(v: Optional[float], scale: float) -> Optional[float]:
-    return None if v is None else v * scale
 
 
 # --- goals ---------------------------------------------------------------------------
@@ -589,29 +580,6 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
             "plan": list(plan.values())}
 
 
-WORKLOAD_NAMES = ("env",) + tuple(w for w, _, _ in TRAIN)
-
-
-def drop_runs(docs: list[dict[str, Any]], specs: list[str], paths: list[str]) -> None:
-    """--drop FILE:NAME: leave the runs and plan entries of NAME (a
-    configuration or a workload) out of the input FILE, noting in its
-    "dropped" what went; ValueError for a bad spec."""
-    for spec in specs:
-        path, sep, name = spec.rpartition(":")
-        if not sep or not path or not name:
-            raise ValueError(f"--drop {spec!r}: expected FILE:CONFIG or FILE:WORKLOAD")
-        if path not in paths:
-            raise ValueError(f"--drop {spec!r}: {path} is not one of the inputs")
-        if name not in CONFIGS and name not in WORKLOAD_NAMES:
-            raise ValueError(f"--drop {spec!r}: {name!r} is neither a configuration ({', '.join(CONFIGS)}) "
-                             f"nor a workload ({', '.join(WORKLOAD_NAMES)})")
-        doc, key = docs[paths.index(path)], "config" if name in CONFIGS else "workload"
-        n = sum(1 for r in doc.get("runs", []) if r.get(key) == name)
-        doc["runs"] = [r for r in doc.get("runs", []) if r.get(key) != name]
-        doc["plan"] = [p for p in doc.get("plan", []) if p.get(key) != name]
-        doc.setdefault("dropped", []).append(f"{key} {name} ({n} runs)")
-
-
 # What keep() leaves of a run: the fields the sections above read.
 KEEP_RUN = ("id", "name", "workload", "config", "repeat", "trace", "status", "reason", "command", "wall_s")
 KEEP_RESULT = ("unit", "warmup", "steps", "planned_shapes", "timed_seconds", "timed_units", "units_per_s",
@@ -701,9 +669,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bench_json", nargs="+", help="suites' bench.json files, merged (a run in two: the later one's)")
     ap.add_argument("--output", help="write the markdown to this file instead of stdout")
-    ap.add_argument("--drop", action="append", default=[], metavar="FILE:NAME",
-                    help="leave out the runs of NAME, a configuration or a workload, of the input FILE (e.g. a "
-                         "configuration the library changed after FILE ran); the header says what went")
     ap.add_argument("--lockstep", action="append", default=[], metavar="FILE", help="a bench/lockstep.py lockstep.json")
     ap.add_argument("--keep", metavar="FILE", help="also write the runs (merged, with the lockstep runs) pruned to "
                                                    "what this renderer reads (bench/results/training.json)")
@@ -712,11 +677,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             for p in args.bench_json]
     if any(d is None for d in docs):
         return 1
-    try:
-        drop_runs(docs, args.drop, args.bench_json)  # type: ignore[arg-type]
-    except ValueError as e:
-        print(f"render: {e}", file=sys.stderr)
-        return 2
     doc = merge(docs, args.bench_json)  # type: ignore[arg-type]
     doc["lockstep"] = list(doc.get("lockstep") or [])  # a kept document carries its own
     for path in args.lockstep:
