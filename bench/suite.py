@@ -231,18 +231,15 @@ def build_plan(args: argparse.Namespace) -> list[Run]:
 
 def print_plan(plan: list[Run], args: argparse.Namespace) -> float:
     """Print the plan with its estimates; return the estimated total."""
-    total = ENV_ESTIMATE_S
+    total = ENV_ESTIMATE_S + sum(run.estimate_s for run in plan)
     first = f" (repeats {args.first_repeat}..{args.first_repeat + args.repeats - 1})" if args.first_repeat else ""
     print(f"plan: {len(plan)} runs + 1 env run, {args.repeats} repeat(s){first}")
-    print(f"  {'#':>3}  {'workload':<9} {'config':<16} {'repeat':>6} {'est s':>6}")
-    print(f"  {'':>3}  {'env':<9} {'-':<16} {'-':>6} {ENV_ESTIMATE_S:>6.1f}")
+    print(f"  {'#':>3}  {'workload':<10} {'config':<16} {'repeat':>6} {'est s':>6}")
+    print(f"  {'':>3}  {'env':<10} {'-':<16} {'-':>6} {ENV_ESTIMATE_S:>6.1f}")
     for run in plan:
-        total += run.estimate_s
-        print(f"  {run.id:>3}  {run.workload:<9} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}")
-    per: dict[str, list[float]] = {}
-    for run in plan:
-        per.setdefault(run.workload, []).append(run.estimate_s)
-    parts = ", ".join(f"{w} {len(v)} x {v[0]:.1f} s" for w, v in per.items())
+        print(f"  {run.id:>3}  {run.workload:<10} {run.config:<16} {run.repeat:>6} {run.estimate_s:>6.1f}")
+    each = {run.workload: run.estimate_s for run in plan}
+    parts = ", ".join(f"{w} {n} x {each[w]:.1f} s" for w, n in collections.Counter(r.workload for r in plan).items())
     fits = total <= args.budget
     print(f"estimated total: {total:.0f} s (env {ENV_ESTIMATE_S:.0f} s, {parts}); "
           f"budget {args.budget:.0f} s: {'fits' if fits else 'OVER BUDGET'}")
@@ -405,19 +402,14 @@ def git_commit() -> Optional[str]:
 
 
 def summary_line(rec: dict[str, Any]) -> str:
-    """A few figures of a finished run, for the console."""
-    r = rec.get("result")
-    if not isinstance(r, dict):
-        return rec.get("reason", "")[:120] if rec.get("status") != "ok" else ""
-    gib = float(1 << 30)
-    try:
-        a, d = r.get("allocator") or {}, r.get("device") or {}
-        mem = a.get("pool_reserved_max_read") if rec["config"] in ("goalloc", "goalloc-vmm") else a.get("reserved_peak")
-        return (f"{r['units_per_s']:.0f} {r['unit']}/s  mem {(mem or 0) / gib:.2f} GiB  "
-                f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  "
-                f"device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
-    except (KeyError, TypeError, ValueError):
-        return ""
+    """A few figures of a finished run, for the console; why it did not finish."""
+    r, gib = rec.get("result"), float(1 << 30)
+    if rec.get("status") != "ok" or not isinstance(r, dict):
+        return (rec.get("reason") or "")[:120]
+    a, d = r.get("allocator") or {}, r.get("device") or {}
+    mem = a.get("pool_reserved_max_read") if rec["config"] in GOALLOC_CONFIGS else a.get("reserved_peak")
+    return (f"{r.get('units_per_s') or 0:.0f} {r.get('unit')}/s  mem {(mem or 0) / gib:.2f} GiB  "
+            f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,25 +1,16 @@
 #!/usr/bin/env python3
 """One benchmark run: one workload under one allocator configuration, in this process.
 
-bench/suite.py starts this script once per (workload, configuration, repeat),
-each in a fresh process, so that no run inherits another's cached memory or
-allocator swap. torch, transformers and torchvision are imported inside the
-functions that need them, so that --help and the tests work without them.
-
     python3 bench/workloads.py --workload resnet50 --config goalloc-vmm --repeat 0 --out R.json
 
-Configurations (the parent sets the environment): native (PyTorch's caching
-allocator), expandable (expandable_segments:True), async (backend:cudaMallocAsync),
-goalloc (goalloc.install("backend:async"), a CUDA stream-ordered pool),
-goalloc-vmm (goalloc.install("backend:vmm"), goalloc's default).
-
-Workloads: env (versions and the GPU); gpt2, llama and resnet50 (training
-steps of a shape drawn per step); issue 33's harsher ones: rollout (RL-style
-generate then train, in one process), checkpoint (FSDP with activation
-checkpointing), serving (generate for a stream of requests) and moe (a
-mixture of experts whose per-expert token counts change every step). The
-result is one JSON object written to --out; "ok" is true only when the whole
-run finished.
+bench/suite.py starts it once per (workload, configuration, repeat), a fresh
+process each, setting the configuration's environment (bench/README.md lists
+them). torch and transformers are imported where needed: --help and the
+tests run without them. Workloads: env (versions, the GPU), then steps of a
+shape drawn per step: gpt2, llama, resnet50 (training), rollout (RL-style
+generate then train), checkpoint (FSDP, activation checkpointing), serving
+(generate per request), moe (a mixture of experts). The result is one JSON
+object written to --out; "ok" is true only when the whole run finished.
 """
 
 from __future__ import annotations
@@ -224,7 +215,6 @@ class Allocator:
     def __init__(self, torch: Any, config: str):
         self.torch, self.config = torch, config
         self.goalloc: Any = None
-        self.pool_reserved_max = 0  # goalloc's memory source, max of the readings so far
 
     def setup(self) -> None:
         if self.config in GOALLOC_CONFIGS:
@@ -232,17 +222,6 @@ class Allocator:
 
             self.goalloc = goalloc
             goalloc.install(goalloc_conf(os.environ.get("GOALLOC_CONF", ""), self.config))
-
-    def read_pool(self) -> Optional[int]:
-        """What goalloc's memory source holds now (the pool's reserved bytes,
-        or the physical memory mapped), kept as a running maximum with the
-        library's own high-water mark where it reports one."""
-        if self.goalloc is None:
-            return None
-        f = self.goalloc.fragmentation(0)
-        v = int(f.pool_reserved_bytes)
-        self.pool_reserved_max = max(self.pool_reserved_max, v, int(getattr(f, "pool_reserved_high_bytes", 0)))
-        return v
 
     def figures(self) -> dict[str, Any]:
         """The allocator's own figures, in bytes."""
@@ -255,11 +234,11 @@ class Allocator:
         out["requested_peak"] = s.get("requested_bytes.all.peak")
         out["stats"] = s
         if self.goalloc is not None:
+            # What goalloc's memory source holds (the pool's reserved bytes, or
+            # the physical memory mapped): now, and at its high-water mark.
             f = self.goalloc.fragmentation(0)
-            self.read_pool()
             out.update(pool_reserved_current=int(f.pool_reserved_bytes), pool_used_current=int(f.pool_used_bytes),
-                       pool_reserved_max_read=self.pool_reserved_max,
-                       pool_reserved_high=int(getattr(f, "pool_reserved_high_bytes", 0)))
+                       pool_reserved_max_read=max(int(f.pool_reserved_bytes), int(f.pool_reserved_high_bytes)))
             lat = miss_latency(s)
             if lat is not None:
                 out["device_alloc_ns"] = lat
@@ -267,21 +246,16 @@ class Allocator:
 
     def verify(self) -> dict[str, Any]:
         """What this process really runs, to catch a configuration that did not take."""
-        torch = self.torch
         v: dict[str, Any] = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
         try:
-            v["backend"] = torch.cuda.get_allocator_backend()
-        except Exception as e:
-            v["backend"] = f"unknown ({type(e).__name__})"
-        if self.config == "expandable":
-            try:
-                segs = torch.cuda.memory._snapshot()["segments"]
+            v["backend"] = self.torch.cuda.get_allocator_backend()
+            if self.config == "expandable":
+                segs = self.torch.cuda.memory._snapshot()["segments"]
                 v["expandable_segments"] = any(s.get("is_expandable") for s in segs) if segs else None
-            except Exception as e:
-                v["expandable_segments"] = f"unknown ({type(e).__name__}: {e})"
-        if self.goalloc is not None:
-            v["goalloc_library"] = self.goalloc.library_path()
-            v["goalloc_conf"] = self.goalloc.config().get("conf")
+            if self.goalloc is not None:
+                v.update(goalloc_library=self.goalloc.library_path(), goalloc_conf=self.goalloc.config().get("conf"))
+        except Exception as e:  # a check of the run: its failure does not fail the run
+            v["error"] = f"{type(e).__name__}: {e}"
         return v
 
 
@@ -632,7 +606,6 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
             if mem is not None:
                 entry["device_used"] = mem.sample()
             if alloc is not None and alloc.goalloc is not None:
-                entry["pool_reserved"] = alloc.read_pool()
                 entry["goalloc_driver"] = driver_totals(alloc.goalloc.memory_stats(0))
             if turns is not None:
                 entry["turn"] = turns.done()
