@@ -536,6 +536,33 @@ def lockstep_goal(doc: dict[str, Any], workload: str, config: str) -> Optional[t
             f"native against native in lockstep, {lockstep_summary(aa)}" if aa else "")
 
 
+# --- bench/multigpu.sh's runs (bench/multigpu_render.py) -------------------------------
+
+MULTIGPU = {"ddp": "DDP, 2 ranks", "fsdp": "FSDP, 2 ranks", "mp": "model parallel, 2 GPUs in one process"}
+
+
+def multigpu_tables(records: list[dict[str, Any]]) -> list[str]:
+    """bench/multigpu.sh's runs as BENCHMARKS.md's tables: per workload,
+    allocator and rank (device, for the model-parallel run), the medians over
+    rounds of tokens/s and of peak device memory (mem_get_info over the idle
+    process) against peak live, and both against native's."""
+    runs: dict[tuple[str, str, int], list[tuple[float, float, float]]] = collections.defaultdict(list)
+    for r in records:
+        for d in (0, 1) if r["workload"] == "mp" else (r["rank"],):
+            used, live = ((r[k][d] if r["workload"] == "mp" else r[k]) for k in ("peak_device_used", "peak_allocated"))
+            runs[(r["workload"], r["allocator"], d)].append((r["tokens_per_s"], used, live))
+    med = {k: [Agg(list(x)).median for x in zip(*v)] + [len(v)] for k, v in runs.items()}
+    lines = []
+    for w, name in MULTIGPU.items():
+        rows = [[a, str(d), str(m[3]), fmt(m[0], 0), f"{m[0] / n[0]:.3f}", fmt_bytes(m[1]), fmt_bytes(m[2]),
+                 f"{m[1] / m[2]:.3f}", f"{m[1] / n[1]:.3f}"]
+                for a in ("native", "expandable", "goalloc") for d in (0, 1)
+                for m, n in [(med.get((w, a, d)), med.get((w, "native", d)))] if m and n]
+        lines += ["", f"**{name}**", ""] + table(["allocator", "rank/device", "runs", "tokens/s (median)", "vs native",
+                                                  "peak device", "peak live", "device / live", "device vs native"], rows)
+    return lines
+
+
 # --- the document, merging, keeping ---------------------------------------------------
 
 
