@@ -22,7 +22,6 @@ OUTDIR/results/NAME.json per process (with its step log) and OUTDIR/NAME.log.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import select
@@ -213,23 +212,12 @@ def thread_cpu(result: dict[str, Any]) -> Optional[dict[str, float]]:
     return out
 
 
-def read_lockstep(path: str) -> dict[str, Any]:
-    """A lockstep.json, or ValueError saying why it is not one."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(doc, dict) or doc.get("kind") != "lockstep":
-        raise ValueError(f"{path} is not a bench/lockstep.py lockstep.json")
-    return doc
-
-
-def report(paths: list[str]) -> str:
-    """Several lockstep.json files merged by workload and pair: the comparison
+def report(docs: list[dict[str, Any]]) -> str:
+    """Several lockstep.json documents merged by workload and pair: the comparison
     over all their repeats, each repeat's line, and each configuration's
     median step and CPU a step by thread (medians over its processes)."""
     lines = []
-    for (workload, a, b), pairs in render.lockstep_groups({"lockstep": [read_lockstep(p) for p in paths]}).items():
+    for (workload, a, b), pairs in render.lockstep_groups({"lockstep": docs}).items():
         m = render.Agg([p["compare"]["step_median"] for p in pairs])
         lines.append(f"{workload}: b={b} against a={a}: throughput {render.lockstep_summary([p['compare'] for p in pairs])}"
                      f", step median {m.median:.3f} ({m.lo:.3f}-{m.hi:.3f})")
@@ -288,11 +276,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if len(argv) < 2:
             print("usage: python3 bench/lockstep.py report LOCKSTEP.json ...", file=sys.stderr)
             return 2
-        try:
-            print(report(argv[1:]))
-        except ValueError as e:
-            print(f"lockstep: {e}", file=sys.stderr)
+        docs = [render.read_lockstep(path) for path in argv[1:]]
+        if any(d is None for d in docs):
             return 1
+        print(report(docs))  # type: ignore[arg-type]
         return 0
     args, sargs = parse_args(argv)
     out = Path(args.outdir).resolve()
@@ -355,7 +342,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     doc["finished"] = suite.now_iso()
     save()
     compared = [p["compare"] for p in doc["pairs"] if "error" not in p.get("compare", {"error": None})]
-    print(report([str(out / "lockstep.json")]) + f"\nsteps that overlapped: {sum(c['overlapping_steps'] for c in compared)}"
+    print(report([slim(doc)]) + f"\nsteps that overlapped: {sum(c['overlapping_steps'] for c in compared)}"
           if compared else "lockstep: no repeat compared", flush=True)
     return status if compared else 1
 

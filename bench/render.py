@@ -679,6 +679,11 @@ def keep(doc: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     return out
 
 
+def read_lockstep(path: str) -> Optional[dict[str, Any]]:
+    return read_input(path, lambda d: isinstance(d, dict) and d.get("kind") == "lockstep",
+                      "a bench/lockstep.py lockstep.json")
+
+
 def read_input(path: str, valid: Callable[[Any], bool], what: str) -> Optional[dict[str, Any]]:
     """An input file's JSON object, or None after saying on stderr why not."""
     try:
@@ -707,8 +712,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     doc = merge(docs, args.bench_json)  # type: ignore[arg-type]
     doc["lockstep"] = list(doc.get("lockstep") or [])  # a kept document carries its own
     for path in args.lockstep:
-        d = read_input(path, lambda d: isinstance(d, dict) and d.get("kind") == "lockstep",
-                       "a bench/lockstep.py lockstep.json")
+        d = read_lockstep(path)
         if d is None:
             return 1
         doc["lockstep"].append(d | {"path": path})

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -85,20 +85,6 @@ class Run:
         """The run's record for bench.json, with more."""
         return {"id": self.id, "name": self.name, "workload": self.workload, "config": self.config,
                 "repeat": self.repeat} | more
-
-
-@dataclass
-class State:
-    """What the suite has done so far; written out as bench.json."""
-
-    doc: dict[str, Any]
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    measured: dict[str, list[float]] = field(default_factory=dict)  # wall times of finished runs, per kind
-
-    def estimate(self, run: Run) -> float:
-        """The longest of the last three finished runs of its kind, else the default."""
-        m = self.measured.get(run.workload)
-        return max(m[-3:]) if m else run.estimate_s
 
 
 class Stopped(Exception):
@@ -425,28 +411,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.record_history:
         (out / "history").mkdir(exist_ok=True)
     start = time.monotonic()
-    opts = {k: v for k, v in vars(args).items() if k not in ("outdir", "command", "dry_run")}
-    state = State(doc={
-        "schema": 1,
-        "command": args.command or shlex.join([sys.executable, *sys.argv]),
-        "argv": sys.argv[1:] if argv is None else argv,
-        "outdir": str(out),
-        "started": now_iso(),
-        "finished": None,
-        "status": "running",
-        "budget_s": args.budget,
-        "options": opts,
+    runs: list[dict[str, Any]] = []  # bench.json's, as they finish
+    measured: dict[str, list[float]] = {}  # wall times of the runs finished, per workload
+    doc: dict[str, Any] = {
+        "schema": 1, "command": args.command or shlex.join([sys.executable, *sys.argv]),
+        "argv": sys.argv[1:] if argv is None else argv, "outdir": str(out), "started": now_iso(), "finished": None,
+        "status": "running", "budget_s": args.budget,
+        "options": {k: v for k, v in vars(args).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                 "suite_python": sys.version.split()[0],
-                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
-        "git_commit": git_commit(),
-        "plan": [asdict(r) | {"name": r.name} for r in plan],
-    })
-    state.doc["runs"] = state.runs
+                 "suite_python": sys.version.split()[0], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+        "git_commit": git_commit(), "plan": [asdict(r) | {"name": r.name} for r in plan], "runs": runs}
 
     def save() -> None:
-        state.doc["elapsed_s"] = round(time.monotonic() - start, 1)
-        write_json_atomic(out / "bench.json", state.doc)
+        doc["elapsed_s"] = round(time.monotonic() - start, 1)
+        write_json_atomic(out / "bench.json", doc)
 
     def on_signal(signum: int, _frame: Any) -> None:
         raise Stopped(signal.Signals(signum).name)
@@ -457,14 +435,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     exit_status = 0
     in_flight: Optional[Run] = None
     try:
-        state.doc["nvidia_smi"] = nvidia_smi()
-        state.doc["env"] = run_env(args, results)
-        print(f"env: {json.dumps(state.doc['env'])[:400]}", flush=True)
+        doc["nvidia_smi"] = nvidia_smi()
+        doc["env"] = run_env(args, results)
+        print(f"env: {json.dumps(doc['env'])[:400]}", flush=True)
         save()
         for i, run in enumerate(plan):
             elapsed = time.monotonic() - start
             kind = run.workload
-            est = state.estimate(run)
+            # The longest of the last three runs of its kind, else the default.
+            est = max(measured[kind][-3:]) if measured.get(kind) else run.estimate_s
             left = args.budget - elapsed
             if est > left:
                 rec = run.record(status="skipped", result=None, reason=f"budget: {elapsed:.0f} s spent, "
@@ -476,18 +455,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rec = run_one(run, args, results, timeout)
                 in_flight = None
                 if rec.get("wall_s") is not None and rec["status"] == "ok":
-                    state.measured.setdefault(kind, []).append(float(rec["wall_s"]))
-            state.runs.append(rec)
+                    measured.setdefault(kind, []).append(float(rec["wall_s"]))
+            runs.append(rec)
             save()
             print(f"[{i + 1:3d}/{len(plan)} {time.monotonic() - start:5.0f}s] {kind:<8} {run.config:<16} "
                   f"r{run.repeat} {rec['status']:<7} {rec.get('wall_s', 0) or 0:5.1f}s  {summary_line(rec)}", flush=True)
-        state.doc["status"] = "complete"
+        doc["status"] = "complete"
     except Stopped as e:
-        state.doc["status"] = f"stopped ({e})"
+        doc["status"] = f"stopped ({e})"
         print(f"goalloc bench: stopped by {e}; keeping what finished", flush=True)
         exit_status = 124
     except Exception as e:  # a bug in the suite itself: keep what finished, say what broke
-        state.doc["status"] = f"crashed ({type(e).__name__}: {e})"
+        doc["status"] = f"crashed ({type(e).__name__}: {e})"
         traceback.print_exc()
         exit_status = 1
     finally:
@@ -495,18 +474,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if _current is not None:
             kill_group(_current)
-        done = {r["id"] for r in state.runs}
+        done = {r["id"] for r in runs}
         for run in plan:
             if run.id not in done:
                 killed = in_flight is not None and run.id == in_flight.id
-                state.runs.append(run.record(status="killed" if killed else "skipped", result=None, reason=(
+                runs.append(run.record(status="killed" if killed else "skipped", result=None, reason=(
                     "the suite was stopped while it ran" if killed else "the suite was stopped")))
-        state.doc["finished"] = now_iso()
+        doc["finished"] = now_iso()
         save()
-    counts = collections.Counter(r["status"] for r in state.runs)
-    print(f"goalloc bench: {state.doc['status']} in {state.doc['elapsed_s']:.0f} s: "
+    counts = collections.Counter(r["status"] for r in runs)
+    print(f"goalloc bench: {doc['status']} in {doc['elapsed_s']:.0f} s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), flush=True)
-    if exit_status == 0 and any(r["status"] != "ok" for r in state.runs):
+    if exit_status == 0 and any(r["status"] != "ok" for r in runs):
         exit_status = 1
     return exit_status
 

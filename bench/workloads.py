@@ -130,11 +130,16 @@ def write_json_atomic(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
 # --- threads: who spent the host's time, and pinning them by role -------------------
+
+
+def task_file(task_dir: str, tid: object, name: str) -> str:
+    """TASK_DIR/TID/NAME, a thread's file in /proc; "" where the thread has ended (or the kernel keeps no such file)."""
+    try:
+        with open(f"{task_dir}/{tid}/{name}") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def thread_times(task_dir: str = "/proc/self/task") -> dict[int, tuple[str, float]]:
@@ -143,16 +148,10 @@ def thread_times(task_dir: str = "/proc/self/task") -> dict[int, tuple[str, floa
     tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
     out: dict[int, tuple[str, float]] = {}
     for tid in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
+        stat, sched = task_file(task_dir, tid, "stat"), task_file(task_dir, tid, "schedstat").split()
+        if not stat:
             continue  # the thread ended meanwhile
-        try:
-            with open(f"{task_dir}/{tid}/schedstat") as f:
-                run_ns = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            run_ns = 0
+        run_ns = int(sched[0]) if sched and sched[0].isdigit() else 0
         name = stat[stat.index("(") + 1:stat.rindex(")")]  # "tid (name) state ...": the name may hold ")"
         fields = stat[stat.rindex(")") + 2:].split()
         ticks = int(fields[11]) + int(fields[12])  # utime, stime
@@ -189,11 +188,8 @@ def pin_threads(main_cpu: int, autograd_cpu: int, other_cpus: set[int], main_tid
     slows both alike. Returns the thread ids pinned, by role."""
     pinned: dict[str, list[int]] = {"main": [], "autograd": [], "others": []}
     for tid_s in os.listdir(task_dir):
-        tid = int(tid_s)
-        try:
-            with open(f"{task_dir}/{tid}/comm") as f:
-                name = f.read().rstrip("\n")
-        except OSError:
+        tid, name = int(tid_s), task_file(task_dir, tid_s, "comm").rstrip("\n")
+        if not name:
             continue
         role = "main" if tid == main_tid else "autograd" if name.startswith("pt_autograd_") else "others"
         try:
@@ -620,7 +616,7 @@ def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
     seconds, units = sum(e["seconds"] for e in timed), sum(e["units"] for e in timed)
     out.update(step_log=log, timed_seconds=seconds, timed_units=units,
                units_per_s=units / seconds if seconds > 0 else None,
-               median_step_s=median([e["seconds"] for e in timed]) if timed else None,
+               median_step_s=float(statistics.median(e["seconds"] for e in timed)) if timed else None,
                losses_finite=all(math.isfinite(e["loss"]) for e in log if e["loss"] is not None))
     if alloc is not None:
         out["allocator"] = alloc.figures()
