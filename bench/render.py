@@ -15,7 +15,6 @@ import argparse
 import collections
 import json
 import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -219,10 +218,6 @@ def section_header(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def rng(v: Any) -> str:
-    return f"{v[0]}–{v[1]}" if isinstance(v, (list, tuple)) and len(v) == 2 else "?"
-
-
 def environment(doc: dict[str, Any]) -> list[str]:
     """One suite's GPU, versions, command, options and run counts, as list items."""
     env, smi, opts = doc.get("env") or {}, doc.get("nvidia_smi") or {}, doc.get("options") or {}
@@ -236,7 +231,7 @@ def environment(doc: dict[str, Any]) -> list[str]:
         prefix = ranges[0][0].split("-")[0]
         if w in planned:
             train.append(f"{w} {opts.get(f'{prefix}_warmup', '?')} warm-up + {opts.get(f'{prefix}_steps', '?')} timed "
-                         "steps, " + ", ".join(f"{n.split('-')[1]} {rng(opts.get(n.replace('-', '_')))}"
+                         "steps, " + ", ".join(f"{n.split('-')[1]} {'–'.join(map(str, opts.get(n.replace('-', '_'), '?')))}"
                                                for n, *_ in ranges))
     workloads = opts.get("workloads")
     lines = [
@@ -722,9 +717,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.keep).write_text(json.dumps(kept, separators=(",", ":")) + "\n")
         print(f"render: kept {len(kept['runs'])} runs in {args.keep}", file=sys.stderr)
     if args.output:
-        tmp = Path(f"{args.output}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, args.output)
+        Path(args.output).write_text(text)
         print(f"render: wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -46,11 +46,9 @@ WORKLOADS = TRAIN_WORKLOADS = tuple(workloads.SHAPE_RANGES)
 DEFAULT_WORKLOADS = ("gpt2", "llama", "resnet50")  # issue 33's rollout, checkpoint, serving and moe by name
 DEFAULT_BUDGET_S = 480.0
 
-# Per workload: the prefix of its options (--PREFIX-steps, --PREFIX-warmup),
-# its default timed and warm-up steps, and the seconds a run is estimated to
-# take on an H200 (a process start, then a cost per step), for the plan and,
-# until a run of the kind has finished, for the budget. The new workloads'
-# estimates are not yet measured on a GPU.
+# Per workload: its options' prefix (--PREFIX-steps, --PREFIX-warmup), default
+# timed and warm-up steps, and a run's estimated seconds on an H200 (a start,
+# then a cost per step: guesses for issue 33's four, not yet run on a GPU).
 STEPS = {"gpt2": ("gpt2", 45, 5, 9.0, 0.15), "llama": ("llama", 27, 3, 15.0, 0.35),
          "resnet50": ("resnet", 35, 5, 6.5, 0.12), "rollout": ("rollout", 4, 1, 20.0, 5.0),
          "checkpoint": ("checkpoint", 60, 3, 20.0, 0.35), "serving": ("serving", 12, 2, 15.0, 2.0),
@@ -136,7 +134,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for w in ("resnet", "llama"):
         p.add_argument(f"--{w}-plan-shapes", action="store_true",
                        help=f"{w} runs first take one untimed step of every shape they train (a shape's first "
-                            "step, cuDNN planning it, costs 100-250 ms more under every allocator)")
+                            "step plans it, on the host, under every allocator)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
     p.add_argument("--record-history", action="store_true",
                    help="every run records its allocations in OUTDIR/history/ (bench/workloads.py --record-history)")

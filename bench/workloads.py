@@ -308,7 +308,7 @@ def run_env(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda}
     for name in ("transformers", "torchvision", "transformers.models.gpt2.modeling_gpt2",
-                 "transformers.models.llama.modeling_llama", "torchvision.models"):
+                 "transformers.models.llama.modeling_llama", "torchvision.models", "torch.distributed.fsdp"):
         try:
             out[name] = getattr(importlib.import_module(name), "__version__", "imported")
         except Exception as e:
@@ -543,8 +543,8 @@ BUILDERS = {"gpt2": build_gpt2, "llama": build_llama, "resnet50": build_resnet50
 
 def planning_steps(shapes: list[Any]) -> list[Any]:
     """One untimed step of every distinct shape, in order of first use
-    (--plan-shapes): a shape's first step (cuDNN planning it, on the host)
-    costs 100-250 ms under every allocator, and stays out of the timed steps."""
+    (--plan-shapes): a shape's first step, cuDNN planning it on the host,
+    stays out of the timed steps."""
     return list(dict.fromkeys(shapes))
 
 

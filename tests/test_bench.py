@@ -9,6 +9,7 @@ CPU smoke run of the training code needs torch, and skips without it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -32,6 +33,16 @@ GiB = 1 << 30
 suite = load_bench("suite")
 render = load_bench("render")
 workloads = load_bench("workloads")
+# issue 33's workloads
+NEW_WORKLOADS = ("rollout", "checkpoint", "serving", "moe")
+# Tiny shapes for the CPU smoke run (the models are tiny there too).
+NEW_WORKLOAD_CPU_SHAPES = [
+    ("rollout", ["--rollout-batch", "2", "3", "--rollout-prompt", "8", "16", "--rollout-new", "4", "8",
+                 "--rollout-micro", "1", "3"]),
+    ("checkpoint", ["--checkpoint-batch", "1", "2", "--checkpoint-seq", "64", "128"]),
+    ("serving", ["--serving-batch", "1", "3", "--serving-prompt", "8", "32", "--serving-new", "2", "6"]),
+    ("moe", ["--moe-batch", "1", "2", "--moe-seq", "64", "128"]),
+]
 
 
 def run_py(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -267,7 +278,10 @@ def test_workloads_records_a_failure_as_json(tmp_path: Path):
                                                           marks=pytest.mark.skipif(
                                                               importlib.util.find_spec("transformers") is None,
                                                               reason="needs transformers")),
-                                             ("resnet50", ["--resnet-batch", "2", "2", "--resnet-res", "32", "32"])])
+                                             ("resnet50", ["--resnet-batch", "2", "2", "--resnet-res", "32", "32"])]
+                         + [pytest.param(w, shape, marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                                                                             and w != "moe", reason="needs transformers"))
+                            for w, shape in NEW_WORKLOAD_CPU_SHAPES])
 def test_training_code_runs_on_the_cpu(tmp_path: Path, workload: str, shape: list[str]):
     out = tmp_path / "r.json"
     p = run_py(str(BENCH / "workloads.py"), "--workload", workload, "--smoke-cpu", "--out", str(out),
@@ -276,8 +290,166 @@ def test_training_code_runs_on_the_cpu(tmp_path: Path, workload: str, shape: lis
     assert res["ok"], res.get("traceback") or p.stderr
     r = res["result"]
     assert r["losses_finite"] and r["units_per_s"] > 0 and len(r["step_log"]) == 2
+    assert [e["loss"] is None for e in r["step_log"]] == [workload == "serving"] * 2
     # Every thread's CPU time over the timed steps, the training thread's marked.
     assert [t["main"] for t in r["threads"]].count(True) == 1 and all(t["cpu_ms"] >= 0 for t in r["threads"])
+
+
+# --- issue 33's workloads: rollout, checkpoint, serving, moe ------------------------------
+
+def default_limits(workload: str) -> dict[str, int]:
+    """The workload's default shape ranges, as train_limits gives them to train_shapes."""
+    return workloads.train_limits(workloads.parse_args(["--workload", workload, "--out", "R.json"]), workload)
+
+
+def test_suite_lists_and_dispatches_the_new_workloads():
+    args = suite.parse_args(["OUT", "--workloads", ",".join(NEW_WORKLOADS)])
+    plan = suite.build_plan(args)
+    assert [r.workload for r in plan if r.repeat == 0] == [w for w in NEW_WORKLOADS for _ in suite.CONFIGS]
+    assert {(r.workload, r.config) for r in plan} == {(w, c) for w in NEW_WORKLOADS for c in suite.CONFIGS}
+    assert len(plan) == 3 * 4 * 5
+    # Not in the default suite: it stays the three training workloads BENCHMARKS.md quotes.
+    assert {r.workload for r in suite.build_plan(suite.parse_args(["OUT"]))} == {"gpt2", "llama", "resnet50"}
+    for w in NEW_WORKLOADS:
+        run = next(r for r in plan if r.workload == w)
+        cmd = suite.workload_command(run, args, Path("R.json"))
+        wargs = workloads.parse_args(cmd[2:])  # workloads.py takes what the suite passes
+        assert wargs.workload == w and wargs.config == run.config
+        assert (wargs.steps, wargs.warmup) == suite.step_counts(w, args) and wargs.steps >= 4
+        assert workloads.train_limits(wargs, w) == default_limits(w)
+        assert w in workloads.BUILDERS and "--plan-shapes" not in cmd and "--record-history" not in cmd
+        assert 30 <= suite.estimate(w, args) <= 60, (w, suite.estimate(w, args))  # a run's guessed length
+
+
+def test_new_workloads_options_pass_through_and_quick_shrinks_them():
+    args = suite.parse_args(["OUT", "--workloads", "serving", "--serving-steps", "7", "--serving-warmup", "0",
+                             "--serving-batch", "2", "5", "--serving-new", "8", "16"])
+    cmd = suite.workload_command(suite.build_plan(args)[0], args, Path("R.json"))
+    wargs = workloads.parse_args(cmd[2:])
+    assert (wargs.steps, wargs.warmup, wargs.serving_batch, wargs.serving_new) == (7, 0, [2, 5], [8, 16])
+    quick = suite.parse_args(["OUT", "--quick", "--workloads", ",".join(NEW_WORKLOADS)])
+    assert all(suite.step_counts(w, quick) == (2, 1) for w in NEW_WORKLOADS)
+    assert quick.rollout_new == [16, 32] and quick.serving_prompt == [64, 128] and quick.moe_seq == [128, 256]
+    assert suite.estimate("rollout", quick) < suite.estimate("rollout", suite.parse_args(["OUT"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--serving-prompt", "64", "4000"], "serving's model holds 4096 tokens"),
+    (["--rollout-prompt", "128", "4000"], "rollout's model holds 4096 tokens"),
+    (["--checkpoint-seq", "512", "8192"], "checkpoint's model holds 4096 tokens"),
+    (["--rollout-micro", "8", "2"], "above MAX"),
+    (["--moe-batch", "0", "4"], "at least 1"),
+    (["--workloads", "moe,sleep"], "unknown: sleep"),
+])
+def test_new_workloads_bad_arguments_are_usage_errors(argv: list[str], message: str):
+    p = run_py(str(BENCH / "suite.py"), "OUT", *argv)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("workload", NEW_WORKLOADS)
+def test_new_workloads_draw_the_same_shapes_per_repeat_and_vary_them(workload: str):
+    limits = default_limits(workload)
+    shapes = workloads.train_shapes(workload, 3, 12, limits)
+    assert shapes == workloads.train_shapes(workload, 3, 12, limits)  # every configuration of a repeat
+    assert shapes != workloads.train_shapes(workload, 4, 12, limits)  # another repeat, other shapes
+    assert len(set(shapes)) >= 6  # the shapes change from step to step
+    assert workloads.planning_steps(shapes) == list(dict.fromkeys(shapes))  # hashable, as --plan-shapes needs
+    json.dumps(shapes)  # they go to the step log
+
+
+def test_rollout_iterations_train_every_row_they_generate():
+    limits = default_limits("rollout")
+    its = workloads.train_shapes("rollout", 0, 20, limits)
+    for gens, micro in its:
+        assert len(gens) == workloads.ROLLOUT_GENERATES
+        for b, p, n in gens:
+            assert 8 <= b <= 32 and 128 <= p <= 768 and p % 64 == 0 and 32 <= n <= 160 and (n - 32) % 16 == 0
+        assert sum(micro) == sum(b for b, _, _ in gens)  # the micro-batches train each generated row once
+        assert all(1 <= k <= 12 for k in micro) and all(k >= 2 for k in micro[:-1])  # the last takes what is left
+    assert len({len(micro) for _, micro in its}) > 1 and len({m for _, micro in its for m in micro}) > 3
+
+
+def test_serving_checkpoint_and_moe_shapes_keep_to_their_ranges():
+    for b, p, n in workloads.train_shapes("serving", 1, 40, default_limits("serving")):
+        assert 1 <= b <= 48 and 64 <= p <= 2048 and (p - 64) % 16 == 0 and 16 <= n <= 256
+    for b, s in workloads.train_shapes("checkpoint", 1, 40, default_limits("checkpoint")):
+        assert 1 <= b <= 8 and 512 <= s <= 4096 and s % 64 == 0
+    moe = workloads.train_shapes("moe", 1, 40, default_limits("moe"))
+    assert all(4 <= b <= 16 and 512 <= s <= 2048 and s % 64 == 0 for b, s, _ in moe)
+    assert len({seed for _, _, seed in moe}) == 40  # every step's router gets its own bias
+    # The workloads of one repeat draw apart from each other.
+    assert [x[:2] for x in moe] != workloads.train_shapes("checkpoint", 1, 40, default_limits("moe"))
+
+
+class FakeTorchMemory:
+    """torch.cuda.memory's history calls, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def _record_memory_history(self, enabled: Any = "all", **kw: Any) -> None:
+        self.calls.append(("record", enabled if enabled is None else kw.get("max_entries")))
+
+    def _dump_snapshot(self, path: str) -> None:
+        self.calls.append(("dump", path))
+
+
+def test_recording_history_uses_goallocs_trace_or_torchs_snapshot(tmp_path: Path):
+    torch = type("T", (), {})()
+    torch.cuda = type("C", (), {})()
+    torch.cuda.memory = FakeTorchMemory()
+    out: dict[str, Any] = {}
+    with workloads.recording_history(torch, None, str(tmp_path / "h"), out):
+        assert torch.cuda.memory.calls == [("record", workloads.HISTORY_ENTRIES)]
+    assert torch.cuda.memory.calls[1:] == [("dump", f"{tmp_path}/h.pickle"), ("record", None)]
+    assert out["history"] == f"{tmp_path}/h.pickle"
+
+    traced: list[tuple[str, int, str]] = []
+
+    class FakeGoalloc:
+        @staticmethod
+        @contextlib.contextmanager
+        def record_trace(path: str, max_entries: int, workload: str) -> Any:
+            traced.append((path, max_entries, workload))
+            yield
+
+    alloc = workloads.Allocator(torch, "goalloc-vmm")
+    alloc.goalloc = FakeGoalloc
+    out = {}
+    with workloads.recording_history(torch, alloc, str(tmp_path / "003-moe-goalloc-vmm-r0"), out):
+        pass
+    assert traced == [(f"{tmp_path}/003-moe-goalloc-vmm-r0.jsonl.gz", workloads.HISTORY_ENTRIES, "003-moe-goalloc-vmm-r0")]
+    assert out["history"].endswith(".jsonl.gz") and len(torch.cuda.memory.calls) == 3  # torch's left alone
+    out = {}
+    with workloads.recording_history(torch, alloc, None, out):  # no --record-history: nothing recorded
+        pass
+    assert out == {} and len(traced) == 1
+
+
+def test_record_history_reaches_every_run_and_not_the_cpu_smoke():
+    args = suite.parse_args(["OUT", "--workloads", "moe", "--record-history"])
+    for run in suite.build_plan(args):
+        cmd = suite.workload_command(run, args, Path("R.json"))
+        stem = cmd[cmd.index("--record-history") + 1]
+        assert stem == str(Path("OUT").resolve() / "history" / run.name)
+        assert workloads.parse_args(cmd[2:]).record_history == stem
+    p = run_py(str(BENCH / "workloads.py"), "--workload", "moe", "--smoke-cpu", "--out", "R.json", "--record-history", "X")
+    assert p.returncode == 2 and "not with --smoke-cpu" in p.stderr
+
+
+def test_suite_runs_and_renders_the_new_workloads_over_a_stand_in(tmp_path: Path):
+    proc, out = stub_suite(tmp_path, "--workloads", "moe,serving", "--repeats", "1", "--record-history")
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    doc = json.loads((out / "bench.json").read_text())
+    assert sorted((r["workload"], r["config"]) for r in doc["runs"]) == sorted(
+        (w, c) for w in ("moe", "serving") for c in suite.CONFIGS)
+    assert all(r["status"] == "ok" and "--record-history" in r["command"] for r in doc["runs"])
+    assert (out / "history").is_dir()
+    text = render.render(doc)
+    assert "## 3f. Serving: LLaMA 672M" in text and "## 3g. Training: Mixture of experts 1.1B" in text
+    assert "- Mixture of experts 1.1B peak memory ≤ 1.03 × peak live: **met**" in text
+    assert "moe 5 warm-up + 200 timed steps, batch 4–16, seq 512–2048" in text
 
 
 # --- the whole suite, over stand-in programs --------------------------------------------
