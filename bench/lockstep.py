@@ -161,26 +161,17 @@ def compare(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -> di
     la, lb = a.get("step_log") or [], b.get("step_log") or []
     if len(la) != len(lb) or any(x["shape"] != y["shape"] for x, y in zip(la, lb)):
         return {"error": "the two processes did not take the same steps"}
-    speed: list[float] = []
-    sec_a = sec_b = units_a = units_b = 0.0
-    overlaps = 0
-    for x, y in zip(la, lb):
-        tx, ty = x.get("turn"), y.get("turn")
-        if tx and ty and tx[0] < ty[1] and ty[0] < tx[1]:
-            overlaps += 1  # the two steps ran at the same time: the coordinator failed
-        if not (x["timed"] and y["timed"]) or x["seconds"] <= 0 or y["seconds"] <= 0:
-            continue
-        speed.append(x["seconds"] / y["seconds"])
-        sec_a += x["seconds"]
-        sec_b += y["seconds"]
-        units_a += x["units"]
-        units_b += y["units"]
-    if not speed:
+    # Two steps that ran at the same time: the coordinator failed.
+    overlaps = sum(1 for x, y in zip(la, lb) if (tx := x.get("turn")) and (ty := y.get("turn"))
+                   and tx[0] < ty[1] and ty[0] < tx[1])
+    both = [(x, y) for x, y in zip(la, lb) if x["timed"] and y["timed"] and x["seconds"] > 0 and y["seconds"] > 0]
+    if not both:
         return {"error": "no timed steps"}
+    sec_a, sec_b, units_a, units_b = (sum(p[i][key] for p in both) for key in ("seconds", "units") for i in (0, 1))
     return {
-        "steps": len(speed),
+        "steps": len(both),
         "throughput": (units_b / sec_b) / (units_a / sec_a),
-        "step_median": median(speed),
+        "step_median": median(x["seconds"] / y["seconds"] for x, y in both),
         "median_step_s": {labels[0]: median([e["seconds"] for e in la if e["timed"]]),
                           labels[1]: median([e["seconds"] for e in lb if e["timed"]])},
         "overlapping_steps": overlaps,
@@ -286,10 +277,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     results, logs = out / "results", out
     results.mkdir(parents=True, exist_ok=True)
     a, b = args.pair
-    labels = (f"a:{a}", f"b:{b}")
     doc: dict[str, Any] = {
         "schema": 1, "kind": "lockstep", "command": shlex.join(["python3", "bench/lockstep.py", *argv]),
-        "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": labels,
+        "started": suite.now_iso(), "workload": args.workload, "pair": args.pair, "labels": [f"a:{a}", f"b:{b}"],
         "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
@@ -315,14 +305,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if need > left:
             pair.update(status="skipped", reason=f"budget: {need:.0f} s needed, {max(left, 0):.0f} s left")
         else:
-            sides = [Side(lab.split(":")[0], cfg, rep, args.workload, results, logs) for lab, cfg in zip(labels, args.pair)]
-            cmds, envs = [], []
-            for side in sides:
-                cmd = suite.workload_command(suite.Run(0, args.workload, side.config, rep), sargs, side.out)
-                cmd += ["--smoke-cpu"] if args.smoke_cpu else []
-                pin = ["--pin-threads", ",".join(map(str, args.pin_threads))] if args.pin_threads else []
-                cmds.append(cmd + pin)
-                envs.append(suite.child_env(side.config, sargs))
+            sides = [Side(lab, cfg, rep, args.workload, results, logs) for lab, cfg in zip("ab", args.pair)]
+            extra = (["--smoke-cpu"] if args.smoke_cpu else []) + (
+                ["--pin-threads", ",".join(map(str, args.pin_threads))] if args.pin_threads else [])
+            cmds = [suite.workload_command(suite.Run(0, args.workload, s.config, rep), sargs, s.out) + extra for s in sides]
+            envs = [suite.child_env(s.config, sargs) for s in sides]
             t0 = time.monotonic()
             run_pair(sides, cmds, envs, rep, max(suite.MIN_TIMEOUT_S, suite.TIMEOUT_FACTOR * need))
             wall = time.monotonic() - t0

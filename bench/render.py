@@ -650,9 +650,7 @@ def keep_lockstep(ls: dict[str, Any]) -> dict[str, Any]:
 def keep(doc: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     """doc (one suite or several merged, with its lockstep runs) pruned to
     what render() reads: the same tables from a fraction of the size."""
-    def plan(p: dict[str, Any]) -> dict[str, Any]:
-        return pick(p, ("workload", "config", "repeat", "trace"))
-
+    plan_keys = ("workload", "config", "repeat", "trace")
     inputs = doc.get("inputs") or [doc]
     out: dict[str, Any] = {
         "about": "bench/render.py --keep: the runs of the inputs below (each with the command that produced it), "
@@ -664,12 +662,12 @@ def keep(doc: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     out |= {k: v for k, v in doc.items() if k not in ("runs", "plan", "inputs", "lockstep", "argv", "outdir")}
     out["runs"] = [pick(r, KEEP_RUN) | {"result": keep_result(r.get("result"))}
                    for r in doc.get("runs", [])]
-    out["plan"] = [plan(p) for p in doc.get("plan", [])]
+    out["plan"] = [pick(p, plan_keys) for p in doc.get("plan", [])]
     if doc.get("inputs"):
         out["inputs"] = [{k: v for k, v in d.items() if k not in ("runs", "plan", "argv", "outdir")}
                          | {"path": Path(str(d.get("path", "?"))).name,
                             "runs": [pick(r, ("name", "status")) for r in d.get("runs", [])],
-                            "plan": [plan(p) for p in d.get("plan", [])]} for d in doc["inputs"]]
+                            "plan": [pick(p, plan_keys) for p in d.get("plan", [])]} for d in doc["inputs"]]
     out["lockstep"] = [keep_lockstep(ls) for ls in doc.get("lockstep", [])]
     return out
 
