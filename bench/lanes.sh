@@ -8,12 +8,8 @@
 # A lane's suites (between '|') run one after another with bench/run.sh into
 # OUTDIR/laneI-J; the host's CPU and GPU layout goes to OUTDIR/topology.txt.
 set -uo pipefail
-if [[ $# -lt 2 || $1 == -* ]]; then
-  echo "usage: bash bench/lanes.sh OUTDIR 'SUITE ARGS [| SUITE ARGS ...]' ..." >&2
-  exit 2
-fi
-mkdir -p "$1" || exit 2
-OUT=$(cd "$1" && pwd)
+[[ $# -ge 2 && $1 != -* ]] || { echo "usage: bash bench/lanes.sh OUTDIR 'SUITE ARGS [| SUITE ARGS ...]' ..." >&2; exit 2; }
+mkdir -p "$1" && OUT=$(cd "$1" && pwd) || exit 2
 shift
 cd "$(dirname "$0")/.."
 ngpu=$(nvidia-smi -L | wc -l)

@@ -11,12 +11,8 @@
 # (default 480 s); BENCH_HARD_LIMIT_S (default 525) stops it outright, and it
 # still writes what it finished.
 set -uo pipefail
-if [[ $# -lt 1 || $1 == -* ]]; then
-  echo "usage: bash bench/run.sh OUTDIR [bench/suite.py options]" >&2
-  exit 2
-fi
-mkdir -p "$1" || exit 2
-OUT=$(cd "$1" && pwd)
+[[ $# -ge 1 && $1 != -* ]] || { echo "usage: bash bench/run.sh OUTDIR [bench/suite.py options]" >&2; exit 2; }
+mkdir -p "$1" && OUT=$(cd "$1" && pwd) || exit 2
 shift
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -223,21 +223,16 @@ class Allocator:
         """The allocator's own figures, in bytes."""
         own = self.goalloc is not None
         s = self.goalloc.memory_stats(0) if own else self.torch.cuda.memory_stats(0)
-        out: dict[str, Any] = {"source": "goalloc.memory_stats" if own else "torch.cuda.memory_stats"}
-        for key, stat in (("reserved", "reserved_bytes"), ("allocated", "allocated_bytes")):
-            out[f"{key}_peak"] = s.get(f"{stat}.all.peak")
-            out[f"{key}_current"] = s.get(f"{stat}.all.current")
-        out["requested_peak"] = s.get("requested_bytes.all.peak")
-        out["stats"] = s
-        if self.goalloc is not None:
+        out: dict[str, Any] = {"source": "goalloc.memory_stats" if own else "torch.cuda.memory_stats", "stats": s,
+                               "requested_peak": s.get("requested_bytes.all.peak")}
+        out |= {f"{key}_{k}": s.get(f"{key}_bytes.all.{k}") for key in ("reserved", "allocated") for k in ("peak", "current")}
+        if own:
             # What goalloc's memory source holds (the pool's reserved bytes, or
             # the physical memory mapped): now, and at its high-water mark.
             f = self.goalloc.fragmentation(0)
             out.update(pool_reserved_current=int(f.pool_reserved_bytes), pool_used_current=int(f.pool_used_bytes),
                        pool_reserved_max_read=max(int(f.pool_reserved_bytes), int(f.pool_reserved_high_bytes)))
-            lat = miss_latency(s)
-            if lat is not None:
-                out["device_alloc_ns"] = lat
+            out["device_alloc_ns"] = miss_latency(s)  # None from a library that does not report it
         return out
 
     def verify(self) -> dict[str, Any]:
