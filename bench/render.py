@@ -28,9 +28,8 @@ from workloads import CONFIGS, GOALLOC_CONFIGS, SHAPE_RANGES  # noqa: E402
 DEFAULT_GOALLOC = "goalloc-vmm"  # backend:vmm, goalloc's default backend
 TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("llama", "LLaMA 672M (GQA)", "tokens/s"),
          ("resnet50", "ResNet-50", "images/s"), ("rollout", "RL-style rollout, LLaMA 582M", "tokens/s"),
-         ("checkpoint", "FSDP, LLaMA 672M", "tokens/s"), ("serving", "LLaMA 672M", "tokens/s"),
+         ("checkpoint", "FSDP, LLaMA 672M", "tokens/s"), ("serving", "Serving, LLaMA 672M (bf16)", "tokens/s"),
          ("moe", "Mixture of experts 1.1B", "tokens/s"))
-SECTION = {"rollout": "Generating, then training", "serving": "Serving"}  # the others: "Training"
 # The goals: peak device memory over peak live per workload (1.03 where not
 # named); throughput against native.
 GOAL_MEMORY_OVER_LIVE = {"resnet50": 1.05}
@@ -273,7 +272,7 @@ MODELS = {"gpt2": "`transformers.GPT2LMHeadModel(GPT2Config())`, AdamW",
 
 def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, heading: str) -> list[str]:
     configs = present_configs(doc, workload)
-    lines = [f"## {heading}. {SECTION.get(workload, 'Training')}: {label}", "",
+    lines = [f"## {heading}. " + ("" if workload == "serving" else "Training: ") + label, "",
              f"{MODELS[workload]}; random init, bf16 autocast, a shape drawn per step (the same for every",
              "configuration of a repeat)" + ("; every shape first trained once untimed (`--plan-shapes`)."
                                              if any(dig(r, "result", "planned_shapes") for r in runs_of(doc, workload))

@@ -447,7 +447,8 @@ def test_suite_runs_and_renders_the_new_workloads_over_a_stand_in(tmp_path: Path
     assert all(r["status"] == "ok" and "--record-history" in r["command"] for r in doc["runs"])
     assert (out / "history").is_dir()
     text = render.render(doc)
-    assert "## 3f. Serving: LLaMA 672M" in text and "## 3g. Training: Mixture of experts 1.1B" in text
+    assert "## 3f. Serving, LLaMA 672M (bf16)" in text and "## 3g. Training: Mixture of experts 1.1B" in text
+    assert "## 3d. Training: RL-style rollout, LLaMA 582M" not in text  # not planned, not shown
     assert "- Mixture of experts 1.1B peak memory ≤ 1.03 × peak live: **met**" in text
     assert "moe 5 warm-up + 200 timed steps, batch 4–16, seq 512–2048" in text
 
