@@ -426,6 +426,60 @@ def test_recording_history_uses_goallocs_trace_or_torchs_snapshot(tmp_path: Path
     assert out == {} and len(traced) == 1
 
 
+def test_recording_history_writes_goallocs_trace_on_the_simulated_device(tmp_path: Path):
+    """The goalloc branch of --record-history with the library itself: a
+    trace of what was allocated inside, named after the run, that the
+    replay's format reads; in a fresh interpreter (device 0 is its own)."""
+    from goalloc_testing import run_python
+
+    stem = tmp_path / "007-moe-goalloc-vmm-r0"
+    code = f"""
+        import importlib.util, json, goalloc
+        from goalloc_testing import Raw
+        spec = importlib.util.spec_from_file_location("w", {str(BENCH / "workloads.py")!r})
+        w = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(w)
+        a = w.Allocator(None, "goalloc-vmm")
+        a.goalloc = goalloc                          # setup() without torch
+        raw, out = Raw(), {{}}
+        with w.recording_history(None, a, {str(stem)!r}, out):
+            ps = [raw.must_malloc(s, 0) for s in (1 << 20, 3 << 20, 512)]
+            raw.free(ps[1], 3 << 20, 0)
+        print(json.dumps(out))
+    """
+    out = json.loads(run_python(code).stdout.splitlines()[-1])
+    assert out == {"history": f"{stem}.jsonl.gz"}
+    import gzip
+
+    lines = [json.loads(line) for line in gzip.open(f"{stem}.jsonl.gz", "rt")]
+    assert lines[0]["workload"] == stem.name and lines[0]["allocator"] == "goalloc"
+    allocs = sorted(e["size"] for e in lines[1:] if e["a"] == "alloc")
+    assert allocs == [512, 1 << 20, 3 << 20] and [e["size"] for e in lines if e.get("a") == "free_requested"] == [3 << 20]
+
+
+def test_device_memory_samples_in_a_thread_between_the_steps():
+    """The sampler's thread sees a peak that no reading after a step sees."""
+    used = iter([5, 5] + [5, 9, 9, 6] + [6] * 10_000)  # GiB in use by the driver's count, reading after reading
+
+    class Cuda:
+        @staticmethod
+        def mem_get_info(_: int) -> tuple[int, int]:
+            return (100 - next(used)) * GiB, 100 * GiB
+
+    mem = workloads.DeviceMemory(type("T", (), {"cuda": Cuda})(), interval_ms=1.0)
+    assert mem.sample() == 5 * GiB  # after a step
+    mem.start()
+    time.sleep(0.2)
+    mem.stop()
+    assert not mem._thread.is_alive()
+    f = mem.figures()
+    assert f["baseline_used"] == 5 * GiB and f["peak_over_baseline"] == 4 * GiB and f["end_over_baseline"] == GiB
+    off = workloads.DeviceMemory(type("T", (), {"cuda": Cuda})(), interval_ms=0)
+    off.start()
+    off.stop()  # sampling off: no thread to start or stop
+    assert not off._thread.is_alive()
+
+
 def test_record_history_reaches_every_run_and_not_the_cpu_smoke():
     args = suite.parse_args(["OUT", "--workloads", "moe", "--record-history"])
     for run in suite.build_plan(args):
