@@ -656,6 +656,7 @@ def fake_doc() -> dict[str, Any]:
 
     # GPT-2: goalloc 10.4 GiB pool over 10 GiB live (1.04), goalloc-vmm 10.2 GiB mapped (1.02: the
     # better one, and the goal met); goalloc-vmm at 0.975 x native speed (missed), goalloc 0.985.
+    # goalloc-mempool: a configuration the suite has since dropped; its runs in an older file still render.
     speed = {"native": 1000.0, "expandable": 990.0, "async": 995.0, "goalloc": 985.0, "goalloc-vmm": 975.0,
              "goalloc-mempool": 1001.0}
     for r in range(3):
@@ -848,8 +849,6 @@ def test_render_counts_the_runs_of_every_input(tmp_path: Path):
     assert p.returncode == 0, p.stderr
     row = next(ln for ln in out.read_text().splitlines() if ln.startswith("| goalloc | ") and "GiB" in ln)
     assert "n=6" in row, row  # both files' goalloc runs count
-    p = run_py(str(BENCH / "render.py"), str(a), "--drop", f"{a}:goalloc")
-    assert p.returncode == 2 and "unrecognized arguments: --drop" in p.stderr  # dropped: no run was ever left out
 
 
 def test_render_prefers_the_default_backend_on_a_memory_tie():
