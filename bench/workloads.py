@@ -548,7 +548,7 @@ def train_limits(args: argparse.Namespace, workload: str) -> dict[str, int]:
     return out
 
 
-def run_train(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory],
+def run_steps(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory],
               args: argparse.Namespace) -> dict[str, Any]:
     """Steps of a shape drawn per step, each timed between device
     synchronisations; the allocator's and the driver's peak memory, and
@@ -685,8 +685,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=0)
     p.add_argument("--out", required=True, help="the JSON result file")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval; 0: off")
-    p.add_argument("--warmup", type=int, default=3, help="training steps before the timed ones")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (rollout: iterations; serving: requests)")
     for name, lo, hi, _, _ in (r for ranges in SHAPE_RANGES.values() for r in ranges):
         p.add_argument(f"--{name}", type=int, nargs=2, default=(lo, hi), metavar=("MIN", "MAX"))
     p.add_argument("--record-history", metavar="STEM", help="record the steps' allocations: STEM.jsonl.gz "
@@ -719,7 +719,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["result"] = run_env(torch, args)
         return
     if args.smoke_cpu:
-        result["result"] = run_train(torch, None, None, args)
+        result["result"] = run_steps(torch, None, None, args)
         return
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible to torch")
@@ -729,7 +729,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     torch.cuda.synchronize()
     mem = DeviceMemory(torch, args.sample_ms)  # the idle baseline: nothing allocated yet
     result["ready_s"] = time.perf_counter() - t0
-    result["result"] = run_train(torch, alloc, mem, args)
+    result["result"] = run_steps(torch, alloc, mem, args)
     result["verify"] = alloc.verify()
 
 
