@@ -268,7 +268,7 @@ def workload_command(run: Run, args: argparse.Namespace, out: Path) -> list[str]
         cmd += [f"--{name}", *map(str, getattr(args, name.replace("-", "_")))]
     if plans_shapes(run.workload, args):
         cmd.append("--plan-shapes")
-    if args.record_history:
+    if args.record_history and run.config != "async":  # torch's cudaMallocAsync backend keeps no history
         cmd += ["--record-history", str(Path(args.outdir).resolve() / "history" / run.name)]
     return cmd
 
