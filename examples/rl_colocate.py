@@ -61,6 +61,7 @@ def train(policy, opt, data):
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()  # the timeline's phases are the GPU's, not only the launches'
 
 
 def page(rows, path):
