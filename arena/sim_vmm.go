@@ -114,6 +114,7 @@ func (d *SimVMM) SetAllocTag(tag Tag)                         { d.src.setAllocTa
 func (d *SimVMM) Sleep(req SleepRequest) (SleepReport, error) { return d.src.sleep(req) }
 func (d *SimVMM) Wake(tag Tag) (WakeReport, error)            { return d.src.wake(tag) }
 func (d *SimVMM) SleepState() SleepState                      { return d.src.sleepState() }
+func (d *SimVMM) PrepareOffload(size uint64) (uint64, error)  { return d.src.prepareOffload(size) }
 
 // MemInfo is what cuMemGetInfo would say: the device less the physical
 // memory held.

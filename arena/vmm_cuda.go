@@ -319,6 +319,14 @@ func (d *VMM) Wake(tag Tag) (WakeReport, error) {
 // SleepState is Sleeper's method.
 func (d *VMM) SleepState() SleepState { return d.src.sleepState() }
 
+// PrepareOffload is Sleeper's method.
+func (d *VMM) PrepareOffload(size uint64) (uint64, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	return d.src.prepareOffload(size)
+}
+
 // Close unmaps and releases everything (memory still allocated is lost)
 // and releases the primary context.
 func (d *VMM) Close() error {

@@ -189,6 +189,11 @@ type Sleeper interface {
 	Wake(tag Tag) (WakeReport, error)
 	// SleepState says what is asleep.
 	SleepState() SleepState
+	// PrepareOffload makes the offload area hold at least size bytes now,
+	// pinning host memory without blocking allocations meanwhile, so that
+	// a later sleep offloading that much pins nothing; it returns the
+	// area's size.
+	PrepareOffload(size uint64) (uint64, error)
 }
 
 // Sleep puts the tags of req to sleep (Note [Sleep and wake], steps 1-5).
@@ -409,14 +414,7 @@ func (e *vmmSegments) releaseSegment(g *vmmSegment) error {
 			return err
 		}
 	}
-	for id := g.first; id != noSpan; {
-		next := g.next(id)
-		if g.span(id).state == spanFree {
-			e.unindex(g, id)
-			g.unlink(id)
-		}
-		id = next
-	}
+	e.dropFreeSpans(g)
 	return nil
 }
 
@@ -441,4 +439,17 @@ func (e *vmmSegments) freeAsleep(g *vmmSegment, id spanID) {
 // state is what SleepState reports.
 func (e *vmmSegments) sleepState() SleepState {
 	return SleepState{Asleep: e.asleepTags(), Offloaded: e.host.used, HostArea: e.host.size}
+}
+
+// dropFreeSpans unlinks every free span of g (a sleeping segment keeps its
+// live spans alone).
+func (e *vmmSegments) dropFreeSpans(g *vmmSegment) {
+	for id := g.first; id != noSpan; {
+		next := g.next(id)
+		if g.span(id).state == spanFree {
+			e.unindex(g, id)
+			g.unlink(id)
+		}
+		id = next
+	}
 }

@@ -248,28 +248,7 @@ func mapKeys[K comparable, V any](m map[K]V) func(func(K) bool) {
 
 // MallocTagged is Malloc in memory tag tag (0: Malloc itself).
 func (a *Allocator) MallocTagged(tag Tag, size uint64, s arena.Stream) (uintptr, error) {
-	if tag == 0 {
-		return a.Malloc(size, s)
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if size > MaxRequest {
-		return 0, a.checkRequest(size)
-	}
-	cp := a.general
-	if a.capturing() {
-		var err error
-		if cp, err = a.captureTarget(s); err != nil {
-			return 0, err
-		}
-	}
-	if cp == a.general {
-		var err error
-		if cp, err = a.tagPool(tag); err != nil {
-			return 0, err
-		}
-	}
-	return a.mallocIn(cp, size, s)
+	return a.malloc(tag, size, s)
 }
 
 // SetTagsInUse says that memory tags are in use in the process: the C++
@@ -293,6 +272,25 @@ func (a *Allocator) sleeper(what string) (arena.Sleeper, error) {
 		return nil, &StateError{Msg: fmt.Sprintf("%s on device %d during a CUDA graph capture: call it outside the capture", what, a.dev.Ordinal())}
 	}
 	return sl, nil
+}
+
+// PrepareSleep pins at least size bytes of host memory for a later sleep's
+// offload now (arena.Sleeper.PrepareOffload), so that the first sleep does
+// not pay for it. The mutex is not held while it pins: allocations and
+// frees go on meanwhile, from other threads. It returns the size of the
+// host memory kept for offloads.
+func (a *Allocator) PrepareSleep(size uint64) (uint64, error) {
+	a.mu.Lock()
+	sl, err := a.sleeper("prepare_sleep")
+	a.mu.Unlock()
+	if err != nil {
+		return 0, err
+	}
+	n, err := sl.PrepareOffload(size)
+	if err != nil {
+		return n, fmt.Errorf("goalloc: prepare_sleep on device %d: %w", a.dev.Ordinal(), err)
+	}
+	return n, nil
 }
 
 // Asleep says whether anything of the device is asleep.
