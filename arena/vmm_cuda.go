@@ -39,6 +39,7 @@ var (
 	_ CaptureAware   = (*VMM)(nil)
 	_ StreamGranular = (*VMM)(nil)
 	_ Sleeper        = (*VMM)(nil)
+	_ Sharer         = (*VMM)(nil)
 )
 
 // Name says what kind of device d is, as the replay tool's results do: a
@@ -50,6 +51,7 @@ type cudaPhys struct {
 	rt    *cudaRuntime
 	gran  uint64
 	peers uint64
+	ipc   bool // handles are created exportable (vmm_cuda_ipc.go)
 }
 
 func (p *cudaPhys) Granularity() uint64 { return p.gran }
@@ -67,7 +69,7 @@ func (p *cudaPhys) FreeVA(base uintptr, size uint64) error {
 }
 
 func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
-	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size))
+	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size), p.handleTypes())
 	if err := check("cuMemCreate", r); err != nil {
 		return 0, err
 	}
@@ -199,7 +201,7 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	if err != nil {
 		return fail(err)
 	}
-	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
+	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers, ipc: ipcSupported(d.dev)}
 	if C.gx_sleep_available() != 0 {
 		phys = cudaCopier{phys.(*cudaPhys)}
 	}
@@ -318,6 +320,31 @@ func (d *VMM) Wake(tag Tag) (WakeReport, error) {
 
 // SleepState is Sleeper's method.
 func (d *VMM) SleepState() SleepState { return d.src.sleepState() }
+
+// ExportIPC is Sharer's method: the handles under a live block, as
+// descriptors of this process (Note [CUDA IPC]).
+func (d *VMM) ExportIPC(ptr uintptr, size uint64) (IPCExport, error) {
+	if d.closed.Load() {
+		return IPCExport{}, errCUDAClosed
+	}
+	return d.src.exportIPC(ptr, size)
+}
+
+// ImportIPC is Sharer's method: another process's handles mapped here.
+func (d *VMM) ImportIPC(x IPCExport) (uintptr, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	return d.src.importIPC(x)
+}
+
+// CloseIPC is Sharer's method.
+func (d *VMM) CloseIPC(base uintptr) error {
+	if d.closed.Load() {
+		return errCUDAClosed
+	}
+	return d.src.closeIPC(base)
+}
 
 // Close unmaps and releases everything (memory still allocated is lost)
 // and releases the primary context.
