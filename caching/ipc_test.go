@@ -1,6 +1,7 @@
 package caching
 
 import (
+	"bytes"
 	"errors"
 	"testing"
 
@@ -44,7 +45,7 @@ func TestIPCSharedBlockNotReusedUntilReleased(t *testing.T) {
 		r, err := a.Malloc(n, 1)
 		require.NoError(t, err)
 		assert.NotEqual(t, p, r, "a shared block is not reused before its release (n=%d)", n)
-		writeCookie(t, dev, r, n)
+		require.NoError(t, dev.Phys().Write(r, bytes.Repeat([]byte{0xab}, int(n))))
 		got, err := dev.Phys().Read(q, n)
 		require.NoError(t, err)
 		assert.Equal(t, want, got, "the receiver's view is intact")
