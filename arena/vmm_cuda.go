@@ -48,13 +48,18 @@ func (d *VMM) Name() string { return "cuda" }
 
 // cudaPhys is the PhysDriver of a VMM device: one gx_vmm_* call per method.
 type cudaPhys struct {
-	rt    *cudaRuntime
-	gran  uint64
-	peers uint64
-	ipc   bool // handles are created exportable (vmm_cuda_ipc.go)
+	rt         *cudaRuntime
+	gran       uint64
+	driverGran uint64 // cuMemGetAllocationGranularity's
+	peers      uint64
+	ipc        bool // handles are created exportable (vmm_cuda_ipc.go)
 }
 
 func (p *cudaPhys) Granularity() uint64 { return p.gran }
+
+// MinGranule is the driver's own granularity, of which handles other
+// processes export may be any multiple (vmm_ipc.go).
+func (p *cudaPhys) MinGranule() uint64 { return p.driverGran }
 
 func (p *cudaPhys) ReserveVA(size uint64) (uintptr, error) {
 	r := C.gx_vmm_reserve(p.rt.ctx, C.size_t(size), C.size_t(p.gran))
@@ -201,7 +206,7 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	if err != nil {
 		return fail(err)
 	}
-	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers, ipc: ipcSupported(d.dev)}
+	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, driverGran: driverGran, peers: d.peers, ipc: ipcSupported(d.dev)}
 	if C.gx_sleep_available() != 0 {
 		phys = cudaCopier{phys.(*cudaPhys)}
 	}

@@ -97,7 +97,9 @@ import (
 // Bad input is refused with a reason: a pointer that is no live block, a
 // block asleep (no handles), handles created unexportable, a process that
 // exited or a descriptor it no longer has (the kernel's answer), a handle
-// of another device, a handle whose size is not the granule named.
+// of another device, a handle whose size is not the one named or not a
+// multiple of the driver's granularity (a native sender's segment size
+// differs from goalloc's granule: any such multiple is mapped).
 
 // ErrNoIPC is the error of a device or driver that cannot share memory
 // between processes.
@@ -181,9 +183,15 @@ func (p *sharePhys) ReleaseHandle(h PhysHandle) error {
 	return p.PhysDriver.ReleaseHandle(h)
 }
 
+// minGranular is a driver whose allocation granularity is finer than the
+// placement's granule: the CUDA driver's, under goalloc's larger handles.
+// Handles another process exported may be any multiple of it.
+type minGranular interface{ MinGranule() uint64 }
+
 // ipcImport is a mapping of handles another process exported.
 type ipcImport struct {
 	size    uint64
+	gran    uint64       // bytes of each handle
 	handles []PhysHandle // mapped in order from the base
 }
 
@@ -251,17 +259,17 @@ func (v *vmmSource) importIPC(x IPCExport) (uintptr, error) {
 		return 0, fmt.Errorf("arena: VMM: IPC import: %w", ErrNoIPC)
 	case len(x.FDs) == 0:
 		return 0, errors.New("arena: VMM: IPC import of no handle")
-	case x.Granule != v.gran:
-		// Mapping handles of another size would fail in the driver, or
-		// map the wrong bytes: a native sender's segment size differs.
-		return 0, fmt.Errorf("arena: VMM: IPC import of handles of %d bytes on a device whose handles are %d bytes (vmm_handle must match the sender's)", x.Granule, v.gran)
+	case x.Granule == 0 || x.Granule%v.importGran != 0:
+		// A native sender's handles are its segment size, not goalloc's
+		// granule: any multiple of the driver's granularity maps.
+		return 0, fmt.Errorf("arena: VMM: IPC import of handles of %d bytes: not a multiple of the device's allocation granularity, %d bytes", x.Granule, v.importGran)
 	}
-	size := uint64(len(x.FDs)) * v.gran
+	size := uint64(len(x.FDs)) * x.Granule
 	base, err := v.drv.ReserveVA(size)
 	if err != nil {
 		return 0, fmt.Errorf("arena: VMM: IPC import: %w", err)
 	}
-	im := &ipcImport{size: size}
+	im := &ipcImport{size: size, gran: x.Granule}
 	undo := func(err error) (uintptr, error) {
 		return 0, errors.Join(err, v.unmapImport(base, im))
 	}
@@ -274,7 +282,7 @@ func (v *vmmSource) importIPC(x IPCExport) (uintptr, error) {
 			err := fmt.Errorf("arena: VMM: IPC import on device %d of memory of device %d: open it with device %d current", own, dev, dev)
 			return undo(errors.Join(err, v.drv.ReleaseHandle(h)))
 		}
-		if err := v.drv.Map(base+uintptr(uint64(i)*v.gran), v.gran, h); err != nil {
+		if err := v.drv.Map(base+uintptr(uint64(i)*x.Granule), x.Granule, h); err != nil {
 			return undo(errors.Join(fmt.Errorf("arena: VMM: IPC import: %w", err), v.drv.ReleaseHandle(h)))
 		}
 		im.handles = append(im.handles, h)
@@ -290,7 +298,7 @@ func (v *vmmSource) importIPC(x IPCExport) (uintptr, error) {
 func (v *vmmSource) unmapImport(base uintptr, im *ipcImport) error {
 	var errs []error
 	for i, h := range im.handles {
-		errs = append(errs, v.drv.Unmap(base+uintptr(uint64(i)*v.gran), v.gran), v.drv.ReleaseHandle(h))
+		errs = append(errs, v.drv.Unmap(base+uintptr(uint64(i)*im.gran), im.gran), v.drv.ReleaseHandle(h))
 	}
 	errs = append(errs, v.drv.FreeVA(base, im.size))
 	return errors.Join(errs...)

@@ -10,8 +10,13 @@ import (
 // ipcProcess is a VMM source over a FakePhys standing for device dev of
 // process pid of kernel k (nil: not attached, its handles unexportable).
 func ipcProcess(t *testing.T, k *FakeKernel, pid int32, dev int) (*vmmSource, *FakePhys) {
+	return ipcProcessGran(t, k, pid, dev, 2*mib)
+}
+
+// ipcProcessGran is ipcProcess with handles of gran bytes.
+func ipcProcessGran(t *testing.T, k *FakeKernel, pid int32, dev int, gran uint64) (*vmmSource, *FakePhys) {
 	t.Helper()
-	phys := NewFakePhys(NewSim(dev, 1<<30), 1<<30, 2*mib)
+	phys := NewFakePhys(NewSim(dev, 1<<30), 1<<30, gran)
 	base := uintptr(0x7f0000000000) + uintptr(pid)<<36
 	phys.SetVAWindow(base, base+1<<36)
 	if k != nil {
@@ -132,9 +137,13 @@ func TestIPCBadInput(t *testing.T) {
 	assert.Zero(t, op.Handles(), "the handle of the other device is released again")
 
 	bad := x
-	bad.Granule = 4 * mib
+	bad.Granule = 3 * mib
 	_, err = rcv.importIPC(bad)
-	assert.ErrorContains(t, err, "vmm_handle must match")
+	assert.ErrorContains(t, err, "not a multiple of the device's allocation granularity")
+	bad.Granule = 4 * mib // the descriptors name 2 MiB handles
+	_, err = rcv.importIPC(bad)
+	assert.ErrorContains(t, err, "a handle is mapped whole")
+	assert.Zero(t, rp.Handles())
 
 	va := rp.ReservedVA()
 	stale := x
@@ -196,4 +205,31 @@ func TestIPCSimVMM(t *testing.T) {
 	require.NoError(t, d0.CloseIPC(base))
 	_, err = d1.ImportIPC(x)
 	assert.ErrorContains(t, err, "memory of device 0")
+}
+
+// A sender whose handles are larger than the receiver's granule (a native
+// sender's expandable segments, or another vmm_handle) is opened all the
+// same: imports map any multiple of the driver's granularity; a sender
+// whose handles are finer than it is refused.
+func TestIPCImportOtherHandleSizes(t *testing.T) {
+	k := NewFakeKernel()
+	snd, sp := ipcProcessGran(t, k, 100, 0, 8*mib)
+	rcv, rp := ipcProcess(t, k, 200, 0)
+	p := ipcAlloc(t, snd, 12*mib)
+	want := cookie(t, sp, p, 12*mib)
+	x, err := snd.exportIPC(p, 12*mib)
+	require.NoError(t, err)
+	assert.Len(t, x.FDs, 2)
+	base, err := rcv.importIPC(x)
+	require.NoError(t, err)
+	assert.Equal(t, want, readBack(t, rp, base+uintptr(x.Offset), 12*mib))
+	require.NoError(t, rcv.closeIPC(base))
+	assert.Zero(t, rp.Handles())
+
+	fine, _ := ipcProcess(t, k, 300, 0)
+	q := ipcAlloc(t, fine, 2*mib)
+	y, err := fine.exportIPC(q, 2*mib)
+	require.NoError(t, err)
+	_, err = snd.importIPC(y)
+	assert.ErrorContains(t, err, "not a multiple")
 }

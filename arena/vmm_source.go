@@ -29,8 +29,9 @@ type vmmSource struct {
 	// share exports and imports handles (vmm_ipc.go): nil where the
 	// driver cannot; imports are the mappings of other processes' handles,
 	// by base.
-	share   *sharePhys
-	imports map[uintptr]*ipcImport
+	share      *sharePhys
+	imports    map[uintptr]*ipcImport
+	importGran uint64 // imported handles are multiples of it
 }
 
 // pieceAlign is the alignment of what the source hands out: the caching
@@ -56,7 +57,12 @@ func newVMMSource(phys PhysDriver, mem, limit uint64) (*vmmSource, error) {
 	if c, ok := phys.(HostCopier); ok {
 		eng.copier = c
 	}
-	return &vmmSource{eng: eng, drv: drv, profile: profile, gran: eng.granule(), share: share, imports: map[uintptr]*ipcImport{}}, nil
+	v := &vmmSource{eng: eng, drv: drv, profile: profile, gran: eng.granule(), share: share, imports: map[uintptr]*ipcImport{}}
+	v.importGran = v.gran
+	if m, ok := phys.(minGranular); ok {
+		v.importGran = m.MinGranule()
+	}
+	return v, nil
 }
 
 // DriverCalls is the profile of the driver calls made so far.
