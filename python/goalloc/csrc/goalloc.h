@@ -341,7 +341,7 @@ int goalloc_ipc_release(void *ptr);
  * that process pid exported as descriptors fds (not NULL), in a fresh range:
  * its base (the block is at base + its offset), or NULL: a process that
  * exited or a descriptor it no longer has, memory of another device, a
- * granule not a multiple of the device.s allocation granularity (kind failed). */
+ * granule not a multiple of the device's allocation granularity (kind failed). */
 void *goalloc_ipc_import(int device, int pid, unsigned long long granule, const int *fds, int n);
 
 /* goalloc_ipc_close unmaps and releases an import by its base (not NULL):
