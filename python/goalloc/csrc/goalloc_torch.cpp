@@ -46,6 +46,7 @@
 #include "goalloc.h"
 #include "goalloc_contexts.h"
 #include "goalloc_front.h"
+#include "goalloc_ipc.h"
 #include "goalloc_sched.h"
 #include "goalloc_split.h"
 
@@ -113,7 +114,11 @@ using ull = unsigned long long;
   X(external_claim, goalloc_external_claim)              \
   X(external_unclaim, goalloc_external_unclaim)          \
   X(external_segment, goalloc_external_segment)          \
-  X(external_block, goalloc_external_block)
+  X(external_block, goalloc_external_block)              \
+  X(ipc_export, goalloc_ipc_export)                      \
+  X(ipc_release, goalloc_ipc_release)                    \
+  X(ipc_import, goalloc_ipc_import)                      \
+  X(ipc_close, goalloc_ipc_close)
 
 struct Library {
 #define GOALLOC_FIELD(field, fn) decltype(&::fn) field = nullptr;
@@ -1349,12 +1354,77 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                        "stream-ordered pool, which cudaIpcGetMemHandle cannot share");
   }
 
-  CCA::ShareableHandle shareIpcHandle(void*) override {
-    TORCH_CHECK(false, "goalloc does not support sharing CUDA tensors between processes (CUDA IPC)");
+  // CUDA IPC (goalloc_ipc.h; Note [CUDA IPC] in arena/vmm_ipc.go). The
+  // handle is torch's expandable-segment string, which a native receiver
+  // opens. The share goalloc_ipc_export counts is released at once: under
+  // torch the block's free already waits for every receiver (_share_cuda_
+  // puts the block behind a CudaIPCSentData and its counter), and a share
+  // held here would have no one to release it.
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    goalloc_ipc::Range r;
+    int pid = 0;
+    ull granule = 0, offset = 0;
+    std::vector<int> fds(64);
+    for (;;) {
+      int n = lib.ipc_export(ptr, &pid, nullptr, &granule, &offset, fds.data(), static_cast<int>(fds.size()));
+      TORCH_CHECK(n >= 0, "goalloc: sharing a CUDA tensor with another process: ", last_error());
+      if (n <= static_cast<int>(fds.size())) {
+        fds.resize(n);
+        break;
+      }
+      fds.resize(n);  // more handles than room: ask again, nothing was counted
+    }
+    lib.ipc_release(ptr);
+    r.pid = pid;
+    r.segment_size = granule;
+    r.fds.assign(fds.begin(), fds.end());
+    return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), goalloc_ipc::encode(r)};
   }
 
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false, "goalloc does not support opening CUDA IPC handles");
+  // getIpcDevPtr opens a handle on the current device, once per distinct
+  // string while anything holds it (as torch's allocator does: a 'c'
+  // handle cannot be opened twice in one process). 'e' is mapped by
+  // goalloc (any sender's: goalloc's or native expandable segments'), 'c'
+  // (a native sender's cudaMalloc segment) by cudaIpcOpenMemHandle. The
+  // pointer is the mapping's base: torch adds the offset.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard<std::mutex> g(ipc_mu_);
+    auto it = ipc_open_.find(handle);
+    if (it != ipc_open_.end()) {
+      if (auto sp = it->second.lock()) return sp;
+    }
+    goalloc_ipc::Parsed h;
+    std::string err;
+    TORCH_CHECK(goalloc_ipc::parse(handle, &h, &err), "goalloc: cannot open ", err);
+    c10::DeviceIndex device = c10::cuda::current_device();
+    void* base = nullptr;
+    std::function<void(void*)> close;
+    if (h.type == goalloc_ipc::kTypeCudaMalloc) {
+      cudaIpcMemHandle_t mh;
+      std::memcpy(&mh, h.cuda_handle.data(), sizeof mh);
+      C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, mh, cudaIpcMemLazyEnablePeerAccess));
+      close = [device](void* p) {
+        c10::cuda::CUDAGuard guard(device);
+        C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+      };
+    } else {
+      base = lib.ipc_import(device, h.range.pid, h.range.segment_size, h.range.fds.data(),
+                            static_cast<int>(h.range.fds.size()));
+      TORCH_CHECK(base != nullptr, "goalloc: opening a CUDA tensor of process ", h.range.pid, ": ", last_error());
+      close = [device](void* p) {
+        if (lib.ipc_close(device, p) != 0) TORCH_WARN("goalloc: closing a CUDA IPC mapping: ", last_error());
+      };
+    }
+    std::shared_ptr<void> sp(base, [this, handle, close](void* p) {
+      {
+        std::lock_guard<std::mutex> g2(ipc_mu_);
+        auto at = ipc_open_.find(handle);
+        if (at != ipc_open_.end() && at->second.expired()) ipc_open_.erase(at);
+      }
+      close(p);
+    });
+    ipc_open_[handle] = sp;
+    return sp;
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -1445,6 +1515,10 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   std::mutex labels_mu_;  // guards the labels below, by device
   std::vector<std::string> compile_contexts_[kMaxDevices];
   std::string user_metadata_[kMaxDevices];
+  // The CUDA IPC handles open (getIpcDevPtr), by string: one mapping per
+  // string while anything holds it.
+  std::mutex ipc_mu_;
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;
 
   static TraceEntry::Action action(const std::string& s) {
     if (s == "alloc") return TraceEntry::ALLOC;
