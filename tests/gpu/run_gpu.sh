@@ -176,7 +176,12 @@ if want ipc; then
   # small tensors, a free while a receiver holds, the RL weight sync.
   # Written without a GPU: its first run is still to come.
   cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null | sed 's/^/ptrace_scope /'
-  timeout 580 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_gpu.py 2>&1 | tail -40 || status=1
+  if [[ -x build/arena.test ]]; then
+    (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDAIPC' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+vmm_cuda_ipc_test)' | tail -20) || status=1
+  else
+    echo "build/arena.test missing: make gpubuild"; status=1
+  fi
+  timeout 460 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_gpu.py 2>&1 | tail -40 || status=1
 fi
 if want bench; then
   step bench

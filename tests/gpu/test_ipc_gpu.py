@@ -23,7 +23,7 @@ def result():
     mp.delenv("GOALLOC_CONF", raising=False)
     mp.setenv("GOALLOC_DEVICE", "cuda")
     try:
-        res = run_check("ipc_check.py", "ipc", timeout=560)
+        res = run_check("ipc_check.py", "ipc", timeout=440)
     finally:
         mp.undo()
     assert res["cxx"], res
