@@ -94,6 +94,12 @@ import (
 // (caching/ipc.go): the guarantee for callers that free before their
 // receivers let go; under torch the counter above already orders it.
 //
+// Limitations. Sleep releases a tag's handles and wake maps new ones: a
+// receiver that imported a block of a tag before a sleep keeps the old
+// memory, and sees no later write of the sender (torch's reference counting
+// does not know of sleep; sharing and sleeping one block is unsupported).
+// Fabric handles (multi-node NVLink) are not exported.
+//
 // Bad input is refused with a reason: a pointer that is no live block, a
 // block asleep (no handles), handles created unexportable, a process that
 // exited or a descriptor it no longer has (the kernel's answer), a handle
