@@ -15,6 +15,8 @@
 //	vmm_events.go    events, fences, polling and synchronisation marks
 //	vmm_trim.go      trimming, giving VA back, and Close
 //	vmm_check.go     the invariant checks
+//	vmm_sleep.go     memory tags and sleep (Note [Sleep and wake]); wake
+//	                 in vmm_wake.go, the host copies in vmm_offload.go
 //
 // BENCHMARKS.md has the figures behind the choices below ("The VMM
 // backend's placement").
@@ -45,6 +47,9 @@
 //	hole     Unmapped granules of a segment, between spans or at its end.
 //	held     Bytes of all handles, each counted once. This is the reserved
 //	         figure, and the cap bounds it.
+//	tag      A memory tag (Tag): a segment belongs to a stream and a tag,
+//	         so memory of two tags never shares a handle, and a tag's
+//	         segments can sleep (handles released, VA kept) and wake.
 //
 // # What the driver costs
 //

@@ -409,14 +409,7 @@ func (e *vmmSegments) releaseSegment(g *vmmSegment) error {
 			return err
 		}
 	}
-	for id := g.first; id != noSpan; {
-		next := g.next(id)
-		if g.span(id).state == spanFree {
-			e.unindex(g, id)
-			g.unlink(id)
-		}
-		id = next
-	}
+	e.dropFreeSpans(g)
 	return nil
 }
 
@@ -441,4 +434,17 @@ func (e *vmmSegments) freeAsleep(g *vmmSegment, id spanID) {
 // state is what SleepState reports.
 func (e *vmmSegments) sleepState() SleepState {
 	return SleepState{Asleep: e.asleepTags(), Offloaded: e.host.used, HostArea: e.host.size}
+}
+
+// dropFreeSpans unlinks every free span of g (a sleeping segment keeps its
+// live spans alone).
+func (e *vmmSegments) dropFreeSpans(g *vmmSegment) {
+	for id := g.first; id != noSpan; {
+		next := g.next(id)
+		if g.span(id).state == spanFree {
+			e.unindex(g, id)
+			g.unlink(id)
+		}
+		id = next
+	}
 }

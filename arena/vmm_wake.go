@@ -76,14 +76,7 @@ func sortItems(items []copyItem) {
 // releases every handle it maps that no live span touches: what a release
 // the driver failed left behind.
 func (e *vmmSegments) dropLeftovers(g *vmmSegment) error {
-	for id := g.first; id != noSpan; {
-		next := g.next(id)
-		if g.span(id).state == spanFree {
-			e.unindex(g, id)
-			g.unlink(id)
-		}
-		id = next
-	}
+	e.dropFreeSpans(g)
 	want := e.touched(g)
 	for k, m := range g.mapped {
 		if m && !want[k] {

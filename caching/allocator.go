@@ -269,16 +269,26 @@ func (a *Allocator) reserved() uint64 { return uint64(a.cells.current(StatAll, s
 //
 // The fast path (a cached slot or block of the right size on s) takes the
 // mutex once, allocates nothing on the Go heap and never calls the driver.
-func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) {
+func (a *Allocator) Malloc(size uint64, s arena.Stream) (uintptr, error) { return a.malloc(0, size, s) }
+
+// malloc is Malloc in memory tag tag (0: untagged; sleep.go): a capture's
+// allocation goes to the capture's pool whatever the tag, any other to the
+// tag's pool.
+func (a *Allocator) malloc(tag Tag, size uint64, s arena.Stream) (uintptr, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if size > MaxRequest {
 		return 0, a.checkRequest(size)
 	}
 	cp := a.general
+	var err error
 	if a.capturing() {
-		var err error
 		if cp, err = a.captureTarget(s); err != nil {
+			return 0, err
+		}
+	}
+	if cp == a.general && tag != 0 {
+		if cp, err = a.tagPool(tag); err != nil {
 			return 0, err
 		}
 	}

@@ -33,6 +33,10 @@
 //	          pending or cached (goalloc.own_reserved_bytes). What the pool
 //	          holds for them is more (its chunks, what it keeps); that is
 //	          memory_reserved(), and the cap limits it (held.go).
+//	tag       A memory tag (goalloc.memory_tag): allocations made under it
+//	          come from the tag's own cache pool, and its memory can sleep
+//	          (released, its addresses kept) and wake (sleep.go; the device's
+//	          half is Note [Sleep and wake] in arena/vmm_sleep.go).
 //
 // # Why a cache above the pool
 //
@@ -220,6 +224,7 @@
 //	                allocation on a capturing stream comes from, releasing a pool
 //	pools.go        private pools as torch's C++ allocator class uses them
 //	                (MallocIn, FreeOwned, checkpoints)
+//	sleep.go        memory tags, their cache pools, Sleep and Wake
 //	front.go        the log shared with the C++ class's front: frees it passes
 //	                in batches, blocks it hands out again, drained at every Lock
 //	front_emulator.go the C++ front's protocol in Go, for tests and replays

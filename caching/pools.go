@@ -58,17 +58,7 @@ func (a *Allocator) MallocInTagged(tag Tag, id PoolID, size, block uint64, s are
 // settings): the block is at least that large, and requested_bytes counts
 // size. A block of 0, or one not above size, leaves the rounding to goalloc.
 func (a *Allocator) MallocInRounded(id PoolID, size, block uint64, s arena.Stream, ctx uint64) (uintptr, error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if block > MaxRequest {
-		return 0, a.checkRequest(block)
-	}
-	a.callCtx = ctx
-	if block > size {
-		a.callBlock = block
-	}
-	defer a.endCall()
-	return a.mallocInPool(id, 0, size, s)
+	return a.MallocInTagged(0, id, size, block, s, ctx)
 }
 
 // endCall ends a call with a context id or a rounding of its own: what the

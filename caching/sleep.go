@@ -248,28 +248,7 @@ func mapKeys[K comparable, V any](m map[K]V) func(func(K) bool) {
 
 // MallocTagged is Malloc in memory tag tag (0: Malloc itself).
 func (a *Allocator) MallocTagged(tag Tag, size uint64, s arena.Stream) (uintptr, error) {
-	if tag == 0 {
-		return a.Malloc(size, s)
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if size > MaxRequest {
-		return 0, a.checkRequest(size)
-	}
-	cp := a.general
-	if a.capturing() {
-		var err error
-		if cp, err = a.captureTarget(s); err != nil {
-			return 0, err
-		}
-	}
-	if cp == a.general {
-		var err error
-		if cp, err = a.tagPool(tag); err != nil {
-			return 0, err
-		}
-	}
-	return a.mallocIn(cp, size, s)
+	return a.malloc(tag, size, s)
 }
 
 // SetTagsInUse says that memory tags are in use in the process: the C++

@@ -30,7 +30,7 @@ func streamRecords(a *Allocator) int {
 // (the collector, another process) does not lengthen.
 func TestManyShortLivedStreamsStayBounded(t *testing.T) {
 	simBackends(t, DefaultConfig(), func(t *testing.T, a *Allocator, _ *arena.Sim) {
-		const streams, timed, run = 20000, 5000, 1000
+		const streams, timed, run = 20000, 5000, 250
 		most := 0
 		// The fastest run of streams of each side.
 		first, last := time.Duration(math.MaxInt64), time.Duration(math.MaxInt64)
