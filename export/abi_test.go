@@ -463,6 +463,15 @@ var abiRows = map[string]func(t *testing.T){
 		my_free(goalloc_malloc(1000, 0, nil), 1000, 0, nil) // device 0 made
 		wantFailed(t, errFailed, "no open import", func() { assert.EqualValues(t, -1, goalloc_ipc_close(0, devicePointer(0x1234))) })
 	},
+	"goalloc_record_stream_held": func(t *testing.T) {
+		// Not goalloc's: nothing done, nothing said.
+		wantAccepted(t, func() { assert.Zero(t, goalloc_record_stream_held(nil, nil)) })
+		wantAccepted(t, func() { assert.Zero(t, goalloc_record_stream_held(devicePointer(0x1234), nil)) })
+		p := goalloc_malloc(1000, 0, nil)
+		require.NotNil(t, p)
+		wantAccepted(t, func() { assert.EqualValues(t, 1, goalloc_record_stream_held(p, nil)) })
+		my_free(p, 1000, 0, nil)
+	},
 	"goalloc_sleep": func(t *testing.T) {
 		for _, d := range everyDeviceOrBad {
 			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_sleep(d, nil)) })

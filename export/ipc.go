@@ -80,6 +80,33 @@ func goalloc_ipc_close(device C.int, base unsafe.Pointer) C.int {
 	return status(lib.ipcClose(int(device), uintptr(base)))
 }
 
+//export goalloc_record_stream_held
+func goalloc_record_stream_held(ptr unsafe.Pointer, stream C.cudaStream_t) C.int {
+	held, err := lib.recordStreamHeld(uintptr(ptr), uintptr(stream))
+	switch {
+	case err != nil:
+		return -1
+	case held:
+		return 1
+	}
+	return 0
+}
+
+// recordStreamHeld is goalloc_record_stream_held: record_stream on the
+// device that holds p, if any; a pointer goalloc does not hold is no bad
+// input here (a tensor received from another process, another allocator's).
+func (l *library) recordStreamHeld(p, s uintptr) (bool, error) {
+	if p == 0 {
+		return false, nil
+	}
+	for _, a := range l.existing() {
+		if a.Holds(p) {
+			return true, l.reportErr(a.RecordStream(p, arena.Stream(s)))
+		}
+	}
+	return false, nil
+}
+
 func cInts(v []int32) []C.int {
 	out := make([]C.int, len(v))
 	for i, x := range v {

@@ -348,6 +348,13 @@ void *goalloc_ipc_import(int device, int pid, unsigned long long granule, const 
  * 0, or -1. */
 int goalloc_ipc_close(int device, void *base);
 
+/* goalloc_record_stream_held is goalloc_record_stream for a pointer that
+ * may not be goalloc's: torch's _share_cuda_ puts a shared storage's block
+ * behind a DataPtr of its own (CudaIPCSentData), whose record_stream the
+ * class would otherwise not recognise. 1: recorded; 0: goalloc holds no
+ * block at ptr (NULL included), nothing done or said; -1 on failure. */
+int goalloc_record_stream_held(void *ptr, void *stream);
+
 /* --- memory tags, sleep and wake (export/sleep.go) ------------------------ */
 
 /* Allocations carry a memory tag, so that the memory of a tag can be put to

@@ -118,7 +118,8 @@ using ull = unsigned long long;
   X(ipc_export, goalloc_ipc_export)                      \
   X(ipc_release, goalloc_ipc_release)                    \
   X(ipc_import, goalloc_ipc_import)                      \
-  X(ipc_close, goalloc_ipc_close)
+  X(ipc_close, goalloc_ipc_close)                        \
+  X(record_stream_held, goalloc_record_stream_held)
 
 struct Library {
 #define GOALLOC_FIELD(field, fn) decltype(&::fn) field = nullptr;
@@ -962,9 +963,19 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    // An empty tensor has no block; a pointer another allocator made (a
-    // tensor shared from another process) is not goalloc's to track.
-    if (ptr.get() == nullptr || ptr.get_deleter() != &raw_delete_fn) return;
+    // An empty tensor has no block. A DataPtr this class did not make may
+    // still be over one of its blocks: a storage shared with another
+    // process, which torch's _share_cuda_ put behind a CudaIPCSentData
+    // DataPtr of its own (the block's free comes when the receivers let
+    // go, and must still wait for this stream). Go records it if the
+    // pointer is one of its blocks, and ignores any other (a tensor
+    // received from another process, another allocator's).
+    if (ptr.get() == nullptr) return;
+    if (ptr.get_deleter() != &raw_delete_fn) {
+      front.forget(ptr.get());
+      TORCH_CHECK(lib.record_stream_held(ptr.get(), stream.stream()) >= 0, last_error());
+      return;
+    }
     if (own_pools.record_stream(ptr.get(), stream.stream())) return;
     if (open_windows_.load(std::memory_order_acquire) > 0 && CaptureReuse::enabled())
       capture_reuse.used_on(ptr.get(), stream.stream());
