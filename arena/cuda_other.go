@@ -79,6 +79,7 @@ func (d *VMM) SetAllocTag(tag Tag)                           {}
 func (d *VMM) Sleep(SleepRequest) (SleepReport, error)       { return SleepReport{}, errNoCUDA }
 func (d *VMM) Wake(Tag) (WakeReport, error)                  { return WakeReport{}, errNoCUDA }
 func (d *VMM) SleepState() SleepState                        { return SleepState{} }
+func (d *VMM) PrepareOffload(uint64) (uint64, error)         { return 0, errNoCUDA }
 
 // PeersGranted lists no device in this build.
 func (d *VMM) PeersGranted() ([]int, error) { return nil, errNoCUDA }

@@ -118,6 +118,7 @@ func (d *SimVMM) SetAllocTag(tag Tag)                         { d.src.setAllocTa
 func (d *SimVMM) Sleep(req SleepRequest) (SleepReport, error) { return d.src.sleep(req) }
 func (d *SimVMM) Wake(tag Tag) (WakeReport, error)            { return d.src.wake(tag) }
 func (d *SimVMM) SleepState() SleepState                      { return d.src.sleepState() }
+func (d *SimVMM) PrepareOffload(size uint64) (uint64, error)  { return d.src.prepareOffload(size) }
 
 // Sharer's methods: the placement's export and import over the fake
 // driver, whose descriptors live in the simulated devices' kernel.

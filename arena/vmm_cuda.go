@@ -326,6 +326,14 @@ func (d *VMM) Wake(tag Tag) (WakeReport, error) {
 // SleepState is Sleeper's method.
 func (d *VMM) SleepState() SleepState { return d.src.sleepState() }
 
+// PrepareOffload is Sleeper's method.
+func (d *VMM) PrepareOffload(size uint64) (uint64, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	return d.src.prepareOffload(size)
+}
+
 // ExportIPC is Sharer's method: the handles under a live block, as
 // descriptors of this process (Note [CUDA IPC]).
 func (d *VMM) ExportIPC(ptr uintptr, size uint64) (IPCExport, error) {

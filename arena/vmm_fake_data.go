@@ -168,18 +168,23 @@ const fakeHostBase = uintptr(0x5a0000000000)
 const fakeCopyStreams = Stream(0xc0c0000000000000)
 
 // AllocHost makes size bytes of host memory, zeroed; HostUsed counts it.
+// FailHost runs without the fake's lock, as a slow pinning would: a test's
+// hook may call the driver.
 func (f *FakePhys) AllocHost(size uint64) (uintptr, error) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	f.Calls["cuMemHostAlloc"]++
+	hook := f.FailHost
+	f.mu.Unlock()
 	if size == 0 {
 		return 0, fmt.Errorf("fakephys: host allocation of 0 bytes")
 	}
-	if f.FailHost != nil {
-		if err := f.FailHost(size); err != nil {
+	if hook != nil {
+		if err := hook(size); err != nil {
 			return 0, err
 		}
 	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.hosts == nil {
 		f.hosts, f.nextHost = map[uintptr]*fakeHost{}, fakeHostBase
 	}

@@ -189,6 +189,11 @@ type Sleeper interface {
 	Wake(tag Tag) (WakeReport, error)
 	// SleepState says what is asleep.
 	SleepState() SleepState
+	// PrepareOffload makes the offload area hold at least size bytes now,
+	// pinning host memory without blocking allocations meanwhile, so that
+	// a later sleep offloading that much pins nothing; it returns the
+	// area's size.
+	PrepareOffload(size uint64) (uint64, error)
 }
 
 // Sleep puts the tags of req to sleep (Note [Sleep and wake], steps 1-5).

@@ -418,3 +418,51 @@ func TestSimVMMSleepsThroughTheSource(t *testing.T) {
 	require.NoError(t, d.Free(q, 2*mib, 1))
 	require.NoError(t, d.CheckInvariants())
 }
+
+// PrepareOffload pins the offload area without the source's lock: an
+// allocation made while the driver pins completes (under the lock it would
+// wait for the pinning, and here deadlock), and the sleep that follows
+// pins nothing more. A prepare while asleep is refused and frees what it
+// pinned; one smaller than the area is a no-op.
+func TestPrepareOffloadPinsWithoutTheLock(t *testing.T) {
+	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: 2 * mib})
+	require.NoError(t, err)
+	defer d.Close()
+	d.SetAllocTag(3)
+	p, err := d.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	d.SetAllocTag(0)
+	var during uintptr
+	d.Phys().FailHost = func(uint64) error {
+		done := make(chan error, 1)
+		go func() {
+			var err error
+			during, err = d.Alloc(mib, 2)
+			done <- err
+		}()
+		return <-done
+	}
+	n, err := d.PrepareOffload(6 * mib)
+	require.NoError(t, err)
+	assert.NotZero(t, during, "an allocation went on while the area was pinned")
+	d.Phys().FailHost = nil
+	assert.EqualValues(t, hostAlign, n, "whole steps")
+	pinned := d.Phys().Calls["cuMemHostAlloc"]
+
+	rep, err := d.Sleep(SleepRequest{Tags: []Tag{3}, Offload: []Tag{3}})
+	require.NoError(t, err)
+	assert.EqualValues(t, 6*mib, rep.Offloaded)
+	assert.Equal(t, pinned, d.Phys().Calls["cuMemHostAlloc"], "the sleep pinned nothing")
+	n, err = d.PrepareOffload(2 * hostAlign)
+	assert.ErrorContains(t, err, "holds 6291456 bytes of memory asleep")
+	assert.EqualValues(t, hostAlign, n)
+	assert.Equal(t, d.Phys().Calls["cuMemHostAlloc"], d.Phys().Calls["cuMemFreeHost"]+1, "what it pinned is freed")
+	_, err = d.Wake(3)
+	require.NoError(t, err)
+	n, err = d.PrepareOffload(mib)
+	require.NoError(t, err)
+	assert.EqualValues(t, hostAlign, n, "never shrinks")
+	require.NoError(t, d.Free(p, 6*mib, 1))
+	require.NoError(t, d.Free(during, mib, 2))
+	require.NoError(t, d.CheckInvariants())
+}

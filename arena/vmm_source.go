@@ -193,6 +193,47 @@ func (v *vmmSource) setAllocTag(tag Tag) {
 	v.allocTag = tag
 }
 
+// prepareOffload is Sleeper.PrepareOffload. Pinning host memory is slow
+// (it touches every page), so it runs without v.mu: allocations and frees
+// go on meanwhile. The area is swapped in under v.mu, unless a sleep holds
+// copies in it or another call made it large enough first; the memory
+// pinned for nothing is freed.
+func (v *vmmSource) prepareOffload(size uint64) (uint64, error) {
+	v.mu.Lock()
+	c, have, closed := v.eng.copier, v.eng.host.size, v.closed
+	v.mu.Unlock()
+	switch {
+	case closed:
+		return 0, errVMMClosed
+	case c == nil:
+		return 0, ErrNoSleep
+	case size <= have:
+		return have, nil
+	}
+	size = (size + hostAlign - 1) &^ (hostAlign - 1)
+	p, err := c.AllocHost(size)
+	if err != nil {
+		return have, fmt.Errorf("arena: VMM: %d bytes of pinned host memory for the offload area: %w", size, err)
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	a := &v.eng.host
+	switch {
+	case a.used > 0:
+		err = fmt.Errorf("arena: VMM: the offload area holds %d bytes of memory asleep: prepare it before sleep or after wake", a.used)
+	case a.size >= size:
+	default:
+		if a.size > 0 {
+			if err := c.FreeHost(a.base, a.size); err != nil {
+				return a.size, errors.Join(fmt.Errorf("arena: VMM: freeing the offload area: %w", err), c.FreeHost(p, size))
+			}
+		}
+		a.base, a.size = p, size
+		return a.size, nil
+	}
+	return a.size, errors.Join(err, c.FreeHost(p, size))
+}
+
 // errSleepInCapture refuses sleep and wake while a capture is underway:
 // their events would join the capture, and their waits break it.
 var errSleepInCapture = errors.New("arena: VMM: sleep and wake are refused while a CUDA graph capture is underway on the device")

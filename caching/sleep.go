@@ -274,6 +274,25 @@ func (a *Allocator) sleeper(what string) (arena.Sleeper, error) {
 	return sl, nil
 }
 
+// PrepareSleep pins at least size bytes of host memory for a later sleep's
+// offload now (arena.Sleeper.PrepareOffload), so that the first sleep does
+// not pay for it. The mutex is not held while it pins: allocations and
+// frees go on meanwhile, from other threads. It returns the size of the
+// host memory kept for offloads.
+func (a *Allocator) PrepareSleep(size uint64) (uint64, error) {
+	a.mu.Lock()
+	sl, err := a.sleeper("prepare_sleep")
+	a.mu.Unlock()
+	if err != nil {
+		return 0, err
+	}
+	n, err := sl.PrepareOffload(size)
+	if err != nil {
+		return n, fmt.Errorf("goalloc: prepare_sleep on device %d: %w", a.dev.Ordinal(), err)
+	}
+	return n, nil
+}
+
 // Asleep says whether anything of the device is asleep.
 func (a *Allocator) Asleep() bool {
 	a.mu.Lock()

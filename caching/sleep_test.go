@@ -313,3 +313,35 @@ func TestGraphPoolsSurviveASleep(t *testing.T) {
 	assert.True(t, bytes.Equal(cw, got))
 	check(t, a, dev)
 }
+
+// PrepareSleep pins the host area without the allocator's mutex: a thread
+// allocating while it pins is served (under the mutex it would wait for the
+// pinning, and here deadlock), and the sleep after it pins nothing.
+func TestPrepareSleepLetsAllocationsGoOn(t *testing.T) {
+	a, dev, weights, _ := sleepAllocator(t, 1<<30)
+	p := mallocTagged(t, a, weights, 8*mib, 1)
+	var during uintptr
+	dev.Phys().FailHost = func(uint64) error {
+		done := make(chan error, 1)
+		go func() {
+			var err error
+			during, err = a.Malloc(mib, 2)
+			done <- err
+		}()
+		return <-done
+	}
+	n, err := a.PrepareSleep(8 * mib)
+	require.NoError(t, err)
+	dev.Phys().FailHost = nil
+	assert.NotZero(t, during)
+	assert.GreaterOrEqual(t, n, uint64(8*mib))
+	pinned := dev.Phys().Calls["cuMemHostAlloc"]
+	_, err = a.Sleep([]Tag{weights})
+	require.NoError(t, err)
+	assert.Equal(t, pinned, dev.Phys().Calls["cuMemHostAlloc"], "the sleep pinned nothing")
+	_, err = a.Wake(nil)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(p, 8*mib, 1))
+	require.NoError(t, a.Free(during, mib, 2))
+	check(t, a, dev)
+}

@@ -503,6 +503,18 @@ var abiRows = map[string]func(t *testing.T){
 		defer goalloc_string_free(unknown)
 		wantFailed(t, errBadArgument, "is unknown", func() { assert.Nil(t, goalloc_wake_up(0, unknown)) })
 	},
+	"goalloc_prepare_sleep": func(t *testing.T) {
+		for _, d := range everyDeviceOrBad {
+			wantRefused(t, "bad_device", "does not exist", func() { assert.EqualValues(t, -1, goalloc_prepare_sleep(d, 1<<20)) })
+		}
+		wantFailed(t, errBadArgument, "more than any request", func() {
+			assert.EqualValues(t, -1, goalloc_prepare_sleep(1, math.MaxUint64))
+		})
+		// A device named is made, and its area pinned in whole 64 MiB steps.
+		wantAccepted(t, func() { assert.Zero(t, goalloc_prepare_sleep(1, 1<<20)) })
+		assert.Contains(t, takeString(goalloc_sleep_state_json(1)), `"host_area_bytes":67108864`)
+		wantAccepted(t, func() { assert.Zero(t, goalloc_prepare_sleep(-1, 0)) })
+	},
 	"goalloc_sleep_state_json": jsonRow(goalloc_sleep_state_json, badDevices),
 	"goalloc_sched_yield": func(t *testing.T) {
 		wantAccepted(t, func() { goalloc_sched_yield() })

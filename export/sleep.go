@@ -51,6 +51,11 @@ func goalloc_wake_up(device C.int, tags *C.goalloc_const_char) *C.char {
 	return cstring(lib.wakeUp(int(device), names))
 }
 
+//export goalloc_prepare_sleep
+func goalloc_prepare_sleep(device C.int, size C.ulonglong) C.int {
+	return status(lib.prepareSleep(int(device), uint64(size)))
+}
+
 //export goalloc_sleep_state_json
 func goalloc_sleep_state_json(device C.int) *C.char { return cstring(lib.sleepStateJSON(int(device))) }
 
@@ -143,6 +148,32 @@ func (l *library) sleepDevices(d int, what string) ([]*caching.Allocator, error)
 		out = append(out, a)
 	}
 	return out, nil
+}
+
+// prepareSleep is goalloc_prepare_sleep: at least size bytes of pinned host
+// memory kept for the offloads of device d (-1: of every device goalloc has
+// made; a device named is made if it was not).
+func (l *library) prepareSleep(d int, size uint64) error {
+	if size > caching.MaxRequest {
+		return l.fail(withKind(errBadArgument, fmt.Errorf("goalloc: prepare_sleep of %d bytes of host memory: more than any request goalloc takes (%d)", size, uint64(caching.MaxRequest))))
+	}
+	devs, err := l.sleepDevices(d, "prepare_sleep")
+	if err != nil {
+		return err
+	}
+	if d != -1 && len(devs) == 0 {
+		a, err := l.device(d)
+		if err != nil {
+			return err
+		}
+		devs = append(devs, a)
+	}
+	for _, a := range devs {
+		if _, err := a.PrepareSleep(size); err != nil {
+			return l.fail(err)
+		}
+	}
+	return nil
 }
 
 // sleep is goalloc_sleep: every memory tag of device d (-1: of every

@@ -221,3 +221,25 @@ def test_every_device_and_the_async_backend():
     code = 'import goalloc\ngoalloc.configure("backend:async")\n' + textwrap.dedent(body)
     async_ = json.loads(run_python(code).stdout)
     assert "need backend:vmm" in async_["error"], async_
+
+
+def test_prepare_sleep_pins_ahead_of_the_first_sleep(raw, device):
+    p = tagged(raw, "weights", 48 * MiB, device)
+    goalloc.prepare_sleep(tag_bytes(device)["weights"], device=device)
+    assert goalloc.sleep_state(device)["host_area_bytes"] == 64 * MiB, "whole 64 MiB steps"
+    r = goalloc.sleep(offload_tags=("weights",), device=device)
+    assert r.offloaded_bytes == 48 * MiB
+    assert r.prepare_seconds < 0.05, "the area was there: nothing pinned (the simulated pinning is instant too, so this bounds only the bookkeeping)"
+    with pytest.raises(GoallocError, match="holds .* bytes of memory asleep"):
+        goalloc.prepare_sleep(1 << 30, device=device)
+    goalloc.wake_up(device=device)
+    goalloc.prepare_sleep(1 << 30, device=device)  # grows it once nothing is asleep
+    assert goalloc.sleep_state(device)["host_area_bytes"] == 1 << 30
+    goalloc.prepare_sleep(MiB, device=device)  # never shrinks
+    assert goalloc.sleep_state(device)["host_area_bytes"] == 1 << 30
+    for bad, error in ((-1, ValueError), (1 << 64, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error):
+            goalloc.prepare_sleep(bad, device=device)
+    with pytest.raises(ValueError, match="more than any request"):
+        goalloc.prepare_sleep((1 << 48) + 1, device=device)
+    raw.free(p, 48 * MiB, device)

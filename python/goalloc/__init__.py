@@ -61,6 +61,7 @@ __all__ = [
     "sleep",
     "wake_up",
     "sleep_state",
+    "prepare_sleep",
     "current_memory_tag",
     "SleepResult",
     "WakeResult",
@@ -544,6 +545,26 @@ def wake_up(tags: Union[str, Iterable[str], None] = None, device: Device = None)
     r = _lib.wake_up(_every_device_or(device), names)
     return WakeResult(mapped_bytes=r["mapped_bytes"], restored_bytes=r["restored_bytes"], woken=tuple(r["woken"]),
                       map_seconds=r["map_seconds"], restore_seconds=r["restore_seconds"])
+
+
+def prepare_sleep(nbytes: int, device: Device = None) -> None:
+    """Pin nbytes of host memory for sleep()'s offload now, on device (None:
+    every device goalloc has used), so that the first sleep does not pin it
+    itself (pinning touches every page: seconds for many GiB). Allocations
+    from other threads go on while it pins, so it can run in a thread while
+    the model loads; a later sleep that offloads more pins again. For the
+    tags' memory as it is: sum(sleep_state()["tags"][t]["reserved_bytes"]
+    for t in offload_tags).
+
+    Raises TypeError for a non-int, ValueError for a negative size or one
+    above 2**48 and on backend:async, GoallocError during a CUDA graph
+    capture or while anything is asleep.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(f"goalloc: prepare_sleep takes a number of bytes, not {nbytes!r}")
+    if nbytes < 0 or nbytes >= 1 << 64:
+        raise ValueError(f"goalloc: prepare_sleep of {nbytes} bytes")
+    _lib.prepare_sleep(_every_device_or(device), int(nbytes))
 
 
 def sleep_state(device: Device = None) -> dict[str, Any]:

@@ -160,6 +160,7 @@ SIGNATURES: dict[str, tuple[Any, Optional[list[Any]]]] = {
     "goalloc_sleep": (_c_void_p, [_c_int, _c_char_p]),
     "goalloc_wake_up": (_c_void_p, [_c_int, _c_char_p]),
     "goalloc_sleep_state_json": (_c_void_p, [_c_int]),
+    "goalloc_prepare_sleep": (_c_int, [_c_int, ctypes.c_ulonglong]),
     # CUDA IPC (the C++ class makes these calls itself; declared for
     # tests and tools that drive them through ctypes).
     "goalloc_ipc_export": (_c_int, [_c_void_p, ctypes.POINTER(_c_int), ctypes.POINTER(_c_int),
@@ -431,6 +432,11 @@ def wake_up(device: int, tags: Optional[str]) -> dict[str, Any]:
     """goalloc_wake_up: tags None wakes every tag asleep."""
     arg = None if tags is None else tags.encode("utf-8")
     return _json(lib().goalloc_wake_up(device, arg), "wake_up")
+
+
+def prepare_sleep(device: int, size: int) -> None:
+    """goalloc_prepare_sleep: device -1 is every device."""
+    _check(lib().goalloc_prepare_sleep(device, size), "prepare_sleep")
 
 
 def sleep_state(device: int) -> dict[str, Any]:

@@ -67,22 +67,46 @@ def run_check(script, name, *argv, timeout=600):
     """Run one of the check scripts beside this file in a fresh process (the
     allocator must be installed before CUDA starts, once per process), and
     return the JSON object it prints last, with its stderr under "stderr".
-    The result is also saved as GOALLOC_GPU_OUT/NAME.json when that is set."""
+    The result is also saved as GOALLOC_GPU_OUT/NAME.json, and its stderr
+    as NAME.stderr.txt, when that is set. The script runs in a session of
+    its own, killed whole when it ends or times out: children it spawned
+    cannot keep the call waiting (they would hold a pipe open), and
+    faulthandler prints the Python stack of a crash."""
+    import signal
     import subprocess
     import sys
+    import tempfile
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     env = dict(os.environ)
     env.setdefault("GOALLOC_LIBRARY", os.path.join(root, "build", "libgoalloc.so"))
-    proc = subprocess.run([sys.executable, os.path.join(here, script), *argv], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    sys.stderr.write(proc.stderr[-5000:])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    out = os.environ.get("GOALLOC_GPU_OUT")
-    if out:
-        with open(os.path.join(out, name + ".json"), "w") as f:
+    env["PYTHONFAULTHANDLER"] = "1"
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, os.path.join(here, script), *argv], cwd=root, env=env,
+                                stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {timeout} s"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    gpu_out = os.environ.get("GOALLOC_GPU_OUT")
+    if gpu_out:
+        with open(os.path.join(gpu_out, name + ".stderr.txt"), "w") as f:
+            f.write(stderr)
+    sys.stderr.write(stderr[-5000:])
+    assert rc == 0, f"{script} {' '.join(argv)}: exit {rc}\n{stderr[-3000:]}"
+    res = json.loads(stdout.strip().splitlines()[-1])
+    if gpu_out:
+        with open(os.path.join(gpu_out, name + ".json"), "w") as f:
             json.dump(res, f, indent=1)
-    res["stderr"] = proc.stderr
+    res["stderr"] = stderr
     return res

@@ -168,6 +168,9 @@ if want sleep; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sleep_gpu.py 2>&1 | tail -30 || status=1
   timeout 160 python3 tests/gpu/bench_sleep.py --weights-gib 16 --kv-gib 32 --rounds 3 > "$OUT/bench_sleep.json" || status=1
   python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"], indent=1))' "$OUT/bench_sleep.json"
+  # The same with the host area pinned ahead (goalloc.prepare_sleep).
+  timeout 120 python3 tests/gpu/bench_sleep.py --weights-gib 16 --kv-gib 32 --rounds 3 --prepare > "$OUT/bench_sleep_prepared.json" || status=1
+  python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"]["first"], indent=1))' "$OUT/bench_sleep_prepared.json"
 fi
 if want ipc; then
   step ipc

@@ -12,6 +12,7 @@ torch.compile(mode="reduce-overhead") across a sleep and wake.
 """
 import json
 import sys
+import threading
 
 import torch
 
@@ -171,6 +172,16 @@ w2 = goalloc.wake_up(tags=["kv_cache"])
 w3 = goalloc.wake_up()
 out["second"] = {"offloaded": r2.offloaded_bytes, "released": r2.released_bytes,
                  "woken": [list(w2.woken), list(w3.woken)]}
+
+# prepare_sleep from another thread while this one allocates: the host area
+# grows, and the allocations were served meanwhile.
+before_area = goalloc.sleep_state(0)["host_area_bytes"]
+th = threading.Thread(target=goalloc.prepare_sleep, args=(before_area + (2 << 30),))
+th.start()
+made = [torch.empty(1 << 20, device=dev) for _ in range(200)]
+th.join()
+del made
+out["prepare"] = {"before": before_area, "after": goalloc.sleep_state(0)["host_area_bytes"]}
 
 if "compile" in sys.argv[1:]:
     with goalloc.memory_tag("weights"):

@@ -95,3 +95,8 @@ def test_reduce_overhead_survives_a_sleep(result):
     if not result["cxx"]:
         pytest.skip("torch.compile(mode='reduce-overhead') needs the C++ class")
     assert result["compile_diff"] == 0.0
+
+
+def test_prepare_sleep_grows_the_host_area_from_a_thread(result):
+    p = result["prepare"]
+    assert p["after"] >= p["before"] + (2 << 30), p

@@ -403,6 +403,14 @@ char *goalloc_sleep(int device, const char *offload_tags);
  * call once memory is freed; nothing asleep there (bad_state). */
 char *goalloc_wake_up(int device, const char *tags);
 
+/* goalloc_prepare_sleep pins at least size bytes of host memory for the
+ * offloads of device (-1: of every device goalloc has made; a device named
+ * is made), now rather than at the first sleep, which then pins nothing if
+ * it offloads no more. Allocations and frees go on while it pins, from
+ * other threads. 0, or -1: size above 2^48 (bad_argument), backend:async
+ * (bad_config), during a capture or while asleep (bad_state, failed). */
+int goalloc_prepare_sleep(int device, unsigned long long size);
+
 /* goalloc_sleep_state_json is device's memory tags as JSON: {"device",
  * "tags": {name: {"reserved_bytes", "asleep"}}, "asleep": [names],
  * "offloaded_bytes" (host copies kept), "host_area_bytes" (the pinned host
