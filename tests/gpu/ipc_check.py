@@ -1,10 +1,10 @@
 """CUDA IPC under goalloc on a GPU (issue 35), through goalloc.install()
 (the C++ class; the pluggable path cannot share: torch's
 CUDAPluggableAllocator refuses shareIpcHandle). Prints one JSON object;
-tests/gpu/test_ipc_gpu.py asserts on it. NOT YET RUN ON A GPU: written
-without one, compile- and CPU-checked only (see the ipc branch's report).
+tests/gpu/test_ipc_gpu.py runs each scenario in its own process and
+asserts on what it printed.
 
-    GOALLOC_LIBRARY=build/libgoalloc.so python3 tests/gpu/ipc_check.py
+    GOALLOC_LIBRARY=build/libgoalloc.so python3 tests/gpu/ipc_check.py [SCENARIO ...]
 
 Each scenario runs spawned children (torch.multiprocessing, spawn), with
 goalloc installed or not, and records what it saw, or the error it met,
@@ -143,7 +143,7 @@ def run(ctx, target, *args):
     return p
 
 
-def main():
+def main(names):
     import goalloc
     from goalloc import _cxx
 
@@ -155,13 +155,14 @@ def main():
         out["ptrace_scope"] = None
     ctx = mp.get_context("spawn")
     dev = torch.device("cuda", 0)
+    scenarios = {}
 
     def write_test(nbytes, use_goalloc=True):
         q, done = ctx.Queue(), ctx.Queue()
         t = torch.arange(nbytes // 4, dtype=torch.float32, device=dev)
         p = run(ctx, child_write, use_goalloc, q, done)
         q.put(t)
-        r = done.get(timeout=300)
+        r = done.get(timeout=60)
         torch.cuda.synchronize()
         r["all_42"] = bool((t == 42).all().item())
         done.put("checked")
@@ -169,9 +170,9 @@ def main():
         r["exitcode"] = p.exitcode
         return r
 
-    scenario(out, "queue", lambda: write_test(64 * MiB))
-    scenario(out, "big", lambda: write_test(3 << 30))
-    scenario(out, "native_rx", lambda: write_test(64 * MiB, use_goalloc=False))
+    scenarios["queue"] = lambda: write_test(64 * MiB)
+    scenarios["big"] = lambda: write_test(3 << 30)
+    scenarios["native_rx"] = lambda: write_test(64 * MiB, use_goalloc=False)
 
     def many():
         q, done = ctx.Queue(), ctx.Queue()
@@ -179,27 +180,27 @@ def main():
         want = [float(t.double().sum().item()) for t in ts]
         p = run(ctx, child_sums, q, done)
         q.put(ts)
-        got = done.get(timeout=300)
+        got = done.get(timeout=60)
         p.join(60)
         return {"max_error": max(abs(a - b) for a, b in zip(want, got)), "n": len(got), "exitcode": p.exitcode}
 
-    scenario(out, "many", many)
+    scenarios["many"] = many
 
     def back():
         q, b = ctx.Queue(), ctx.Queue()
         p = run(ctx, child_send, q, b)
-        t = q.get(timeout=300)
+        t = q.get(timeout=60)
         seen = float(t.sum().item())
         t.fill_(1.0)
         torch.cuda.synchronize()
         b.put("wrote")
-        child_sum = q.get(timeout=300)
+        child_sum = q.get(timeout=60)
         del t
         p.join(60)
         return {"seen": seen, "want_seen": 7.0 * 8 * MiB / 4, "child_sum": child_sum, "want": 8 * MiB / 4,
                 "exitcode": p.exitcode}
 
-    scenario(out, "back", back)
+    scenarios["back"] = back
 
     def held():
         q, done, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -214,7 +215,7 @@ def main():
         reused_early = any(f.data_ptr() == addr for f in fill)
         torch.cuda.synchronize()
         go.put("go")
-        cookie = done.get(timeout=300)
+        cookie = done.get(timeout=60)
         assert done.get(timeout=60) == "released"
         p.join(60)
         del fill
@@ -224,26 +225,26 @@ def main():
         return {"cookie_intact": cookie == [float(i) for i in range(1024)], "reused_early": reused_early,
                 "freed_at_collect": freed, "block_bytes": n * 4, "exitcode": p.exitcode}
 
-    scenario(out, "held", held)
+    scenarios["held"] = held
 
     def native_tx():
         res = {}
         for expandable in (True, False):
             q, b = ctx.Queue(), ctx.Queue()
             p = run(ctx, child_native_send, expandable, q, b)
-            t = q.get(timeout=300)
+            t = q.get(timeout=60)
             ok = bool((t[:1000] == torch.arange(1000, dtype=torch.float32, device=dev)).all().item())
             t[:16].fill_(2.0)
             torch.cuda.synchronize()
             b.put("wrote")
-            child = q.get(timeout=300)
+            child = q.get(timeout=60)
             del t
             p.join(60)
             res["expandable" if expandable else "cudamalloc"] = {"read_ok": ok, "child_sum": child, "want": 32.0,
                                                                   "exitcode": p.exitcode}
         return res
 
-    scenario(out, "native_tx", native_tx)
+    scenarios["native_tx"] = native_tx
 
     def rl():
         torch.manual_seed(0)
@@ -252,16 +253,16 @@ def main():
         q, done = ctx.Queue(), ctx.Queue()
         p = run(ctx, child_rollout, q, done)
         q.put([(k, reduce_tensor(v.detach())) for k, v in model.state_dict().items()])
-        got = done.get(timeout=300)
+        got = done.get(timeout=60)
         p.join(60)
         return {"max_error": max(abs(want[k] - got[k]) for k in want), "exitcode": p.exitcode}
 
-    scenario(out, "rl", rl)
+    scenarios["rl"] = rl
 
     def exited():
         q = ctx.Queue()
         p = run(ctx, child_exit_after_share, q)
-        fn, args = q.get(timeout=300)
+        fn, args = q.get(timeout=60)
         p.join(60)
         try:
             fn(*args)
@@ -269,7 +270,7 @@ def main():
             return {"error_text": f"{type(e).__name__}: {e}"}
         return {"error_text": None}
 
-    scenario(out, "exited", exited)
+    scenarios["exited"] = exited
 
     def timing():
         # goalloc to goalloc only: PyTorch's allocator's side (a native
@@ -281,13 +282,19 @@ def main():
         q, done = ctx.Queue(), ctx.Queue()
         p = run(ctx, child_open_many, True, q, done)
         q.put(msgs)
-        res = {"share_s": share, "open_s": done.get(timeout=300)}
+        res = {"share_s": share, "open_s": done.get(timeout=60)}
         p.join(60)
         return res
 
-    scenario(out, "timing", timing)
+    scenarios["timing"] = timing
+    unknown = set(names) - set(scenarios)
+    if unknown:
+        sys.exit(f"unknown scenarios {sorted(unknown)}; there are {list(scenarios)}")
+    for name in names or scenarios:
+        print(f"ipc_check: {name}", file=sys.stderr, flush=True)
+        scenario(out, name, scenarios[name])
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
