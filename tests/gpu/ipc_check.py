@@ -27,9 +27,12 @@ under its name, so that one failure does not hide the others:
                 expandable segments ('e' handles) and without ('c').
   rl            reduce_tensor of a model's weights in the trainer, rebuild in
                 a rollout process, copied into its own weights.
-  exited        a handle whose sender exited: a clear error.
+  exited        a handle whose sender exited: a clear error from goalloc;
+                what PyTorch's allocator does with it, recorded beside.
   timing        seconds to share (reduce_tensor) and open (rebuild) 64
-                tensors of 16 MiB, goalloc to goalloc.
+                tensors of 16 MiB, goalloc to goalloc, or PyTorch's allocator
+                to itself with IPC_CHECK_NATIVE=1 (the whole script then
+                runs without goalloc: timing alone means something there).
 """
 import json
 import os
@@ -120,6 +123,16 @@ def child_exit_after_share(q):
     time.sleep(1)  # then exit, the handle's process gone
 
 
+def child_open_native(q, done):
+    install(False)
+    fn, args = q.get()
+    try:
+        fn(*args)
+        done.put(None)
+    except Exception as e:  # noqa: BLE001
+        done.put(f"{type(e).__name__}: {e}")
+
+
 def child_open_many(use_goalloc, q, done):
     install(use_goalloc)
     msgs = q.get()
@@ -147,7 +160,9 @@ def main(names):
     import goalloc
     from goalloc import _cxx
 
-    goalloc.install()
+    native = os.environ.get("IPC_CHECK_NATIVE") == "1"
+    if not native:
+        goalloc.install()
     out = {"cxx": _cxx.installed(), "backend": torch.cuda.get_allocator_backend()}
     try:
         out["ptrace_scope"] = open("/proc/sys/kernel/yama/ptrace_scope").read().strip()
@@ -260,27 +275,44 @@ def main(names):
     scenarios["rl"] = rl
 
     def exited():
+        # torch's rebuild first opens the sender's CUDA event when the
+        # message asks for it (its last field), then the memory handle
+        # through the allocator. goalloc's part is the second: asked with
+        # the event left out, it must raise. The whole message, event and
+        # all, is also opened by a child under PyTorch's allocator, whose
+        # outcome is recorded beside it: what torch itself does with it.
         q = ctx.Queue()
         p = run(ctx, child_exit_after_share, q)
         fn, args = q.get(timeout=60)
         p.join(60)
+        assert isinstance(args[-1], bool), "rebuild_cuda_tensor's last argument is event_sync_required"
+        res = {"event_sync_required": args[-1]}
         try:
-            fn(*args)
+            fn(*args[:-1], False)
+            res["error_text"] = None
         except Exception as e:  # noqa: BLE001
-            return {"error_text": f"{type(e).__name__}: {e}"}
-        return {"error_text": None}
+            res["error_text"] = f"{type(e).__name__}: {e}"
+        q2, done = ctx.Queue(), ctx.Queue()
+        p2 = run(ctx, child_open_native, q2, done)
+        q2.put((fn, args))
+        try:
+            res["native_receiver"] = done.get(timeout=60)
+        except Exception as e:  # noqa: BLE001
+            res["native_receiver"] = f"nothing back: {type(e).__name__}"
+        p2.join(60)
+        res["native_receiver_exitcode"] = p2.exitcode
+        return res
 
     scenarios["exited"] = exited
 
     def timing():
-        # goalloc to goalloc only: PyTorch's allocator's side (a native
-        # sender) is left for the benchmark of BENCHMARKS.md.
+        # Both sides goalloc, or both PyTorch's allocator (IPC_CHECK_NATIVE=1).
         ts = [torch.randn(16 * MiB // 4, device=dev) for _ in range(64)]
         t0 = time.perf_counter()
         msgs = [reduce_tensor(t) for t in ts]
         share = time.perf_counter() - t0
         q, done = ctx.Queue(), ctx.Queue()
-        p = run(ctx, child_open_many, True, q, done)
+        p = run(ctx, child_open_many, not native, q, done)
         q.put(msgs)
         res = {"share_s": share, "open_s": done.get(timeout=60)}
         p.join(60)

@@ -78,7 +78,7 @@ def test_rl_weight_sync():
 
 def test_exited_sender_is_a_clear_error():
     r = ok(check("exited"), "exited")
-    assert r["error_text"], "opening a handle of a process that exited must raise, not crash or succeed"
+    assert r["error_text"] and "exited" in r["error_text"], "opening a handle of a process that exited must raise, not crash or succeed"
 
 
 def test_timing_recorded():
