@@ -23,6 +23,10 @@ under its name, so that one failure does not hide the others:
                 lets go and ipc_collect, the memory is reused.
   native_rx     a child without goalloc (PyTorch's allocator) opens
                 goalloc's handle, reads and writes.
+  views         PyTorch's test_cuda_simple's pattern (a 5x5 tensor and a
+                view of it in one message, the child fills it), receivers
+                with and without goalloc, put before and after the child
+                starts.
   native_tx     children without goalloc send to the goalloc parent, with
                 expandable segments ('e' handles) and without ('c').
   rl            reduce_tensor of a model's weights in the trainer, rebuild in
@@ -123,6 +127,19 @@ def child_exit_after_share(q):
     time.sleep(1)  # then exit, the handle's process gone
 
 
+def child_fill_views(use_goalloc, q, done):
+    """PyTorch's test_cuda_simple, child side: fill the first of two
+    tensors of one storage, say what happened."""
+    install(use_goalloc)
+    try:
+        data = q.get(timeout=60)
+        data[0][:] = 4
+        torch.cuda.synchronize()
+        done.put({"ok": True})
+    except Exception as e:  # noqa: BLE001 - sent back to the parent
+        done.put({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]})
+
+
 def child_open_native(q, done):
     install(False)
     fn, args = q.get()
@@ -188,6 +205,35 @@ def main(names):
     scenarios["queue"] = lambda: write_test(64 * MiB)
     scenarios["big"] = lambda: write_test(3 << 30)
     scenarios["native_rx"] = lambda: write_test(64 * MiB, use_goalloc=False)
+
+    def views():
+        # PyTorch's test_cuda_simple failed under goalloc (its child, under
+        # PyTorch's allocator, never answered): a 5x5 tensor and a view of
+        # it in one message, put before the child starts. Each of its
+        # differences from native_rx alone: the receiver's allocator, and
+        # whether the message is put before or after the child starts.
+        res = {}
+        for use_goalloc in (False, True):
+            for put_first in (True, False):
+                q, done = ctx.Queue(), ctx.Queue()
+                x = torch.zeros(5, 5, device=dev)
+                if put_first:
+                    q.put([x, x[:, 1]])
+                p = run(ctx, child_fill_views, use_goalloc, q, done)
+                if not put_first:
+                    q.put([x, x[:, 1]])
+                try:
+                    r = done.get(timeout=45)
+                except Exception as e:  # noqa: BLE001
+                    r = {"error": f"no answer: {type(e).__name__}"}
+                torch.cuda.synchronize()
+                r["filled"] = bool(x.eq(4).all().item())
+                p.join(30)
+                r["exitcode"] = p.exitcode
+                res[f"{'goalloc' if use_goalloc else 'native'}_{'put_first' if put_first else 'start_first'}"] = r
+        return res
+
+    scenarios["views"] = views
 
     def many():
         q, done = ctx.Queue(), ctx.Queue()

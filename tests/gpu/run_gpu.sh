@@ -184,7 +184,15 @@ if want ipc; then
   else
     echo "build/arena.test missing: make gpubuild"; status=1
   fi
-  timeout 460 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_gpu.py 2>&1 | tail -40 || status=1
+  timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_gpu.py 2>&1 | tail -40 || status=1
+  # Where a receiver crashes opening a handle of a sender that exited
+  # (SIGSEGV on the H200, cause not found): the native stack, where gdb is.
+  if command -v gdb > /dev/null; then
+    GOALLOC_CXX=1 timeout 120 gdb -q -batch -ex 'handle SIGURG SIGPIPE SIGPROF nostop noprint pass' -ex run -ex bt \
+      --args python3 tests/gpu/ipc_check.py exited 2>&1 | grep -E '^#[0-9]+ ' | head -30
+  else
+    echo "no gdb here: no native stack of the exited scenario"
+  fi
 fi
 if want bench; then
   step bench

@@ -84,3 +84,9 @@ def test_exited_sender_is_a_clear_error():
 def test_timing_recorded():
     r = ok(check("timing"), "timing")
     assert r["share_s"] > 0 and r["open_s"] > 0, r
+
+
+def test_small_tensor_and_view_any_receiver_any_order():
+    r = ok(check("views", timeout=240), "views")
+    for case, got in r.items():
+        assert "error" not in got and got["filled"] and got["exitcode"] == 0, (case, got)
