@@ -51,9 +51,20 @@ from torch.multiprocessing.reductions import reduce_tensor
 MiB = 1 << 20
 
 
+def trace_segv():
+    """With SEGV_TRACE naming segv_trace.so (tests/gpu/segv_trace.c): a
+    crash writes its native stack to stderr, beside faulthandler's."""
+    path = os.environ.get("SEGV_TRACE")
+    if path:
+        import ctypes
+
+        ctypes.CDLL(path).segv_trace_install()
+
+
 def install(use_goalloc, expandable=False):
     """In a child: goalloc, or PyTorch's allocator (expandable segments or
     not), before CUDA starts."""
+    trace_segv()
     if use_goalloc:
         import goalloc
 
@@ -180,6 +191,7 @@ def main(names):
     native = os.environ.get("IPC_CHECK_NATIVE") == "1"
     if not native:
         goalloc.install()
+    trace_segv()
     out = {"cxx": _cxx.installed(), "backend": torch.cuda.get_allocator_backend()}
     try:
         out["ptrace_scope"] = open("/proc/sys/kernel/yama/ptrace_scope").read().strip()

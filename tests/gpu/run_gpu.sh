@@ -177,7 +177,8 @@ if want ipc; then
   # Named only: CUDA IPC through the C++ class (issue 35): spawned children
   # with goalloc and with PyTorch's allocator, both directions, 3 GiB, many
   # small tensors, a free while a receiver holds, the RL weight sync.
-  # Written without a GPU: its first run is still to come.
+  # A crash's native stack goes to the scenario's stderr (segv_trace.c).
+  gcc -shared -fPIC -O1 -o build/segv_trace.so tests/gpu/segv_trace.c && export SEGV_TRACE=$PWD/build/segv_trace.so
   cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null | sed 's/^/ptrace_scope /'
   if [[ -x build/arena.test ]]; then
     (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDAIPC' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+vmm_cuda_ipc_test)' | tail -20) || status=1
