@@ -208,7 +208,7 @@ func (e *vmmSegments) granulesOf(ptr uintptr, size uint64) ([]PhysHandle, uintpt
 		if ptr < g.base || ptr >= g.end() {
 			continue
 		}
-		id := g.spanAt(ptr)
+		id := g.spanHolding(ptr)
 		if id == noSpan {
 			break
 		}

@@ -66,6 +66,33 @@ func TestIPCExportImportRoundTrip(t *testing.T) {
 	require.NoError(t, snd.checkInvariants())
 }
 
+// A range inside a live span (the caching layer's small slot of a slab)
+// exports, with the free rest of the segment after it: the span is the
+// one that holds the address, not the next one up (PyTorch's
+// test_cuda_simple sent a 512-byte slot of a slab that ended its segment,
+// and the export was refused on the H200).
+func TestIPCExportInsideASpan(t *testing.T) {
+	k := NewFakeKernel()
+	snd, sp := ipcProcess(t, k, 100, 0)
+	rcv, rp := ipcProcess(t, k, 200, 0)
+	slab := ipcAlloc(t, snd, 256<<10)
+	slot := slab + 3*512
+	want := cookie(t, sp, slot, 512)
+
+	x, err := snd.exportIPC(slot, 512)
+	require.NoError(t, err)
+	assert.Equal(t, uint64(slot)%(2*mib), x.Offset)
+	base, err := rcv.importIPC(x)
+	require.NoError(t, err)
+	assert.Equal(t, want, readBack(t, rp, base+uintptr(x.Offset), 512))
+
+	_, err = snd.exportIPC(slab+(256<<10)-256, 512)
+	assert.ErrorContains(t, err, "not inside one live allocation", "a range past its span's end")
+	_, err = snd.exportIPC(slab+(256<<10)+4096, 512)
+	assert.ErrorContains(t, err, "not inside one live allocation", "free space")
+	require.NoError(t, snd.checkInvariants())
+}
+
 // Descriptors are exported once per handle (the same block shared twice
 // gives the same handle string, which receivers cache by), and closed as
 // their handles are released: without sharePhys's close, Trim would leave

@@ -163,6 +163,15 @@ struct GoString {
   GoString& operator=(const GoString&) = delete;
 };
 
+// Messages reach TORCH_CHECK and TORCH_WARN as strings alone: a number is
+// written with std::to_string first, never to the stream they build the
+// message on. On the H200 machine an integer written to that stream crashed
+// the process (SIGSEGV in ostream's integer insertion, inside this module)
+// where the check was to raise; tests/test_cxx_messages.py holds the rule.
+std::string pool_name(c10::MempoolId_t id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
 std::string last_error() {
   GoString e(lib.last_error());
   return e.s != nullptr && *e.s != '\0' ? std::string(e.s) : std::string("goalloc: the call failed");
@@ -204,7 +213,7 @@ struct JsonParser {
   }
   void expect(char c) {
     ws();
-    TORCH_CHECK(p < end && *p == c, "goalloc: unexpected JSON from the library (wanted '", c, "')");
+    TORCH_CHECK(p < end && *p == c, "goalloc: unexpected JSON from the library (wanted '", std::string(1, c), "')");
     p++;
   }
   Json value() {
@@ -1125,7 +1134,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                      CCA::RecordContext when, bool clear_history,
                      const std::vector<std::string>& skip_actions) override {
     TORCH_CHECK(when == CCA::RecordContext::NEVER || context_recorder != nullptr,
-                "goalloc: recordHistory: recording stack traces (RecordContext ", static_cast<int>(when),
+                "goalloc: recordHistory: recording stack traces (RecordContext ", std::to_string(static_cast<int>(when)),
                 ") needs a context recorder");
     std::string skip;
     for (const std::string& a : skip_actions) {
@@ -1220,8 +1229,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       for (const auto& w : windows_[device])
-        TORCH_CHECK(w.id != id, "goalloc: beginAllocateToPool: already allocating to pool (", id.first, ", ",
-                    id.second, ")");
+        TORCH_CHECK(w.id != id, "goalloc: beginAllocateToPool: already allocating to pool ", pool_name(id));
       windows_[device].push_back(Window{id, std::move(filter)});
       open_windows_.fetch_add(1, std::memory_order_release);
     }
@@ -1250,7 +1258,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
           break;
         }
       }
-      TORCH_CHECK(found, "goalloc: endAllocateToPool: not allocating to pool (", id.first, ", ", id.second, ")");
+      TORCH_CHECK(found, "goalloc: endAllocateToPool: not allocating to pool ", pool_name(id));
     }
     if (open_windows_.load(std::memory_order_acquire) == 0) capture_reuse.forget();
     if (own_pools.find(device, id) != nullptr) return;
@@ -1260,8 +1268,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     check_device(device);
     if (own_pools.find(device, id) != nullptr) {
-      TORCH_CHECK(own_pools.release(device, id) >= 0, "goalloc: releasePool: pool (", id.first, ", ", id.second,
-                  ") has no user left");
+      TORCH_CHECK(own_pools.release(device, id) >= 0, "goalloc: releasePool: pool ", pool_name(id), " has no user left");
       return;
     }
     lib.release_pool(device, id.first, id.second);
@@ -1334,8 +1341,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                                               std::shared_ptr<CCA::AllocatorState> as) override {
     auto st = std::dynamic_pointer_cast<PoolState>(as);
     TORCH_CHECK(st != nullptr, "goalloc: setCheckpointPoolState with a state goalloc did not make");
-    TORCH_CHECK(st->device == device, "goalloc: setCheckpointPoolState: a state of device ", st->device,
-                " for device ", device);
+    TORCH_CHECK(st->device == device, "goalloc: setCheckpointPoolState: a state of device ", std::to_string(st->device),
+                " for device ", std::to_string(device));
     int n = static_cast<int>(st->rows.size() / 4);
     Json res = parse(lib.restore_pool(device, st->id.first, st->id.second, st->rows.data(), n));
     TORCH_CHECK(res["error"].str.empty(), res["error"].str);
@@ -1421,7 +1428,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     } else {
       base = lib.ipc_import(device, h.range.pid, h.range.segment_size, h.range.fds.data(),
                             static_cast<int>(h.range.fds.size()));
-      TORCH_CHECK(base != nullptr, "goalloc: opening a CUDA tensor of process ", h.range.pid, ": ", last_error());
+      TORCH_CHECK(base != nullptr, "goalloc: opening a CUDA tensor of process ", std::to_string(h.range.pid), ": ",
+                  last_error());
       close = [device](void* p) {
         if (lib.ipc_close(device, p) != 0) TORCH_WARN("goalloc: closing a CUDA IPC mapping: ", last_error());
       };
@@ -1471,8 +1479,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   };
 
   void check_device(c10::DeviceIndex device) {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "goalloc: device ", static_cast<int>(device),
-                " is outside [0, ", kMaxDevices, ")");
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "goalloc: device ", std::to_string(device), " is outside [0, ",
+                std::to_string(kMaxDevices), ")");
   }
 
   // pool_for finds the pool an allocation on stream goes to: the first
