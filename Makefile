@@ -74,6 +74,8 @@ ctest: lib
 	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/sched_test $(BUILD)/libgoalloc.so
 	c++ -O1 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/split_test.cpp -o $(BUILD)/split_test
 	$(BUILD)/split_test
+	c++ -O1 -Wall -std=c++17 -Ipython/goalloc/csrc tests/c/ipc_test.cpp -o $(BUILD)/ipc_test -ldl
+	GOALLOC_DEVICE=sim GOALLOC_SIM_MEMORY=8G $(BUILD)/ipc_test $(BUILD)/libgoalloc.so
 
 # pytest: the Python package as a user gets it. `pip install .` (build isolation
 # on, so it fetches setuptools from PyPI) builds the library with Go into the

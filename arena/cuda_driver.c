@@ -57,6 +57,11 @@ CUresult (*p_cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
 CUresult (*p_cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
 CUresult (*p_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
 CUresult (*p_cuEventSynchronize)(CUevent);
+// Optional: without them a VMM device shares nothing (gx_ipc_available).
+CUresult (*p_cuDeviceGetAttribute)(int *, int, CUdevice);
+CUresult (*p_cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+CUresult (*p_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
+CUresult (*p_cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 
 static char gx_loaderr[512];
 static void *gx_lib;
@@ -110,6 +115,10 @@ int gx_load(void) {
 		{ (void **)&p_cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0 },
 		{ (void **)&p_cuStreamWaitEvent, "cuStreamWaitEvent", 0 },
 		{ (void **)&p_cuEventSynchronize, "cuEventSynchronize", 0 },
+		{ (void **)&p_cuDeviceGetAttribute, "cuDeviceGetAttribute", 0 },
+		{ (void **)&p_cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 0 },
+		{ (void **)&p_cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", 0 },
+		{ (void **)&p_cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle", 0 },
 	};
 	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
 	if (lib == NULL) {

@@ -671,10 +671,13 @@ static inline gx_ret gx_vmm_address_free(uintptr_t ctx, unsigned long long ptr, 
 	GX_END()
 }
 
-// gx_vmm_create: v[0] = a handle to size bytes of pinned memory on ordinal.
-static inline gx_ret gx_vmm_create(uintptr_t ctx, int ordinal, size_t size) {
+// gx_vmm_create: v[0] = a handle to size bytes of pinned memory on ordinal,
+// exportable as the handle types named (CUmemAllocationHandleType bits; 0:
+// none, see cuda_ipc.h).
+static inline gx_ret gx_vmm_create(uintptr_t ctx, int ordinal, size_t size, int handle_types) {
 	GX_BEGIN(ctx)
 	CUmemAllocationProp prop = gx_vmm_prop(ordinal);
+	prop.requestedHandleTypes = handle_types;
 	CUmemGenericAllocationHandle h = 0;
 	GX_RELAXED_BEGIN
 	out.res = p_cuMemCreate(&h, size, &prop, 0);

@@ -20,6 +20,7 @@ var (
 	_ CaptureAware   = (*SimVMM)(nil)
 	_ StreamGranular = (*SimVMM)(nil)
 	_ Sleeper        = (*SimVMM)(nil)
+	_ Sharer         = (*SimVMM)(nil)
 )
 
 // simVMMGranule is the simulated allocation granularity, an H200's.
@@ -55,6 +56,9 @@ func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	}
 	sim := NewSim(ordinal, capacity)
 	phys := NewFakePhys(sim, capacity, gran)
+	// Its handles are exportable, as descriptors of this process
+	// (vmm_fake_ipc.go).
+	phys.attachSim(ordinal)
 	// Each device reserves VA in a window of its own, as a real process's
 	// devices share one address space: a pointer names its device.
 	start := simVMMVABase + uintptr(ordinal)*simVMMVAWindow
@@ -115,6 +119,14 @@ func (d *SimVMM) Sleep(req SleepRequest) (SleepReport, error) { return d.src.sle
 func (d *SimVMM) Wake(tag Tag) (WakeReport, error)            { return d.src.wake(tag) }
 func (d *SimVMM) SleepState() SleepState                      { return d.src.sleepState() }
 func (d *SimVMM) PrepareOffload(size uint64) (uint64, error)  { return d.src.prepareOffload(size) }
+
+// Sharer's methods: the placement's export and import over the fake
+// driver, whose descriptors live in the simulated devices' kernel.
+func (d *SimVMM) ExportIPC(ptr uintptr, size uint64) (IPCExport, error) {
+	return d.src.exportIPC(ptr, size)
+}
+func (d *SimVMM) ImportIPC(x IPCExport) (uintptr, error) { return d.src.importIPC(x) }
+func (d *SimVMM) CloseIPC(base uintptr) error            { return d.src.closeIPC(base) }
 
 // MemInfo is what cuMemGetInfo would say: the device less the physical
 // memory held.

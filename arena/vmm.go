@@ -17,6 +17,9 @@
 //	vmm_check.go     the invariant checks
 //	vmm_sleep.go     memory tags and sleep (Note [Sleep and wake]); wake
 //	                 in vmm_wake.go, the host copies in vmm_offload.go
+//	vmm_ipc.go       CUDA IPC: a block's handles exported as descriptors,
+//	                 other processes' handles imported (Note [CUDA IPC]);
+//	                 the fake driver's half in vmm_fake_ipc.go
 //
 // BENCHMARKS.md has the figures behind the choices below ("The VMM
 // backend's placement").

@@ -39,6 +39,7 @@ var (
 	_ CaptureAware   = (*VMM)(nil)
 	_ StreamGranular = (*VMM)(nil)
 	_ Sleeper        = (*VMM)(nil)
+	_ Sharer         = (*VMM)(nil)
 )
 
 // Name says what kind of device d is, as the replay tool's results do: a
@@ -47,12 +48,18 @@ func (d *VMM) Name() string { return "cuda" }
 
 // cudaPhys is the PhysDriver of a VMM device: one gx_vmm_* call per method.
 type cudaPhys struct {
-	rt    *cudaRuntime
-	gran  uint64
-	peers uint64
+	rt         *cudaRuntime
+	gran       uint64
+	driverGran uint64 // cuMemGetAllocationGranularity's
+	peers      uint64
+	ipc        bool // handles are created exportable (vmm_cuda_ipc.go)
 }
 
 func (p *cudaPhys) Granularity() uint64 { return p.gran }
+
+// MinGranule is the driver's own granularity, of which handles other
+// processes export may be any multiple (vmm_ipc.go).
+func (p *cudaPhys) MinGranule() uint64 { return p.driverGran }
 
 func (p *cudaPhys) ReserveVA(size uint64) (uintptr, error) {
 	r := C.gx_vmm_reserve(p.rt.ctx, C.size_t(size), C.size_t(p.gran))
@@ -67,7 +74,7 @@ func (p *cudaPhys) FreeVA(base uintptr, size uint64) error {
 }
 
 func (p *cudaPhys) CreateHandle(size uint64) (PhysHandle, error) {
-	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size))
+	r := C.gx_vmm_create(p.rt.ctx, C.int(p.rt.ordinal), C.size_t(size), p.handleTypes())
 	if err := check("cuMemCreate", r); err != nil {
 		return 0, err
 	}
@@ -199,7 +206,7 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	if err != nil {
 		return fail(err)
 	}
-	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, peers: d.peers}
+	var phys PhysDriver = &cudaPhys{rt: &d.cudaRuntime, gran: gran, driverGran: driverGran, peers: d.peers, ipc: ipcSupported(d.dev)}
 	if C.gx_sleep_available() != 0 {
 		phys = cudaCopier{phys.(*cudaPhys)}
 	}
@@ -325,6 +332,31 @@ func (d *VMM) PrepareOffload(size uint64) (uint64, error) {
 		return 0, errCUDAClosed
 	}
 	return d.src.prepareOffload(size)
+}
+
+// ExportIPC is Sharer's method: the handles under a live block, as
+// descriptors of this process (Note [CUDA IPC]).
+func (d *VMM) ExportIPC(ptr uintptr, size uint64) (IPCExport, error) {
+	if d.closed.Load() {
+		return IPCExport{}, errCUDAClosed
+	}
+	return d.src.exportIPC(ptr, size)
+}
+
+// ImportIPC is Sharer's method: another process's handles mapped here.
+func (d *VMM) ImportIPC(x IPCExport) (uintptr, error) {
+	if d.closed.Load() {
+		return 0, errCUDAClosed
+	}
+	return d.src.importIPC(x)
+}
+
+// CloseIPC is Sharer's method.
+func (d *VMM) CloseIPC(base uintptr) error {
+	if d.closed.Load() {
+		return errCUDAClosed
+	}
+	return d.src.closeIPC(base)
 }
 
 // Close unmaps and releases everything (memory still allocated is lost)

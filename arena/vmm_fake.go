@@ -50,6 +50,12 @@ type FakePhys struct {
 	// CopiedBytes counts the bytes copied between device and host.
 	CopiedBytes uint64
 
+	// CUDA IPC (vmm_fake_ipc.go): the kernel f is attached to (nil: none),
+	// as process pid, driving device dev.
+	kernel *FakeKernel
+	pid    int32
+	dev    int
+
 	// Calls counts every driver call by name.
 	Calls map[string]int
 	// AccessHandles counts the handles cuMemSetAccess opened, which is
@@ -63,6 +69,11 @@ type fakeHandle struct {
 	// data is what was written to the handle (vmm_fake_data.go), made on
 	// the first write: a new handle reads as zeros, as far as tests look.
 	data fakeBytes
+	// exportable: created while attached to a kernel (vmm_fake_ipc.go);
+	// imported: another process's memory, which Used does not count; dev:
+	// the device the memory is on.
+	exportable, imported bool
+	dev                  int
 }
 
 // NewFakePhys makes a fake driver with capacity bytes of physical memory and
@@ -219,7 +230,7 @@ func (f *FakePhys) CreateHandle(size uint64) (PhysHandle, error) {
 		return 0, fmt.Errorf("fakephys: cuMemCreate of %d bytes with %d of %d used: %w", size, f.used, f.capacity, ErrOutOfMemory)
 	}
 	f.nextH++
-	f.handles[f.nextH] = &fakeHandle{size: size}
+	f.handles[f.nextH] = &fakeHandle{size: size, exportable: f.kernel != nil, dev: f.dev}
 	f.used += size
 	return f.nextH, nil
 }
@@ -236,7 +247,9 @@ func (f *FakePhys) ReleaseHandle(h PhysHandle) error {
 		return fmt.Errorf("fakephys: release of handle %d, still mapped %d times", h, fh.maps)
 	}
 	delete(f.handles, h)
-	f.used -= fh.size
+	if !fh.imported {
+		f.used -= fh.size
+	}
 	return nil
 }
 

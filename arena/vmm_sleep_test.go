@@ -382,17 +382,25 @@ func TestSleepReleaseFailureIsConsistent(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
-// Through the simulated VMM device: the allocation tag set before an
-// allocation places it, sleep is refused while a capture is underway, and
-// the device's figures follow.
-func TestSimVMMSleepsThroughTheSource(t *testing.T) {
+// simVMMWithTaggedBlock is a simulated VMM device of 2 MiB handles with a
+// block of 6 MiB tagged 3 on stream 1 (closed when the test ends).
+func simVMMWithTaggedBlock(t *testing.T) (*SimVMM, uintptr) {
+	t.Helper()
 	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: 2 * mib})
 	require.NoError(t, err)
-	defer d.Close()
+	t.Cleanup(func() { d.Close() })
 	d.SetAllocTag(3)
 	p, err := d.Alloc(6*mib, 1)
 	require.NoError(t, err)
 	d.SetAllocTag(0)
+	return d, p
+}
+
+// Through the simulated VMM device: the allocation tag set before an
+// allocation places it, sleep is refused while a capture is underway, and
+// the device's figures follow.
+func TestSimVMMSleepsThroughTheSource(t *testing.T) {
+	d, p := simVMMWithTaggedBlock(t)
 	q, err := d.Alloc(2*mib, 1)
 	require.NoError(t, err)
 	c := make([]byte, 6*mib)
@@ -425,13 +433,7 @@ func TestSimVMMSleepsThroughTheSource(t *testing.T) {
 // pins nothing more. A prepare while asleep is refused and frees what it
 // pinned; one smaller than the area is a no-op.
 func TestPrepareOffloadPinsWithoutTheLock(t *testing.T) {
-	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: 2 * mib})
-	require.NoError(t, err)
-	defer d.Close()
-	d.SetAllocTag(3)
-	p, err := d.Alloc(6*mib, 1)
-	require.NoError(t, err)
-	d.SetAllocTag(0)
+	d, p := simVMMWithTaggedBlock(t)
 	var during uintptr
 	d.Phys().FailHost = func(uint64) error {
 		done := make(chan error, 1)

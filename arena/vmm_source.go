@@ -26,6 +26,12 @@ type vmmSource struct {
 	// allocTag is the memory tag of the allocations that follow
 	// (Sleeper.SetAllocTag).
 	allocTag Tag
+	// share exports and imports handles (vmm_ipc.go): nil where the
+	// driver cannot; imports are the mappings of other processes' handles,
+	// by base.
+	share      *sharePhys
+	imports    map[uintptr]*ipcImport
+	importGran uint64 // imported handles are multiples of it
 }
 
 // pieceAlign is the alignment of what the source hands out: the caching
@@ -36,7 +42,13 @@ const pieceAlign = 512
 // newVMMSource makes a source over phys for a device of mem bytes, whose
 // placement holds at most limit bytes (0: no cap but the device).
 func newVMMSource(phys PhysDriver, mem, limit uint64) (*vmmSource, error) {
-	profile := &timedPhys{PhysDriver: phys}
+	var share *sharePhys
+	under := phys
+	if s, ok := phys.(PhysSharer); ok {
+		share = newSharePhys(phys, s)
+		under = share
+	}
+	profile := &timedPhys{PhysDriver: under}
 	drv := &captureGate{PhysDriver: profile}
 	eng, err := newVMMSegments(drv, mem, limit)
 	if err != nil {
@@ -45,7 +57,12 @@ func newVMMSource(phys PhysDriver, mem, limit uint64) (*vmmSource, error) {
 	if c, ok := phys.(HostCopier); ok {
 		eng.copier = c
 	}
-	return &vmmSource{eng: eng, drv: drv, profile: profile, gran: eng.granule()}, nil
+	v := &vmmSource{eng: eng, drv: drv, profile: profile, gran: eng.granule(), share: share, imports: map[uintptr]*ipcImport{}}
+	v.importGran = v.gran
+	if m, ok := phys.(minGranular); ok {
+		v.importGran = m.MinGranule()
+	}
+	return v, nil
 }
 
 // DriverCalls is the profile of the driver calls made so far.
@@ -167,7 +184,7 @@ func (v *vmmSource) close() error {
 		return nil
 	}
 	v.closed = true
-	return v.eng.Close()
+	return errors.Join(v.closeImports(), v.eng.Close())
 }
 
 func (v *vmmSource) setAllocTag(tag Tag) {

@@ -132,6 +132,18 @@ func (g *vmmSegment) spanAt(va uintptr) spanID {
 	return id
 }
 
+// spanHolding is the span whose range holds va, or noSpan: a walk, for
+// IPC exports, which name an address inside a span (a small slot of a
+// slab) as often as its start.
+func (g *vmmSegment) spanHolding(va uintptr) spanID {
+	for id := g.first; id != noSpan && g.nodes[id].base <= va; id = g.nodes[id].next {
+		if va < g.span(id).end() {
+			return id
+		}
+	}
+	return noSpan
+}
+
 // ordered is the spans in address order, and their names (for checks and
 // tests).
 func (g *vmmSegment) ordered() ([]segSpan, []spanID) {

@@ -83,8 +83,11 @@ type Allocator struct {
 	// mem is where the cache's memory comes from: dev's memory source under
 	// three adaptors (see New), so that the cache itself only caches. A
 	// cache hit never reaches it.
-	mem       arena.MemorySource
-	deferred  *streams.DeferredFrees
+	mem      arena.MemorySource
+	deferred *streams.DeferredFrees
+	// ipc holds the blocks shared with other processes (ipc.go), by
+	// address; nil until the first.
+	ipc       map[uintptr]*ipcShare
 	unusedIDs []blockID
 
 	dev arena.Device
@@ -327,6 +330,11 @@ func (a *Allocator) mallocIn(cp *cachePool, size uint64, s arena.Stream) (uintpt
 func (a *Allocator) Free(ptr uintptr, size uint64, s arena.Stream) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.freeLocked(ptr, size, s)
+}
+
+// freeLocked is Free with a.mu held.
+func (a *Allocator) freeLocked(ptr uintptr, size uint64, s arena.Stream) error {
 	// The size says where to look first (a small request's slot, or a large
 	// block), but the pointer decides: a wrong size still finds its block.
 	if size <= smallMax {

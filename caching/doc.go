@@ -225,6 +225,8 @@
 //	pools.go        private pools as torch's C++ allocator class uses them
 //	                (MallocIn, FreeOwned, checkpoints)
 //	sleep.go        memory tags, their cache pools, Sleep and Wake
+//	ipc.go          CUDA IPC: a shared block's free held until every share
+//	                is released; export and import on the device
 //	front.go        the log shared with the C++ class's front: frees it passes
 //	                in batches, blocks it hands out again, drained at every Lock
 //	front_emulator.go the C++ front's protocol in Go, for tests and replays

@@ -85,6 +85,11 @@ func (a *Allocator) freeBlock(id blockID, ptr uintptr, size uint64, s arena.Stre
 	if b.state != blockLive {
 		return a.badInput("double_free", fmt.Sprintf("double free of %#x (%d bytes) on device %d", ptr, size, a.dev.Ordinal()))
 	}
+	if a.ipc != nil {
+		if held, err := a.holdIfShared(ptr, size, s); held {
+			return err
+		}
+	}
 	a.countFree(StatLarge, int64(b.size), b.requested)
 	if a.history != nil {
 		a.history.add(actionFreeRequested, ptr, b.requested, b.stream, a.callCtx)

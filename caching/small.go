@@ -80,6 +80,11 @@ func (a *Allocator) freeSlot(seg *Segment, i int32, ptr uintptr, size uint64, s 
 	if seg.state[i] != slotLive {
 		return a.badInput("double_free", fmt.Sprintf("double free of %#x (%d bytes) on device %d", ptr, size, a.dev.Ordinal()))
 	}
+	if a.ipc != nil {
+		if held, err := a.holdIfShared(ptr, size, s); held {
+			return err
+		}
+	}
 	req := uint64(seg.requested[i])
 	a.countFree(StatSmall, int64(seg.slotSize), req)
 	if a.history != nil {

@@ -399,6 +399,79 @@ var abiRows = map[string]func(t *testing.T){
 		require.Zero(t, goalloc_set_memory_tag(name))
 		wantAccepted(t, func() { assert.Equal(t, "abi-row", takeString(goalloc_memory_tag())) })
 	},
+	"goalloc_ipc_export": func(t *testing.T) {
+		var fds [64]cInt
+		wantRefused(t, "null_pointer", "NULL pointer", func() { assert.EqualValues(t, -1, goalloc_ipc_export(nil, nil, nil, nil, nil, &fds[0], 64)) })
+		wantRefused(t, "unknown_pointer", "did not allocate", func() {
+			assert.EqualValues(t, -1, goalloc_ipc_export(devicePointer(0x1234), nil, nil, nil, nil, &fds[0], 64))
+		})
+		p := goalloc_malloc(1<<20, 0, nil)
+		require.NotNil(t, p)
+		wantRefused(t, "null_pointer", "fds", func() { assert.EqualValues(t, -1, goalloc_ipc_export(p, nil, nil, nil, nil, nil, 64)) })
+		wantRefused(t, "invalid_argument", "cap of -1", func() { assert.EqualValues(t, -1, goalloc_ipc_export(p, nil, nil, nil, nil, &fds[0], -1)) })
+		// No room: the count, and no share held.
+		wantAccepted(t, func() { assert.EqualValues(t, 1, goalloc_ipc_export(p, nil, nil, nil, nil, &fds[0], 0)) })
+		wantRefused(t, "unknown_pointer", "no share", func() { assert.EqualValues(t, -1, goalloc_ipc_release(p)) })
+		var pid, dev cInt
+		var gran, off cULongLong
+		wantAccepted(t, func() { assert.EqualValues(t, 1, goalloc_ipc_export(p, &pid, &dev, &gran, &off, &fds[0], 64)) })
+		assert.EqualValues(t, os.Getpid(), pid)
+		assert.EqualValues(t, 0, dev)
+		assert.NotZero(t, gran)
+		assert.Less(t, uint64(off), uint64(gran))
+		assert.GreaterOrEqual(t, int(fds[0]), 3)
+		my_free(p, 1<<20, 0, nil) // held for the share
+		wantAccepted(t, func() { assert.Zero(t, goalloc_ipc_release(p)) })
+		assert.Zero(t, goalloc_stat(0, cInt(caching.ScalarAllocatedBytes)), "freed at the release")
+	},
+	"goalloc_ipc_release": func(t *testing.T) {
+		wantRefused(t, "null_pointer", "NULL pointer", func() { assert.EqualValues(t, -1, goalloc_ipc_release(nil)) })
+		wantRefused(t, "unknown_pointer", "did not allocate", func() { assert.EqualValues(t, -1, goalloc_ipc_release(devicePointer(0x1234))) })
+		p := goalloc_malloc(1000, 0, nil)
+		require.NotNil(t, p)
+		wantRefused(t, "unknown_pointer", "no share", func() { assert.EqualValues(t, -1, goalloc_ipc_release(p)) })
+		my_free(p, 1000, 0, nil)
+	},
+	"goalloc_ipc_import": func(t *testing.T) {
+		fds := []cConstInt{3}
+		for _, d := range badDevices {
+			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_ipc_import(d, 1, 1<<21, &fds[0], 1)) })
+		}
+		wantRefused(t, "null_pointer", "fds", func() { assert.Nil(t, goalloc_ipc_import(0, 1, 1<<21, nil, 1)) })
+		wantRefused(t, "invalid_argument", "of 0 handles", func() { assert.Nil(t, goalloc_ipc_import(0, 1, 1<<21, &fds[0], 0)) })
+		p := goalloc_malloc(1<<20, 0, nil)
+		require.NotNil(t, p)
+		var got [4]cInt
+		var pid cInt
+		var gran cULongLong
+		require.EqualValues(t, 1, goalloc_ipc_export(p, &pid, nil, &gran, nil, &got[0], 4))
+		fds[0] = cConstInt(got[0])
+		wantFailed(t, errFailed, "memory of device 0", func() { assert.Nil(t, goalloc_ipc_import(1, pid, gran, &fds[0], 1)) })
+		wantFailed(t, errFailed, "not a multiple", func() { assert.Nil(t, goalloc_ipc_import(0, pid, gran+512, &fds[0], 1)) })
+		stale := []cConstInt{9999}
+		wantFailed(t, errFailed, "bad file descriptor", func() { assert.Nil(t, goalloc_ipc_import(0, pid, gran, &stale[0], 1)) })
+		var base unsafe.Pointer
+		wantAccepted(t, func() { base = goalloc_ipc_import(0, pid, gran, &fds[0], 1) })
+		require.NotNil(t, base)
+		wantAccepted(t, func() { assert.Zero(t, goalloc_ipc_close(0, base)) })
+		require.Zero(t, goalloc_ipc_release(p))
+		my_free(p, 1<<20, 0, nil)
+	},
+	"goalloc_ipc_close": func(t *testing.T) {
+		wantRefused(t, "null_pointer", "NULL pointer", func() { assert.EqualValues(t, -1, goalloc_ipc_close(0, nil)) })
+		wantFailed(t, errBadArgument, "holds nothing", func() { assert.EqualValues(t, -1, goalloc_ipc_close(-1, devicePointer(0x1234))) })
+		my_free(goalloc_malloc(1000, 0, nil), 1000, 0, nil) // device 0 made
+		wantFailed(t, errFailed, "no open import", func() { assert.EqualValues(t, -1, goalloc_ipc_close(0, devicePointer(0x1234))) })
+	},
+	"goalloc_record_stream_held": func(t *testing.T) {
+		// Not goalloc's: nothing done, nothing said.
+		wantAccepted(t, func() { assert.Zero(t, goalloc_record_stream_held(nil, nil)) })
+		wantAccepted(t, func() { assert.Zero(t, goalloc_record_stream_held(devicePointer(0x1234), nil)) })
+		p := goalloc_malloc(1000, 0, nil)
+		require.NotNil(t, p)
+		wantAccepted(t, func() { assert.EqualValues(t, 1, goalloc_record_stream_held(p, nil)) })
+		my_free(p, 1000, 0, nil)
+	},
 	"goalloc_sleep": func(t *testing.T) {
 		for _, d := range everyDeviceOrBad {
 			wantRefused(t, "bad_device", "does not exist", func() { assert.Nil(t, goalloc_sleep(d, nil)) })

@@ -15,6 +15,7 @@
 
 typedef const char goalloc_const_char;
 typedef const unsigned long long goalloc_const_ull;
+typedef const int goalloc_const_int;
 typedef void *cudaStream_t;
 
 #endif

@@ -20,6 +20,7 @@ type (
 	cSSize     = C.ssize_t
 	cDouble    = C.double
 	cChar      = C.char
+	cConstInt  = C.goalloc_const_int
 )
 
 // cString is a malloc'd copy of s, freed with goalloc_string_free.

@@ -63,7 +63,7 @@ func kindOf(err error) errorKind {
 		return ke.kind
 	case errors.As(err, &se):
 		return errBadState
-	case errors.Is(err, caching.ErrNeedsVMM):
+	case errors.Is(err, caching.ErrNeedsVMM), errors.Is(err, arena.ErrNoIPC):
 		return errBadConfig
 	case errors.Is(err, arena.ErrOutOfMemory): // a *caching.OOMError is one
 		return errOutOfMemory

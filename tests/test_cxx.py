@@ -8,6 +8,7 @@ install does with it; tests/gpu/test_cxx_gpu.py covers the class itself.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import types
 import warnings
 
@@ -197,3 +198,54 @@ def test_package_build_tries_the_class_where_torch_is_importable(tmp_path):
     without = _build_py(tmp_path / "b", None)
     assert without.returncode == 0, without.stderr[-2000:]
     assert "torch is importable here" not in without.stdout
+
+
+# What the class's messages may be built from: string literals and these
+# expressions, all strings (a number goes through std::to_string first).
+STRING_ARGS = re.compile(
+    r'^(".*"|std::to_string\(.*\)|std::string\(1, c\)|last_error\(\)|pool_name\(.*\)|dlerror\(\)'
+    r'|ex\.what\(\)|msg|err|path|missing|res\["error"\]\.str)$',
+    re.S,
+)
+MESSAGE_MACROS = {"TORCH_CHECK": 1, "TORCH_CHECK_WITH": 2, "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0}
+
+
+def macro_calls(src: str):
+    """(macro, [top-level arguments]) of each message macro in src."""
+    for m in re.finditer(r"\b(TORCH_CHECK_WITH|TORCH_CHECK|TORCH_WARN_ONCE|TORCH_WARN)\(", src):
+        depth, i, args, start, quote = 1, m.end(), [], m.end(), False
+        while depth:
+            c = src[i]
+            if quote:
+                if c == "\\":
+                    i += 1
+                elif c == '"':
+                    quote = False
+            elif c == '"':
+                quote = True
+            elif c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            elif c == "," and depth == 1:
+                args.append(src[start:i].strip())
+                start = i + 1
+            i += 1
+        args.append(src[start : i - 1].strip())
+        yield m.group(1), args
+
+
+def test_the_class_writes_no_number_to_a_message_stream():
+    """The H200 run crashed (SIGSEGV in ostream's integer insertion, inside
+    the module) where getIpcDevPtr was to raise a message holding a
+    process id: the class's checks and warnings get strings alone."""
+    src = (Path(_cxx.__file__).parent / "csrc" / "goalloc_torch.cpp").read_text()
+    calls = list(macro_calls(src))
+    assert len(calls) > 20
+    bad = [
+        (name, arg)
+        for name, args in calls
+        for arg in args[MESSAGE_MACROS[name] :]
+        if not STRING_ARGS.match(" ".join(arg.split()))
+    ]
+    assert not bad, f"message arguments that are not strings: {bad}"

@@ -37,8 +37,8 @@ from typing import Optional
 SOURCE = Path(__file__).resolve().parent / "csrc" / "goalloc_torch.cpp"
 #: What SOURCE includes from its folder: part of the source text.
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / h
-                for h in ("goalloc.h", "goalloc_contexts.h", "goalloc_front.h", "goalloc_sched.h",
-                          "goalloc_split.h"))
+                for h in ("goalloc.h", "goalloc_contexts.h", "goalloc_front.h", "goalloc_ipc.h",
+                          "goalloc_sched.h", "goalloc_split.h"))
 PACKAGE_BUILDS = Path(__file__).resolve().parent / "cxxbuild"
 
 #: What the fallback, torch's CUDAPluggableAllocator, cannot do (PyTorch 2.11).

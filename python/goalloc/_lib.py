@@ -161,6 +161,14 @@ SIGNATURES: dict[str, tuple[Any, Optional[list[Any]]]] = {
     "goalloc_wake_up": (_c_void_p, [_c_int, _c_char_p]),
     "goalloc_sleep_state_json": (_c_void_p, [_c_int]),
     "goalloc_prepare_sleep": (_c_int, [_c_int, ctypes.c_ulonglong]),
+    # CUDA IPC (the C++ class makes these calls itself; declared for
+    # tests and tools that drive them through ctypes).
+    "goalloc_ipc_export": (_c_int, [_c_void_p, ctypes.POINTER(_c_int), ctypes.POINTER(_c_int),
+                                    ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong),
+                                    ctypes.POINTER(_c_int), _c_int]),
+    "goalloc_ipc_release": (_c_int, [_c_void_p]),
+    "goalloc_ipc_import": (_c_void_p, [_c_int, _c_int, ctypes.c_ulonglong, ctypes.POINTER(_c_int), _c_int]),
+    "goalloc_ipc_close": (_c_int, [_c_int, _c_void_p]),
     # The per-step figures (STAT_KEYS): a number, -1 on error. No
     # argtypes: converting each argument through c_int.from_param
     # would cost more than the call itself; stat()'s callers pass ints

@@ -14,6 +14,8 @@
 #include "../../python/goalloc/csrc/goalloc_torch.cpp"
 #include "expect.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 
 using namespace goalloc_torch;
@@ -208,12 +210,70 @@ static std::string block_where(const CCA::SnapshotInfo& s, const void* p) {
   return "not live";
 }
 
+static std::string g_library;
+
+// deferred_frees is device 0's goalloc.deferred_frees (goalloc_stats_json).
+static int64_t deferred_frees() {
+  using StatsJson = char* (*)(int);
+  void* h = dlopen(g_library.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  auto stats = h ? reinterpret_cast<StatsJson>(dlsym(h, "goalloc_stats_json")) : nullptr;
+  if (stats == nullptr) return -1;
+  char* js = stats(0);
+  std::string text(js ? js : "");
+  lib.string_free(js);
+  size_t at = text.find("\"goalloc.deferred_frees\":");
+  return at == std::string::npos ? -1 : std::strtoll(text.c_str() + at + 25, nullptr, 10);
+}
+
+// CUDA IPC: shareIpcHandle writes torch's expandable-segment string of
+// the block (goalloc_ipc.h reads it back: this process, its handles, the
+// block's offset), the same string each time (receivers cache by it), and
+// leaves no share held (under torch the block's free already waits for the
+// receivers), so the free is made at once. getIpcDevPtr refuses a string
+// torch would not write before it touches CUDA. Opening a string needs a
+// GPU: tests/gpu/test_ipc_gpu.py.
+static void ipc_share(GoallocAllocator& a) {
+  const cudaStream_t S = stream(0x10);
+  const size_t MiB = size_t(1) << 20;
+  void* p = a.malloc(5 * MiB + 512, 0, S);
+  int64_t allocated = a.getDeviceStats(0).allocated_bytes[0].current;
+  CCA::ShareableHandle h = a.shareIpcHandle(p);
+  goalloc_ipc::Parsed got;
+  std::string err;
+  EXPECT(goalloc_ipc::parse(h.handle, &got, &err), "parse: %s", err.c_str());
+  EXPECT(got.type == 'e' && got.range.pid == getpid() && !got.range.fds.empty(), "type %c", got.type);
+  EXPECT(h.offset >= 0 && uint64_t(h.offset) < got.range.segment_size, "offset %td", h.offset);
+  EXPECT(got.range.fds.size() * got.range.segment_size >= uint64_t(h.offset) + 5 * MiB, "the handles cover the block");
+  EXPECT(a.shareIpcHandle(p).handle == h.handle, "the same string again");
+  raw_delete_fn(p);
+  EXPECT(a.getDeviceStats(0).allocated_bytes[0].current == allocated - int64_t(5 * MiB + 512), "freed at once");
+  // record_stream on a shared storage (torch's CudaIPCSentData DataPtr,
+  // another deleter over goalloc's block): recorded, so the block's free
+  // waits for the other stream (goalloc.deferred_frees counts it).
+  void* q = a.malloc(2 * MiB, 0, S);
+  c10::DataPtr wrapped(q, q, [](void*) {}, c10::Device(c10::DeviceType::CUDA, 0));
+  int64_t deferred = deferred_frees();
+  a.recordStream(wrapped, c10::cuda::getStreamFromExternal(stream(0x30), 0));
+  raw_delete_fn(q);
+  EXPECT(deferred_frees() == deferred + 1, "the free waited for the recorded stream");
+  c10::DataPtr foreign(reinterpret_cast<void*>(0xbad000), nullptr, [](void*) {}, c10::Device(c10::DeviceType::CUDA, 0));
+  a.recordStream(foreign, c10::cuda::getStreamFromExternal(stream(0x30), 0));  // ignored, no warning
+  EXPECT(throws<c10::Error>([&] { a.getIpcDevPtr(std::string("\x02" "x", 2)); }).find("unknown type") != std::string::npos,
+         "an unknown type is refused");
+  EXPECT(throws<c10::Error>([&] { a.getIpcDevPtr(std::string("\x09" "e", 2)); }).find("version 9") != std::string::npos,
+         "a later version is refused");
+  EXPECT(throws<c10::Error>([&] { a.shareIpcHandle(reinterpret_cast<void*>(0xdead000)); }).find("did not allocate") !=
+             std::string::npos,
+         "a pointer goalloc did not allocate");
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s path/to/libgoalloc.so\n", argv[0]);
     return 2;
   }
   open_library(argv[1]);
+  g_library = argv[1];
   GoallocAllocator a;
   a.init(2);
   EXPECT(a.initialized(), "init");
@@ -586,6 +646,8 @@ int main(int argc, char** argv) {
     a.pushCompileContext(g_where);  // off: ignored, asks for no device
     a.popCompileContext();
   }
+
+  ipc_share(a);
 
   std::printf("cxx_class_test: %d failures\n", failures);
   return failures ? 1 : 0;

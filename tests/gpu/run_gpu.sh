@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call:
 #   device run: bash tests/gpu/run_gpu.sh [probe] [core] [graphs] [torture] [sanitizer] [python] [package] [stats] [replay] [snapshot] [bench]
-#               [ddp] [multigpu] [mgbench] [coldab] [lockstep] [stress] [vmm] [sleep] (these need naming; multigpu and mgbench need two GPUs)
+#               [ddp] [multigpu] [mgbench] [coldab] [lockstep] [stress] [vmm] [sleep] [ipc] (these need naming; multigpu and mgbench need two GPUs)
 # (no argument: all of them). The library and the replay tool are built
 # here (no Go there) and travel in build/ (carry it). Results land in $OUT
 # (the device tool brings them back) or ./gpu-out.
@@ -171,6 +171,29 @@ if want sleep; then
   # The same with the host area pinned ahead (goalloc.prepare_sleep).
   timeout 120 python3 tests/gpu/bench_sleep.py --weights-gib 16 --kv-gib 32 --rounds 3 --prepare > "$OUT/bench_sleep_prepared.json" || status=1
   python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"]["first"], indent=1))' "$OUT/bench_sleep_prepared.json"
+fi
+if want ipc; then
+  step ipc
+  # Named only: CUDA IPC through the C++ class (issue 35): spawned children
+  # with goalloc and with PyTorch's allocator, both directions, 3 GiB, many
+  # small tensors, a free while a receiver holds, the RL weight sync.
+  # A crash's native stack goes to the scenario's stderr (segv_trace.c).
+  gcc -shared -fPIC -O1 -o build/segv_trace.so tests/gpu/segv_trace.c && export SEGV_TRACE=$PWD/build/segv_trace.so
+  cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null | sed 's/^/ptrace_scope /'
+  if [[ -x build/arena.test ]]; then
+    (cd arena && timeout 120 ../build/arena.test -test.v -test.run 'VMMCUDAIPC' 2>&1 | grep -E '^(=== RUN|--- |PASS|FAIL|ok|\s+vmm_cuda_ipc_test)' | tail -20) || status=1
+  else
+    echo "build/arena.test missing: make gpubuild"; status=1
+  fi
+  timeout 600 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_gpu.py 2>&1 | tail -40 || status=1
+  # Where a receiver crashes opening a handle of a sender that exited
+  # (SIGSEGV on the H200, cause not found): the native stack, where gdb is.
+  if command -v gdb > /dev/null; then
+    GOALLOC_CXX=1 timeout 120 gdb -q -batch -ex 'handle SIGURG SIGPIPE SIGPROF nostop noprint pass' -ex run -ex bt \
+      --args python3 tests/gpu/ipc_check.py exited 2>&1 | grep -E '^#[0-9]+ ' | head -30
+  else
+    echo "no gdb here: no native stack of the exited scenario"
+  fi
 fi
 if want bench; then
   step bench

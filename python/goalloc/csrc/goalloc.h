@@ -314,6 +314,47 @@ int goalloc_external_segment(int device, int alloc, void *addr, size_t size, int
 int goalloc_external_block(int device, int alloc, void *addr, size_t size, size_t requested, int large,
                            void *stream);
 
+/* --- CUDA IPC (export/ipc.go) --------------------------------------------- */
+
+/* Sharing blocks with other processes, on backend:vmm (else kind
+ * bad_config): a block's physical handles as POSIX file descriptors of this
+ * process, which a receiver duplicates with pidfd_getfd and maps in a range
+ * of its own (Note [CUDA IPC] in arena/vmm_ipc.go). goalloc_ipc.h writes
+ * and reads these fields as torch's expandable-segment handle. */
+
+/* goalloc_ipc_export exports the live block at ptr (not NULL; looked up on
+ * every device goalloc has made) and counts a share of it: its free waits
+ * for goalloc_ipc_release of every share before the block is reused.
+ * Writes the process id, the device, the bytes of each handle, the block's
+ * offset from its first handle (optional out-parameters) and up to cap
+ * descriptors into fds (not NULL), one per handle in address order. Returns
+ * how many handles the block has; when more than cap, none is written and
+ * no share counted (call again with room); -1 on failure. */
+int goalloc_ipc_export(void *ptr, int *pid, int *device, unsigned long long *granule, unsigned long long *offset,
+                       int *fds, int cap);
+
+/* goalloc_ipc_release releases one share goalloc_ipc_export counted of the
+ * block at ptr (not NULL): 0, or -1 where none is held. */
+int goalloc_ipc_release(void *ptr);
+
+/* goalloc_ipc_import maps on device the n (> 0) handles of granule bytes
+ * that process pid exported as descriptors fds (not NULL), in a fresh range:
+ * its base (the block is at base + its offset), or NULL: a process that
+ * exited or a descriptor it no longer has, memory of another device, a
+ * granule not a multiple of the device's allocation granularity (kind failed). */
+void *goalloc_ipc_import(int device, int pid, unsigned long long granule, const int *fds, int n);
+
+/* goalloc_ipc_close unmaps and releases an import by its base (not NULL):
+ * 0, or -1. */
+int goalloc_ipc_close(int device, void *base);
+
+/* goalloc_record_stream_held is goalloc_record_stream for a pointer that
+ * may not be goalloc's: torch's _share_cuda_ puts a shared storage's block
+ * behind a DataPtr of its own (CudaIPCSentData), whose record_stream the
+ * class would otherwise not recognise. 1: recorded; 0: goalloc holds no
+ * block at ptr (NULL included), nothing done or said; -1 on failure. */
+int goalloc_record_stream_held(void *ptr, void *stream);
+
 /* --- memory tags, sleep and wake (export/sleep.go) ------------------------ */
 
 /* Allocations carry a memory tag, so that the memory of a tag can be put to

@@ -46,6 +46,7 @@
 #include "goalloc.h"
 #include "goalloc_contexts.h"
 #include "goalloc_front.h"
+#include "goalloc_ipc.h"
 #include "goalloc_sched.h"
 #include "goalloc_split.h"
 
@@ -113,7 +114,12 @@ using ull = unsigned long long;
   X(external_claim, goalloc_external_claim)              \
   X(external_unclaim, goalloc_external_unclaim)          \
   X(external_segment, goalloc_external_segment)          \
-  X(external_block, goalloc_external_block)
+  X(external_block, goalloc_external_block)              \
+  X(ipc_export, goalloc_ipc_export)                      \
+  X(ipc_release, goalloc_ipc_release)                    \
+  X(ipc_import, goalloc_ipc_import)                      \
+  X(ipc_close, goalloc_ipc_close)                        \
+  X(record_stream_held, goalloc_record_stream_held)
 
 struct Library {
 #define GOALLOC_FIELD(field, fn) decltype(&::fn) field = nullptr;
@@ -157,6 +163,15 @@ struct GoString {
   GoString& operator=(const GoString&) = delete;
 };
 
+// Messages reach TORCH_CHECK and TORCH_WARN as strings alone: a number is
+// written with std::to_string first, never to the stream they build the
+// message on. On the H200 machine an integer written to that stream crashed
+// the process (SIGSEGV in ostream's integer insertion, inside this module)
+// where the check was to raise; tests/test_cxx_messages.py holds the rule.
+std::string pool_name(c10::MempoolId_t id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
 std::string last_error() {
   GoString e(lib.last_error());
   return e.s != nullptr && *e.s != '\0' ? std::string(e.s) : std::string("goalloc: the call failed");
@@ -198,7 +213,7 @@ struct JsonParser {
   }
   void expect(char c) {
     ws();
-    TORCH_CHECK(p < end && *p == c, "goalloc: unexpected JSON from the library (wanted '", c, "')");
+    TORCH_CHECK(p < end && *p == c, "goalloc: unexpected JSON from the library (wanted '", std::string(1, c), "')");
     p++;
   }
   Json value() {
@@ -957,9 +972,19 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    // An empty tensor has no block; a pointer another allocator made (a
-    // tensor shared from another process) is not goalloc's to track.
-    if (ptr.get() == nullptr || ptr.get_deleter() != &raw_delete_fn) return;
+    // An empty tensor has no block. A DataPtr this class did not make may
+    // still be over one of its blocks: a storage shared with another
+    // process, which torch's _share_cuda_ put behind a CudaIPCSentData
+    // DataPtr of its own (the block's free comes when the receivers let
+    // go, and must still wait for this stream). Go records it if the
+    // pointer is one of its blocks, and ignores any other (a tensor
+    // received from another process, another allocator's).
+    if (ptr.get() == nullptr) return;
+    if (ptr.get_deleter() != &raw_delete_fn) {
+      front.forget(ptr.get());
+      TORCH_CHECK(lib.record_stream_held(ptr.get(), stream.stream()) >= 0, last_error());
+      return;
+    }
     if (own_pools.record_stream(ptr.get(), stream.stream())) return;
     if (open_windows_.load(std::memory_order_acquire) > 0 && CaptureReuse::enabled())
       capture_reuse.used_on(ptr.get(), stream.stream());
@@ -1109,7 +1134,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                      CCA::RecordContext when, bool clear_history,
                      const std::vector<std::string>& skip_actions) override {
     TORCH_CHECK(when == CCA::RecordContext::NEVER || context_recorder != nullptr,
-                "goalloc: recordHistory: recording stack traces (RecordContext ", static_cast<int>(when),
+                "goalloc: recordHistory: recording stack traces (RecordContext ", std::to_string(static_cast<int>(when)),
                 ") needs a context recorder");
     std::string skip;
     for (const std::string& a : skip_actions) {
@@ -1204,8 +1229,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       for (const auto& w : windows_[device])
-        TORCH_CHECK(w.id != id, "goalloc: beginAllocateToPool: already allocating to pool (", id.first, ", ",
-                    id.second, ")");
+        TORCH_CHECK(w.id != id, "goalloc: beginAllocateToPool: already allocating to pool ", pool_name(id));
       windows_[device].push_back(Window{id, std::move(filter)});
       open_windows_.fetch_add(1, std::memory_order_release);
     }
@@ -1234,7 +1258,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
           break;
         }
       }
-      TORCH_CHECK(found, "goalloc: endAllocateToPool: not allocating to pool (", id.first, ", ", id.second, ")");
+      TORCH_CHECK(found, "goalloc: endAllocateToPool: not allocating to pool ", pool_name(id));
     }
     if (open_windows_.load(std::memory_order_acquire) == 0) capture_reuse.forget();
     if (own_pools.find(device, id) != nullptr) return;
@@ -1244,8 +1268,7 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     check_device(device);
     if (own_pools.find(device, id) != nullptr) {
-      TORCH_CHECK(own_pools.release(device, id) >= 0, "goalloc: releasePool: pool (", id.first, ", ", id.second,
-                  ") has no user left");
+      TORCH_CHECK(own_pools.release(device, id) >= 0, "goalloc: releasePool: pool ", pool_name(id), " has no user left");
       return;
     }
     lib.release_pool(device, id.first, id.second);
@@ -1318,8 +1341,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                                               std::shared_ptr<CCA::AllocatorState> as) override {
     auto st = std::dynamic_pointer_cast<PoolState>(as);
     TORCH_CHECK(st != nullptr, "goalloc: setCheckpointPoolState with a state goalloc did not make");
-    TORCH_CHECK(st->device == device, "goalloc: setCheckpointPoolState: a state of device ", st->device,
-                " for device ", device);
+    TORCH_CHECK(st->device == device, "goalloc: setCheckpointPoolState: a state of device ", std::to_string(st->device),
+                " for device ", std::to_string(device));
     int n = static_cast<int>(st->rows.size() / 4);
     Json res = parse(lib.restore_pool(device, st->id.first, st->id.second, st->rows.data(), n));
     TORCH_CHECK(res["error"].str.empty(), res["error"].str);
@@ -1349,12 +1372,78 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                        "stream-ordered pool, which cudaIpcGetMemHandle cannot share");
   }
 
-  CCA::ShareableHandle shareIpcHandle(void*) override {
-    TORCH_CHECK(false, "goalloc does not support sharing CUDA tensors between processes (CUDA IPC)");
+  // CUDA IPC (goalloc_ipc.h; Note [CUDA IPC] in arena/vmm_ipc.go). The
+  // handle is torch's expandable-segment string, which a native receiver
+  // opens. The share goalloc_ipc_export counts is released at once: under
+  // torch the block's free already waits for every receiver (_share_cuda_
+  // puts the block behind a CudaIPCSentData and its counter), and a share
+  // held here would have no one to release it.
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    goalloc_ipc::Range r;
+    int pid = 0;
+    ull granule = 0, offset = 0;
+    std::vector<int> fds(64);
+    for (;;) {
+      int n = lib.ipc_export(ptr, &pid, nullptr, &granule, &offset, fds.data(), static_cast<int>(fds.size()));
+      TORCH_CHECK(n >= 0, "goalloc: sharing a CUDA tensor with another process: ", last_error());
+      if (n <= static_cast<int>(fds.size())) {
+        fds.resize(n);
+        break;
+      }
+      fds.resize(n);  // more handles than room: ask again, nothing was counted
+    }
+    lib.ipc_release(ptr);
+    r.pid = pid;
+    r.segment_size = granule;
+    r.fds.assign(fds.begin(), fds.end());
+    return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), goalloc_ipc::encode(r)};
   }
 
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false, "goalloc does not support opening CUDA IPC handles");
+  // getIpcDevPtr opens a handle on the current device, once per distinct
+  // string while anything holds it (as torch's allocator does: a 'c'
+  // handle cannot be opened twice in one process). 'e' is mapped by
+  // goalloc (any sender's: goalloc's or native expandable segments'), 'c'
+  // (a native sender's cudaMalloc segment) by cudaIpcOpenMemHandle. The
+  // pointer is the mapping's base: torch adds the offset.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard<std::mutex> g(ipc_mu_);
+    auto it = ipc_open_.find(handle);
+    if (it != ipc_open_.end()) {
+      if (auto sp = it->second.lock()) return sp;
+    }
+    goalloc_ipc::Parsed h;
+    std::string err;
+    TORCH_CHECK(goalloc_ipc::parse(handle, &h, &err), "goalloc: cannot open ", err);
+    c10::DeviceIndex device = c10::cuda::current_device();
+    void* base = nullptr;
+    std::function<void(void*)> close;
+    if (h.type == goalloc_ipc::kTypeCudaMalloc) {
+      cudaIpcMemHandle_t mh;
+      std::memcpy(&mh, h.cuda_handle.data(), sizeof mh);
+      C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, mh, cudaIpcMemLazyEnablePeerAccess));
+      close = [device](void* p) {
+        c10::cuda::CUDAGuard guard(device);
+        C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+      };
+    } else {
+      base = lib.ipc_import(device, h.range.pid, h.range.segment_size, h.range.fds.data(),
+                            static_cast<int>(h.range.fds.size()));
+      TORCH_CHECK(base != nullptr, "goalloc: opening a CUDA tensor of process ", std::to_string(h.range.pid), ": ",
+                  last_error());
+      close = [device](void* p) {
+        if (lib.ipc_close(device, p) != 0) TORCH_WARN("goalloc: closing a CUDA IPC mapping: ", last_error());
+      };
+    }
+    std::shared_ptr<void> sp(base, [this, handle, close](void* p) {
+      {
+        std::lock_guard<std::mutex> g2(ipc_mu_);
+        auto at = ipc_open_.find(handle);
+        if (at != ipc_open_.end() && at->second.expired()) ipc_open_.erase(at);
+      }
+      close(p);
+    });
+    ipc_open_[handle] = sp;
+    return sp;
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -1390,8 +1479,8 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   };
 
   void check_device(c10::DeviceIndex device) {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "goalloc: device ", static_cast<int>(device),
-                " is outside [0, ", kMaxDevices, ")");
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "goalloc: device ", std::to_string(device), " is outside [0, ",
+                std::to_string(kMaxDevices), ")");
   }
 
   // pool_for finds the pool an allocation on stream goes to: the first
@@ -1445,6 +1534,10 @@ class GoallocAllocator : public CCA::CUDAAllocator {
   std::mutex labels_mu_;  // guards the labels below, by device
   std::vector<std::string> compile_contexts_[kMaxDevices];
   std::string user_metadata_[kMaxDevices];
+  // The CUDA IPC handles open (getIpcDevPtr), by string: one mapping per
+  // string while anything holds it.
+  std::mutex ipc_mu_;
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;
 
   static TraceEntry::Action action(const std::string& s) {
     if (s == "alloc") return TraceEntry::ALLOC;
