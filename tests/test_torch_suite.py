@@ -183,6 +183,25 @@ def test_merge_compares_the_two_allocators(suite: tuple[Path, dict[str, str]], t
     assert [(r["allocator"], r["commit"]) for r in runs[:1]] == [("native", "old")] and len(runs) == 2, runs
 
 
+def test_a_run_of_some_classes_keeps_the_others(suite: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    """--select all over TestCuda replaces TestCuda's outcomes and runs alone:
+    another class's goalloc outcomes, and the run that gave them, stay."""
+    test_file, env = suite
+    out = tmp_path / "both.json"
+    out.write_text(json.dumps({
+        "classes": ["TestCuda", "TestMemPool"],
+        "native": {"TestCuda::test_a_ok1": "passed", "TestMemPool::test_pool": "passed"},
+        "goalloc": {"TestCuda::test_a_ok1": "failed", "TestMemPool::test_pool": "passed"},
+        "runs": [{"allocator": "goalloc", "select": "all", "commit": "old"}]}))
+    p = run(test_file, env, out, "--allocator", "goalloc", "--merge", str(out), "-k", "ok1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert res["goalloc"] == {"TestCuda::test_a_ok1": "passed", "TestMemPool::test_pool": "passed"}
+    assert res["summary"]["regressions"] == [] and res["classes"] == ["TestCuda", "TestMemPool"]
+    assert [(r["commit"], r.get("classes")) for r in res["runs"]][0] == ("old", None), res["runs"]
+    assert res["runs"][1]["classes"] == ["TestCuda"]
+
+
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "nope.py"), "--allocator", "native"],
                        capture_output=True, text=True)

@@ -23,7 +23,7 @@ where that differs.
 The results file (--out) holds {"torch", "revision", "native": {test:
 outcome}, "goalloc": {test: outcome}, "exceptions": {test: reason}, ...};
 --merge takes the other allocator's outcomes from an earlier file, since
-both rarely fit one GPU call. It prints how many of the tests that pass
+both rarely fit one GPU call, and this allocator's of the classes not run. It prints how many of the tests that pass
 under PyTorch's allocator pass under goalloc, and which do not.
 """
 
@@ -284,7 +284,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--select missing or unpassed needs a --merge file")
     got = run_allocator(args, deadline, old.get(args.allocator, {}), old.get("native", {}))
     ran = {short(t) for t in got["outcomes"]}
-    keep = {} if args.select == "all" else old
+    # A run of all tests replaces this allocator's outcomes of the classes it
+    # ran; those of other classes stay, with the runs that gave them.
+    keep = old if args.select != "all" else {
+        k: {t: o for t, o in v.items() if t.split("::")[0] not in args.classes}
+        for k, v in old.items() if isinstance(v, dict)}
 
     def merged(key: str, new: dict[str, Any]) -> dict[str, Any]:
         kept = {t: v for t, v in keep.get(key, {}).items() if t not in ran}
@@ -297,13 +301,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     result[args.allocator + "_slowest"] = {short(t): s for t, s in got["slowest"].items()}
     result["exceptions"] = dict(EXCEPTIONS)
     # Where each allocator's outcomes come from: every run merged into the
-    # file, with its commit and what it selected. A run of all tests replaces
-    # this allocator's outcomes, so its earlier runs no longer apply.
-    runs = [r for r in result.get("runs", []) if args.select != "all" or r.get("allocator") != args.allocator]
+    # file, with its commit, classes and what it selected. A run of all tests
+    # replaces this allocator's earlier runs of classes it covers (a run that
+    # names none covered the file's classes).
+    def replaced(r: dict[str, Any]) -> bool:
+        return (args.select == "all" and r.get("allocator") == args.allocator
+                and set(r.get("classes", old.get("classes", CLASSES))) <= set(args.classes))
+
+    runs = [r for r in result.get("runs", []) if not replaced(r)]
     runs.append({"allocator": args.allocator, "select": args.select, "commit": args.commit or commit(), "tests": len(ran),
-                 "seconds": round(time.time() - started, 1)})
+                 "classes": args.classes, "seconds": round(time.time() - started, 1)})
     result["runs"] = runs
-    result["classes"] = args.classes
+    result["classes"] = list(dict.fromkeys([*old.get("classes", []), *args.classes]))
     passing, missing = compare(result["native"], result["goalloc"])
     excused = [t for t in missing if t in EXCEPTIONS]
     failing = [t for t in missing if t not in EXCEPTIONS]
