@@ -468,8 +468,18 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
         parts.append(f"goalloc reserved over allocated peak (cache and segment slack) {fmt_bytes(res - alloc)}")
     if alloc is not None and req is not None:
         parts.append(f"allocated over requested peak (rounding) {fmt_bytes(alloc - req)}")
-    return [f"  - where {config}'s goes (its own counters; differences of peaks): " + "; ".join(parts) + "."] \
+    lines = [f"  - where {config}'s goes (its own counters; differences of peaks): " + "; ".join(parts) + "."] \
         if parts else []
+    # The same at the device's own peak (DeviceMemory's at_peak): read
+    # together, so the parts add up to what the device held then.
+    used, held, own, alloc = (med("device", "at_peak", k) for k in ("used_over_baseline", "held", "own", "allocated"))
+    at = [(label, a - b) for label, a, b in (("outside the allocator", used, held),
+                                            ("mapped between goalloc's blocks", held, own),
+                                            ("goalloc's cache and slack", own, alloc)) if a is not None and b is not None]
+    if at:
+        lines.append(f"  - at the device's peak ({fmt_bytes(used)} over the idle process; medians): "
+                     + "; ".join(f"{label} {fmt_bytes(v)}" for label, v in at) + ".")
+    return lines
 
 
 # --- training in lockstep (bench/lockstep.py) -----------------------------------------
@@ -623,7 +633,7 @@ def keep_result(res: Any) -> Any:
     own = (a.get("stats") or {}).get("goalloc.own_reserved_bytes.peak")
     if own is not None:
         out["allocator"]["stats"] = {"goalloc.own_reserved_bytes.peak": own}
-    out["device"] = pick(res.get("device"), ("peak_over_baseline", "baseline_used"))
+    out["device"] = pick(res.get("device"), ("peak_over_baseline", "baseline_used", "at_peak"))
     log = res.get("step_log") or []
     if any("goalloc_driver" in e for e in log):  # timed_driver's figures
         out["step_log"] = [{"timed": e.get("timed"), "goalloc_driver": pick(e.get("goalloc_driver"), ("ns", "unmaps"))}

@@ -235,6 +235,18 @@ class Allocator:
             out["device_alloc_ns"] = miss_latency(s)  # None from a library that does not report it
         return out
 
+    def split(self) -> dict[str, Any]:
+        """What holds the device's memory now, by the allocator's counters:
+        what it holds from the driver (held), what of that it counts as its
+        own blocks and segments (own: goalloc's alone; the rest of held is
+        mapped memory between them), and what is handed out (allocated)."""
+        if self.goalloc is not None:
+            s = self.goalloc.memory_stats(0)
+            return {"held": s.get("reserved_bytes.all.current"), "own": s.get("goalloc.own_reserved_bytes.current"),
+                    "allocated": s.get("allocated_bytes.all.current")}
+        s = self.torch.cuda.memory_stats(0)
+        return {"held": s.get("reserved_bytes.all.current"), "allocated": s.get("allocated_bytes.all.current")}
+
     def verify(self) -> dict[str, Any]:
         """What this process really runs, to catch a configuration that did not take."""
         v = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
@@ -247,22 +259,30 @@ class Allocator:
 class DeviceMemory:
     """Peak device memory in use by the driver's count (mem_get_info) over
     the baseline taken right after CUDA starts: the largest of sample()
-    (after every step) and of a background thread sampling every interval_ms."""
+    (after every step) and of a background thread sampling every interval_ms.
+    At each new peak it also asks at_peak (Allocator.split) what holds the
+    memory, so the peak's excess over what was allocated has its parts
+    (read just after the peak's reading: the allocator may have moved on)."""
 
-    def __init__(self, torch: Any, interval_ms: float):
-        self.torch, self.interval = torch, interval_ms / 1000.0
+    def __init__(self, torch: Any, interval_ms: float, at_peak: Optional[Callable[[], dict[str, Any]]] = None):
+        self.torch, self.interval, self.at_peak = torch, interval_ms / 1000.0, at_peak
         self.lock = threading.Lock()
         free, total = torch.cuda.mem_get_info(0)
         self.total, self.baseline = int(total), int(total - free)
         self.peak = self.baseline
+        self.peak_split: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mem-sampler", daemon=True)
 
     def sample(self) -> int:
         free, total = self.torch.cuda.mem_get_info(0)
+        used = int(total - free)
         with self.lock:
-            self.peak = max(self.peak, int(total - free))
-        return int(total - free)
+            if used > self.peak:
+                self.peak = used
+                if self.at_peak is not None:
+                    self.peak_split = {"used_over_baseline": used - self.baseline, **self.at_peak()}
+        return used
 
     def start(self) -> None:
         if self.interval > 0:
@@ -282,7 +302,7 @@ class DeviceMemory:
         with self.lock:
             return {"baseline_used": self.baseline, "peak_used": self.peak,
                     "peak_over_baseline": self.peak - self.baseline, "end_over_baseline": end - self.baseline,
-                    "total": self.total, "interval_ms": self.interval * 1000.0}
+                    "total": self.total, "interval_ms": self.interval * 1000.0, "at_peak": self.peak_split}
 
 
 # --- the workloads ---------------------------------------------------------------
@@ -727,7 +747,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     alloc.setup()  # before anything starts CUDA
     torch.cuda.init()
     torch.cuda.synchronize()
-    mem = DeviceMemory(torch, args.sample_ms)  # the idle baseline: nothing allocated yet
+    mem = DeviceMemory(torch, args.sample_ms, alloc.split)  # the idle baseline: nothing allocated yet
     result["ready_s"] = time.perf_counter() - t0
     result["result"] = run_steps(torch, alloc, mem, args)
     result["verify"] = alloc.verify()

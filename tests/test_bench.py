@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Optional
 
@@ -466,7 +467,13 @@ def test_device_memory_samples_in_a_thread_between_the_steps():
         def mem_get_info(_: int) -> tuple[int, int]:
             return (100 - next(used)) * GiB, 100 * GiB
 
-    mem = workloads.DeviceMemory(type("T", (), {"cuda": Cuda})(), interval_ms=1.0)
+    splits = []
+
+    def split() -> dict[str, int]:  # what the allocator's counters say, asked at each new peak
+        splits.append(len(splits))
+        return {"held": 8 * GiB, "allocated": 7 * GiB}
+
+    mem = workloads.DeviceMemory(type("T", (), {"cuda": Cuda})(), interval_ms=1.0, at_peak=split)
     assert mem.sample() == 5 * GiB  # after a step
     mem.start()
     time.sleep(0.2)
@@ -474,6 +481,8 @@ def test_device_memory_samples_in_a_thread_between_the_steps():
     assert not mem._thread.is_alive()
     f = mem.figures()
     assert f["baseline_used"] == 5 * GiB and f["peak_over_baseline"] == 4 * GiB and f["end_over_baseline"] == GiB
+    assert splits == [0], "asked once: at the one reading that raised the peak"
+    assert f["at_peak"] == {"used_over_baseline": 4 * GiB, "held": 8 * GiB, "allocated": 7 * GiB}
     off = workloads.DeviceMemory(type("T", (), {"cuda": Cuda})(), interval_ms=0)
     off.start()
     off.stop()  # sampling off: no thread to start or stop
@@ -1179,3 +1188,31 @@ def test_keep_writes_a_file_that_renders_the_same_tables(tmp_path: Path):
     assert doc["produced_by"]["kept"].startswith("python3 bench/render.py ") and "--keep" in doc["produced_by"]["kept"]
     assert len(doc["produced_by"]["suites"]) == 2 and len(doc["lockstep"]) == 1
     assert all(set(r) <= set(render.KEEP_RUN) | {"result"} for r in doc["runs"])
+
+
+def test_allocator_split_names_what_holds_the_memory():
+    """goalloc's split has its own blocks apart from what it holds from the
+    driver; PyTorch's has held and allocated."""
+    stats = {"reserved_bytes.all.current": 10, "goalloc.own_reserved_bytes.current": 9,
+             "allocated_bytes.all.current": 8}
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory_stats=lambda d: stats))
+    a = workloads.Allocator(fake_torch, "goalloc-vmm")
+    a.goalloc = types.SimpleNamespace(memory_stats=lambda d: stats)
+    assert a.split() == {"held": 10, "own": 9, "allocated": 8}
+    assert workloads.Allocator(fake_torch, "native").split() == {"held": 10, "allocated": 8}
+
+
+def test_breakdown_at_the_device_peak_adds_up():
+    """Runs that read the allocator at the device's peak get a line whose
+    parts add up to what the device held over the idle process; kept
+    results keep what it reads."""
+    doc = fake_doc()
+    for run in doc["runs"]:
+        if run.get("workload") == "gpt2" and run.get("config") == "goalloc-vmm" and run.get("status") == "ok":
+            run["result"]["device"]["at_peak"] = {"used_over_baseline": 13 << 30, "held": 12 << 30,
+                                                  "own": (12 << 30) - (64 << 20), "allocated": 11 << 30}
+    text = render.render(doc)
+    assert ("  - at the device's peak (13.00 GiB over the idle process; medians): outside the allocator 1.00 GiB; "
+            "mapped between goalloc's blocks 64.0 MiB; goalloc's cache and slack 960.0 MiB.") in text, text
+    kept = render.keep(doc, [])
+    assert any(r["result"]["device"].get("at_peak") for r in kept["runs"] if isinstance(r.get("result"), dict))
