@@ -21,6 +21,7 @@ var (
 	_ StreamGranular = (*SimVMM)(nil)
 	_ Sleeper        = (*SimVMM)(nil)
 	_ Sharer         = (*SimVMM)(nil)
+	_ HeldSplitter   = (*SimVMM)(nil)
 )
 
 // simVMMGranule is the simulated allocation granularity, an H200's.

@@ -172,7 +172,8 @@
 // version of this placement did, wasted about half a granule per live
 // request. On a GPU draining is what keeps held from growing while a
 // step's own frees are still queued (the simulated device completes events
-// at once, so no span drains in its replays).
+// at once, so no span drains in its replays). HeldSplit (vmm_held.go)
+// measures this, span by span, and the replay tool reports it at the peak.
 //
 // # VA and streams
 //

@@ -341,6 +341,9 @@ func (e *vmmSegments) checkTotals(t *checkTally) error {
 	if t.live != e.live || t.live-t.liveAsleep > e.held {
 		return fmt.Errorf("live %d, live spans add up to %d (%d of them asleep), held %d", e.live, t.live, t.liveAsleep, e.held)
 	}
+	if s := e.heldSplit(); s.Parts() != e.held {
+		return fmt.Errorf("held %d, its split %+v adds up to %d", e.held, s, s.Parts())
+	}
 	if t.nLive != e.byBase.Len() {
 		return fmt.Errorf("%d live spans, %d indexed", t.nLive, e.byBase.Len())
 	}

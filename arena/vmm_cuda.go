@@ -40,6 +40,7 @@ var (
 	_ StreamGranular = (*VMM)(nil)
 	_ Sleeper        = (*VMM)(nil)
 	_ Sharer         = (*VMM)(nil)
+	_ HeldSplitter   = (*VMM)(nil)
 )
 
 // Name says what kind of device d is, as the replay tool's results do: a
@@ -231,6 +232,9 @@ func (d *VMM) PeersGranted() ([]int, error) {
 // DriverCalls is DriverProfiler's method: how often, and how long, this
 // device called each driver function.
 func (d *VMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
+
+// HeldSplit is HeldSplitter's method (vmm_held.go): a walk over every span.
+func (d *VMM) HeldSplit() HeldSplit { return d.src.heldSplit() }
 
 // Granularity is the driver's allocation granularity for this device.
 func (d *VMM) Granularity() uint64 { return d.src.gran }

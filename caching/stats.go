@@ -374,6 +374,9 @@ type Fragmentation struct {
 	// had to map for this process's allocations at most.
 	PoolReservedHigh uint64 `json:"pool_reserved_high_bytes"`
 	PoolUsedHigh     uint64 `json:"pool_used_high_bytes"`
+	// Held is what a VMM device holds now, span by span (arena.HeldSplit):
+	// where its bytes beyond goalloc's blocks lie. Nil on other devices.
+	Held *arena.HeldSplit `json:"held,omitempty"`
 }
 
 // Stats returns a copy of the statistics, after collecting completed
@@ -465,6 +468,10 @@ func (a *Allocator) fragmentation() Fragmentation {
 	if u, err := a.mem.PoolUsage(); err == nil {
 		f.PoolReserved, f.PoolUsed = u.ReservedCurrent, u.UsedCurrent
 		f.PoolReservedHigh, f.PoolUsedHigh = u.ReservedHigh, u.UsedHigh
+	}
+	if hs, ok := a.dev.(arena.HeldSplitter); ok {
+		h := hs.HeldSplit()
+		f.Held = &h
 	}
 	return f
 }

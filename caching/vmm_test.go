@@ -178,3 +178,27 @@ func TestStatsCarryTheVMMDriverProfile(t *testing.T) {
 	require.NoError(t, a.Free(p, 4<<20, 0))
 	require.NoError(t, a.Close())
 }
+
+// Fragmentation carries the VMM device's split of what it holds: goalloc's
+// blocks (a live one and a cached one) are its live spans, and the parts
+// add up to the pool's reserved bytes; the stream-ordered pool has none.
+func TestFragmentationCarriesTheHeldSplit(t *testing.T) {
+	dev, err := arena.NewSimVMMWith(0, 1<<30, arena.VMMLayout{Handle: 2 << 20})
+	require.NoError(t, err)
+	a, err := New(dev, DefaultConfig())
+	require.NoError(t, err)
+	p, err := a.Malloc(3<<20, 1)
+	require.NoError(t, err)
+	q, err := a.Malloc(5<<20, 1)
+	require.NoError(t, err)
+	require.NoError(t, a.Free(q, 5<<20, 1))
+	f := a.Fragmentation()
+	require.NotNil(t, f.Held)
+	assert.Equal(t, f.PoolReserved, f.Held.Held)
+	assert.Equal(t, f.Held.Held, f.Held.Parts())
+	assert.Equal(t, uint64(8<<20), f.Held.Live, "the live block and the cached one")
+	require.NoError(t, a.Free(p, 3<<20, 1))
+
+	async, _ := newTestAllocator(t, DefaultConfig())
+	assert.Nil(t, async.Fragmentation().Held)
+}

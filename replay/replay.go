@@ -62,6 +62,10 @@ type Result struct {
 	// reached their peaks.
 	PeakLiveEvent     int `json:"peak_live_event"`
 	PeakReservedEvent int `json:"peak_reserved_event"`
+	// HeldAtPeak is what a VMM device held right after PeakReservedEvent,
+	// span by span (arena.HeldSplit): where the peak's bytes beyond live
+	// lie. Absent for other devices.
+	HeldAtPeak *arena.HeldSplit `json:"held_at_peak,omitempty"`
 
 	// DeviceAllocs and DeviceFrees count the calls that reached the device.
 	DeviceAllocs uint64 `json:"device_allocs"`
@@ -189,6 +193,8 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	ptrs := make([]uintptr, t.Slots)
 	var live, peakLive uint64
 	var fragCost time.Duration
+	split := peakSplit{}
+	split.dev, _ = dev.(arena.HeldSplitter)
 	start := time.Now()
 	for i := range t.Events {
 		ev := &t.Events[i]
@@ -230,6 +236,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		}
 		tl.AllocatorReserved.set(i, cd.counts.Held())
 		tl.PoolReserved.set(i, cd.poolReserved)
+		split.see(cd.poolReserved)
 		if i == t.PeakEvent {
 			// Once per replay; its cost is not the policy's speed.
 			f0 := time.Now()
@@ -237,7 +244,8 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 			fragCost = time.Since(f0)
 		}
 	}
-	elapsed := time.Since(start) - fragCost
+	elapsed := time.Since(start) - fragCost - split.cost
+	res.HeldAtPeak = split.at
 
 	res.PeakLiveBytes = peakLive
 	res.FragmentationAtPeak = res.Fragmentation.Ratio
@@ -250,14 +258,27 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	}
 	res.PeakReservedBytes = u.ReservedHigh
 	res.PeakReservedEvent, _ = tl.PoolReserved.Peak()
+	res.takePeaks(a, peakLive)
+	res.DeviceAllocs, res.DeviceFrees = cd.counts.Allocs(), cd.counts.Frees()
+	if p, ok := dev.(arena.DriverProfiler); ok {
+		res.DriverCalls = p.DriverCalls()
+	}
+	res.takeSpeed(t, elapsed)
+	return res, nil
+}
+
+// takePeaks fills in the policy's own peaks, and the ratio.
+func (res *Result) takePeaks(a reference.Allocator, peakLive uint64) {
 	if pr, ok := a.(reference.PeakReserver); ok {
 		res.AllocatorPeakReservedBytes = pr.PeakReserved()
 	} else {
-		_, res.AllocatorPeakReservedBytes = tl.AllocatorReserved.Peak()
+		_, res.AllocatorPeakReservedBytes = res.Timeline.AllocatorReserved.Peak()
 	}
 	if _, ok := a.(reference.SegmentHolder); ok {
-		// A cudaMalloc-style policy's segments are mapped one by one.
+		// A cudaMalloc-style policy's segments are mapped one by one: the
+		// device's own peak, and its split, are not its figure.
 		res.PeakReservedBytes = res.AllocatorPeakReservedBytes
+		res.HeldAtPeak = nil
 	}
 	if pa, ok := a.(reference.PeakAllocator); ok {
 		res.AllocatorPeakAllocatedBytes = pa.PeakAllocated()
@@ -265,10 +286,10 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	if peakLive > 0 {
 		res.Ratio = float64(res.PeakReservedBytes) / float64(peakLive)
 	}
-	res.DeviceAllocs, res.DeviceFrees = cd.counts.Allocs(), cd.counts.Frees()
-	if p, ok := dev.(arena.DriverProfiler); ok {
-		res.DriverCalls = p.DriverCalls()
-	}
+}
+
+// takeSpeed fills in the replay's speed: elapsed is the replay loop's time.
+func (res *Result) takeSpeed(t *Trace, elapsed time.Duration) {
 	res.ReplaySeconds = elapsed.Seconds()
 	if n := len(t.Events); n > 0 && elapsed > 0 {
 		res.NsPerOp = float64(elapsed.Nanoseconds()) / float64(n)
@@ -277,7 +298,26 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	if total := t.Elapsed + elapsed; total > 0 {
 		res.EndToEndEventsPerSecond = float64(t.Lines) / total.Seconds()
 	}
-	return res, nil
+}
+
+// peakSplit keeps what a VMM device held, span by span (arena.HeldSplit),
+// at each new peak of its reserved bytes: a walk over the spans, whose
+// time (cost) is not the policy's speed.
+type peakSplit struct {
+	dev  arena.HeldSplitter // nil: a device that says nothing of it
+	high uint64
+	at   *arena.HeldSplit
+	cost time.Duration
+}
+
+func (p *peakSplit) see(reserved uint64) {
+	if p.dev == nil || reserved <= p.high {
+		return
+	}
+	t0 := time.Now()
+	s := p.dev.HeldSplit()
+	p.at, p.high = &s, reserved
+	p.cost += time.Since(t0)
 }
 
 // InputWarningNote says, for the report, how many calls the policy carried

@@ -28,6 +28,12 @@ func TestReplayVMM(t *testing.T) {
 			// the device held at its peak: granules and free mapped spans.
 			require.Less(t, r.AllocatorPeakReservedBytes, r.PeakReservedBytes, path)
 			require.GreaterOrEqual(t, r.AllocatorPeakReservedBytes, r.PeakLiveBytes, path)
+			// What the device held at its peak, span by span, adds up to it.
+			h := r.HeldAtPeak
+			require.NotNil(t, h, path)
+			require.Equal(t, r.PeakReservedBytes, h.Held, path)
+			require.Equal(t, h.Held, h.Parts(), path)
+			require.GreaterOrEqual(t, h.Live, r.Timeline.Live[r.PeakReservedEvent], path)
 			// The result carries the device's profile of its driver calls.
 			profiled := map[string]uint64{}
 			for _, c := range r.DriverCalls {
@@ -35,8 +41,8 @@ func TestReplayVMM(t *testing.T) {
 			}
 			require.NotZero(t, profiled["cuMemCreate"], path)
 			require.LessOrEqual(t, profiled["cuMemCreate"], uint64(dev.Calls()["cuMemCreate"]), path)
-			t.Logf("%s, %s: ratio %.4f, %d device allocs, %d frees; driver calls (the final close included) %v",
-				path, conf, r.Ratio, r.DeviceAllocs, r.DeviceFrees, dev.Calls())
+			t.Logf("%s, %s: ratio %.4f, %d device allocs, %d frees; driver calls (the final close included) %v; at the peak %+v",
+				path, conf, r.Ratio, r.DeviceAllocs, r.DeviceFrees, dev.Calls(), *h)
 		}
 	}
 }
@@ -55,4 +61,16 @@ func TestReplayVMMCapReachesTheDevice(t *testing.T) {
 	require.NoError(t, err)
 	require.LessOrEqual(t, r.PeakReservedBytes, uint64(fraction*memory), "the device held more than the cap")
 	t.Logf("physical peak %d under a cap of %d; %d allocations refused", r.PeakReservedBytes, uint64(fraction*memory), r.OOMs)
+}
+
+// A cudaMalloc-style policy's figure is its own segments, not the device's:
+// the replay gives no split of the device's peak for it.
+func TestReplayNoHeldSplitForSegmentPolicies(t *testing.T) {
+	tr, err := Open(bundled[1])
+	require.NoError(t, err)
+	dev, err := arena.NewSimVMM(0, 0)
+	require.NoError(t, err)
+	r, err := Replay(tr, dev, Options{Policy: "native"})
+	require.NoError(t, err)
+	require.Nil(t, r.HeldAtPeak)
 }

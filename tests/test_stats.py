@@ -140,6 +140,11 @@ def test_fragmentation(five_then_free_one):
     assert f.largest_free_block == BLOCK
     assert f.ratio == pytest.approx(1 - BLOCK / free)
     assert f.pool_used_bytes == SEGMENT + 2 * BLOCK
+    # backend:vmm (the default): the device's handles, span by span.
+    h = f.held_split
+    assert h["held"] == f.pool_reserved_bytes
+    assert h["live"] == SEGMENT + 2 * BLOCK, "goalloc's blocks, the cached one too, and the small segment"
+    assert h["held"] == h["live"] + h["free_shared"] + h["free_whole"] + h["pending"]
 
 
 def test_empty_cache_gives_cached_memory_back(raw, five_then_free_one):

@@ -318,6 +318,12 @@ class Fragmentation:
     #: reset_peak_memory_stats: what the device had to map at most.
     pool_reserved_high_bytes: int = 0
     pool_used_high_bytes: int = 0
+    #: On backend:vmm, what the device holds now, span by span: ``held``
+    #: (pool_reserved_bytes) is ``live`` (goalloc's blocks and segments,
+    #: in use or cached) + ``free_shared`` (free ends in handles shared with
+    #: live memory) + ``free_whole`` + ``pending`` (freed on another stream,
+    #: waiting for it); ``free_spans`` counts the free pieces. None elsewhere.
+    held_split: Optional[dict[str, int]] = None
 
 
 def fragmentation(device: Device = None) -> Fragmentation:
@@ -331,6 +337,7 @@ def fragmentation(device: Device = None) -> Fragmentation:
         pool_used_bytes=f["pool_used_bytes"],
         pool_reserved_high_bytes=f.get("pool_reserved_high_bytes", 0),
         pool_used_high_bytes=f.get("pool_used_high_bytes", 0),
+        held_split=f.get("held"),
     )
 
 

@@ -1,0 +1,83 @@
+// What the physical memory a VMM device holds is made of, span by span: the
+// measure behind "what holds the memory beyond live". See vmm.go for the
+// overview ("What it wastes").
+
+package arena
+
+// HeldSplit is the physical memory a VMM device holds, by what its spans
+// are (vmm.go's glossary). Held is Live + FreeShared + FreeWhole +
+// Pending + Asleep: a draining span's granules are mapped at its old VA as
+// well as at the new one, and held counts each handle once, at the new one.
+type HeldSplit struct {
+	Held uint64 `json:"held"`
+	// Live is the spans handed to the layer above: goalloc's blocks and
+	// small segments, in use or cached there.
+	Live uint64 `json:"live"`
+	// FreeShared is the bytes of free spans in granules they share with a
+	// live or pending neighbour: mapped, usable by the segment's stream,
+	// but no handle of it can move. FreeWhole is their granules covered
+	// alone, which the next growth pays with (step 3). FreeSpans counts
+	// the free spans.
+	FreeShared uint64 `json:"free_shared"`
+	FreeWhole  uint64 `json:"free_whole"`
+	FreeSpans  int    `json:"free_spans"`
+	// Pending is spans freed on another stream, waiting for its event;
+	// Draining, spans whose handles were lent (not in Held).
+	Pending  uint64 `json:"pending"`
+	Draining uint64 `json:"draining"`
+	// Asleep is what sleeping segments still map: granules whose release
+	// the driver failed (vmm_sleep.go); nothing otherwise.
+	Asleep uint64 `json:"asleep,omitempty"`
+}
+
+// Parts is what the split adds up to, which is Held.
+func (s HeldSplit) Parts() uint64 { return s.Live + s.FreeShared + s.FreeWhole + s.Pending + s.Asleep }
+
+// HeldSplitter is a device that says what its held memory is made of: the
+// VMM devices.
+type HeldSplitter interface {
+	HeldSplit() HeldSplit
+}
+
+// HeldSplit is HeldSplitter's method: a walk over every span.
+func (d *SimVMM) HeldSplit() HeldSplit { return d.src.heldSplit() }
+
+func (v *vmmSource) heldSplit() HeldSplit {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.eng.heldSplit()
+}
+
+// heldSplit adds up the spans; CheckInvariants checks that the parts make
+// up held.
+func (e *vmmSegments) heldSplit() HeldSplit {
+	out := HeldSplit{Held: e.held}
+	for _, g := range e.segs {
+		if g.asleep {
+			for _, m := range g.mapped {
+				if m {
+					out.Asleep += e.gran
+				}
+			}
+			continue
+		}
+		for id := g.first; id != noSpan; id = g.next(id) {
+			sp := g.span(id)
+			switch sp.state {
+			case spanLive:
+				out.Live += sp.size
+			case spanFree:
+				lo, hi := e.whole(sp)
+				whole := uint64(max(hi, lo) - lo)
+				out.FreeWhole += whole
+				out.FreeShared += sp.size - whole
+				out.FreeSpans++
+			case spanPending:
+				out.Pending += sp.size
+			case spanDraining:
+				out.Draining += sp.size
+			}
+		}
+	}
+	return out
+}
