@@ -476,6 +476,9 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
     at = [(label, a - b) for label, a, b in (("outside the allocator", used, held),
                                             ("mapped between goalloc's blocks", held, own),
                                             ("goalloc's cache and slack", own, alloc)) if a is not None and b is not None]
+    shared, spans = med("device", "at_peak", "held_split", "free_shared"), med("device", "at_peak", "held_split", "free_spans")
+    if shared is not None and spans is not None:
+        at.append((f"of that mapped, free ends of handles shared with live memory ({spans:.0f} free spans)", shared))
     if at:
         lines.append(f"  - at the device's peak ({fmt_bytes(used)} over the idle process; medians): "
                      + "; ".join(f"{label} {fmt_bytes(v)}" for label, v in at) + ".")

@@ -242,8 +242,11 @@ class Allocator:
         mapped memory between them), and what is handed out (allocated)."""
         if self.goalloc is not None:
             s = self.goalloc.memory_stats(0)
+            # On backend:vmm, also the device's handles span by span: what of
+            # held lies in free ends of handles shared with live memory.
             return {"held": s.get("reserved_bytes.all.current"), "own": s.get("goalloc.own_reserved_bytes.current"),
-                    "allocated": s.get("allocated_bytes.all.current")}
+                    "allocated": s.get("allocated_bytes.all.current"),
+                    "held_split": getattr(self.goalloc.fragmentation(0), "held_split", None)}
         s = self.torch.cuda.memory_stats(0)
         return {"held": s.get("reserved_bytes.all.current"), "allocated": s.get("allocated_bytes.all.current")}
 

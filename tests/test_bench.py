@@ -1197,8 +1197,10 @@ def test_allocator_split_names_what_holds_the_memory():
              "allocated_bytes.all.current": 8}
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory_stats=lambda d: stats))
     a = workloads.Allocator(fake_torch, "goalloc-vmm")
-    a.goalloc = types.SimpleNamespace(memory_stats=lambda d: stats)
-    assert a.split() == {"held": 10, "own": 9, "allocated": 8}
+    split = {"held": 10, "live": 9, "free_shared": 1, "free_whole": 0, "free_spans": 1, "pending": 0}
+    a.goalloc = types.SimpleNamespace(memory_stats=lambda d: stats,
+                                      fragmentation=lambda d: types.SimpleNamespace(held_split=split))
+    assert a.split() == {"held": 10, "own": 9, "allocated": 8, "held_split": split}
     assert workloads.Allocator(fake_torch, "native").split() == {"held": 10, "allocated": 8}
 
 
@@ -1210,9 +1212,11 @@ def test_breakdown_at_the_device_peak_adds_up():
     for run in doc["runs"]:
         if run.get("workload") == "gpt2" and run.get("config") == "goalloc-vmm" and run.get("status") == "ok":
             run["result"]["device"]["at_peak"] = {"used_over_baseline": 13 << 30, "held": 12 << 30,
-                                                  "own": (12 << 30) - (64 << 20), "allocated": 11 << 30}
+                                                  "own": (12 << 30) - (64 << 20), "allocated": 11 << 30,
+                                                  "held_split": {"free_shared": 60 << 20, "free_spans": 7}}
     text = render.render(doc)
     assert ("  - at the device's peak (13.00 GiB over the idle process; medians): outside the allocator 1.00 GiB; "
-            "mapped between goalloc's blocks 64.0 MiB; goalloc's cache and slack 960.0 MiB.") in text, text
+            "mapped between goalloc's blocks 64.0 MiB; goalloc's cache and slack 960.0 MiB; of that mapped, free ends "
+            "of handles shared with live memory (7 free spans) 60.0 MiB.") in text, text
     kept = render.keep(doc, [])
     assert any(r["result"]["device"].get("at_peak") for r in kept["runs"] if isinstance(r.get("result"), dict))
