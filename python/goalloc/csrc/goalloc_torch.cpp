@@ -165,9 +165,10 @@ struct GoString {
 
 // Messages reach TORCH_CHECK and TORCH_WARN as strings alone: a number is
 // written with std::to_string first, never to the stream they build the
-// message on. On the H200 machine an integer written to that stream crashed
-// the process (SIGSEGV in ostream's integer insertion, inside this module)
-// where the check was to raise; tests/test_cxx_messages.py holds the rule.
+// message on. Where the compiler links its own copy of libstdc++ into this
+// module, an integer written to that stream can crash the process (ostream's
+// integer insertion) where the check was to raise; tests/test_cxx.py holds
+// the rule.
 std::string pool_name(c10::MempoolId_t id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }
