@@ -46,6 +46,16 @@ func (g *captureGate) RecordEvent(e Event, s Stream) error {
 	return g.PhysDriver.RecordEvent(e, s)
 }
 
+// StreamWaitEvent is refused too: a stream being captured may not wait for
+// an event recorded outside the capture, and which stream is captured is
+// not known here.
+func (g *captureGate) StreamWaitEvent(s Stream, e Event) error {
+	if g.underway.Load() {
+		return ErrCaptureUnderway
+	}
+	return g.PhysDriver.StreamWaitEvent(s, e)
+}
+
 // FreeVA is refused too: whether the driver allows cuMemAddressFree during
 // a capture is not known here, and a segment that keeps its VA a while
 // costs nothing (it is tried again at the next Trim).

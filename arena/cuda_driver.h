@@ -771,6 +771,10 @@ static inline gx_ret gx_host_free(uintptr_t ctx, uintptr_t p) {
 // gx_stream_wait_event makes stream wait for ev (made in ectx, which may be
 // another device's context: a stream may wait for any context's event).
 static inline gx_ret gx_stream_wait_event(uintptr_t ctx, uintptr_t stream, uintptr_t ev) {
+	if (p_cuStreamWaitEvent == NULL) {
+		gx_ret none = { { 0, 0, 0, 0 }, 801, GX_MAIN }; // CUDA_ERROR_NOT_SUPPORTED: a driver without it
+		return none;
+	}
 	GX_BEGIN(ctx)
 	out.res = p_cuStreamWaitEvent((CUstream)stream, (CUevent)ev, 0);
 	GX_END()

@@ -39,13 +39,14 @@ const (
 	callEventQuery
 	callEventDestroy
 	callIsCapturing
+	callStreamWait
 	numDriverCalls
 )
 
 var driverCallNames = [numDriverCalls]string{
 	"cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate", "cuMemRelease", "cuMemMap",
 	"cuMemUnmap", "cuMemSetAccess", "cuEventCreate", "cuEventRecord", "cuEventQuery", "cuEventDestroy",
-	"cuStreamIsCapturing",
+	"cuStreamIsCapturing", "cuStreamWaitEvent",
 }
 
 // DriverCallStat is how often one driver function was called, and the
@@ -131,6 +132,11 @@ func (t *timedPhys) NewEvent() (Event, error) {
 func (t *timedPhys) RecordEvent(e Event, s Stream) error {
 	defer t.done(callEventRecord, time.Now())
 	return t.PhysDriver.RecordEvent(e, s)
+}
+
+func (t *timedPhys) StreamWaitEvent(s Stream, e Event) error {
+	defer t.done(callStreamWait, time.Now())
+	return t.PhysDriver.StreamWaitEvent(s, e)
 }
 
 func (t *timedPhys) EventDone(e Event) (bool, error) {

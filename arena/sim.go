@@ -55,6 +55,16 @@ type Sim struct {
 type simStream struct {
 	enqueued  uint64 // position of the last operation put on the stream
 	completed uint64 // position of the last operation that has finished
+	// waits are the stream's waits for other streams' events
+	// (StreamWaitEvent) not yet known met, oldest first: the work from a
+	// wait's position on completes only after its event.
+	waits []simWait
+}
+
+type simWait struct {
+	pos    uint64 // the first operation that waits
+	stream Stream // the event's stream, and its position there
+	seq    uint64
 }
 
 type simEvent struct {
@@ -90,7 +100,7 @@ func (d *Sim) SetManual(manual bool) {
 	if !manual {
 		for s, st := range d.streams {
 			if !d.stalled[s] {
-				st.completed = st.enqueued
+				st.completed, st.waits = st.enqueued, nil
 			}
 		}
 	}
@@ -121,12 +131,30 @@ func (d *Sim) Launch(s Stream) {
 	d.enqueue(s)
 }
 
+// Enqueued is the position of the last operation put on s: Complete
+// through it finishes what was enqueued up to now.
+func (d *Sim) Enqueued(s Stream) uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.stream(s).enqueued
+}
+
+// CompleteThrough finishes the work enqueued on s up to position pos
+// (Enqueued's), as a device running behind the host does.
+func (d *Sim) CompleteThrough(s Stream, pos uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.stalled[s] {
+		d.completeThrough(s, pos)
+	}
+}
+
 // Complete finishes all work enqueued on s so far.
 func (d *Sim) Complete(s Stream) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if st := d.stream(s); !d.stalled[s] {
-		st.completed = st.enqueued
+		d.completeThrough(s, st.enqueued)
 	}
 }
 
@@ -151,9 +179,54 @@ func (d *Sim) enqueue(s Stream) uint64 {
 	st := d.stream(s)
 	st.enqueued++
 	if !d.manual && !d.stalled[s] {
-		st.completed = st.enqueued
+		d.completeThrough(s, st.enqueued)
 	}
 	return st.enqueued
+}
+
+// completeThrough finishes s's work up to pos, or up to its first wait for
+// an event still to complete.
+func (d *Sim) completeThrough(s Stream, pos uint64) {
+	st := d.stream(s)
+	for len(st.waits) > 0 {
+		w := st.waits[0]
+		if w.pos > pos || d.stream(w.stream).completed >= w.seq {
+			if w.pos > pos {
+				break
+			}
+			st.waits = st.waits[1:]
+			continue
+		}
+		pos = w.pos - 1
+		break
+	}
+	st.completed = max(st.completed, min(pos, st.enqueued))
+}
+
+// StreamWaitEvent makes the work put on s from now on complete only after
+// e: on a device that runs behind its host (manual mode), a stream that
+// waits for a busy one is held up by it.
+func (d *Sim) StreamWaitEvent(s Stream, e Event) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ev, ok := d.events[e]
+	if !ok {
+		return fmt.Errorf("sim: cuStreamWaitEvent on unknown event %d", e)
+	}
+	if d.capture[s] == CaptureActive {
+		return d.breakCaptures("cuStreamWaitEvent on a stream being captured, for an event recorded outside it")
+	}
+	// The wait is an operation of s's, which an event recorded after it
+	// covers, as cuEventRecord covers a stream's earlier waits.
+	st := d.stream(s)
+	st.enqueued++
+	if ev.recorded && d.stream(ev.stream).completed < ev.seq {
+		st.waits = append(st.waits, simWait{pos: st.enqueued, stream: ev.stream, seq: ev.seq})
+	}
+	if !d.manual && !d.stalled[s] {
+		d.completeThrough(s, st.enqueued)
+	}
+	return nil
 }
 
 func (d *Sim) completed(s Stream) uint64 { return d.stream(s).completed }
@@ -369,8 +442,20 @@ func (d *Sim) WaitEvent(e Event) error {
 	if d.stalled[ev.stream] {
 		return fmt.Errorf("sim: cuEventSynchronize would hang: stream %#x is stalled before event %d", ev.stream, e)
 	}
-	st.completed = ev.seq
+	d.forceThrough(ev.stream, ev.seq)
 	return nil
+}
+
+// forceThrough finishes s's work up to pos and, first, the work of the
+// streams it waits for there, as the host's wait for it would.
+func (d *Sim) forceThrough(s Stream, pos uint64) {
+	st := d.stream(s)
+	for _, w := range st.waits {
+		if w.pos <= pos && !d.stalled[w.stream] && d.stream(w.stream).completed < w.seq {
+			d.forceThrough(w.stream, w.seq)
+		}
+	}
+	d.completeThrough(s, pos)
 }
 
 func (d *Sim) DestroyEvent(e Event) error {
@@ -400,7 +485,7 @@ func (d *Sim) Synchronize() error {
 	hung := 0
 	for s, st := range d.streams {
 		if !d.stalled[s] {
-			st.completed = st.enqueued
+			st.completed, st.waits = st.enqueued, nil
 		} else if st.completed < st.enqueued {
 			hung++
 		}

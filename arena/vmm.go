@@ -71,8 +71,9 @@
 //   - Handles are large (DefaultVMMHandle): fewer of them, so fewer calls,
 //     for the price of memory wasted where free memory meets live memory,
 //     since only whole handles move.
-//   - Events are polled, never waited on: memory whose last use may still
-//     run is neither unmapped nor handed to another stream.
+//   - Events are polled, never waited on by the host: memory whose last
+//     use may still run is never unmapped, and another stream gets it
+//     only by waiting for it on the device (step 3).
 //
 // # Segments and spans
 //
@@ -114,22 +115,30 @@
 //     address on a tie. Access is set once over the new granules. What
 //     they hold beyond the request, less than a granule, is a free span
 //     that the next request of s starts in.
-//  3. Before mapping, the new granules are paid for: complete free spans
-//     elsewhere (other segments, or this one where not part of the
-//     request), the largest first, give up their whole granules from the
-//     tail, unmapped; their handles map at the new place. Then s's own
-//     free spans whose last use may still run (on a GPU the CPU runs
-//     ahead, so this step's earlier frees usually have), the largest
-//     first, lend the handles of their whole granules' tail: mapped at the
-//     new place too (a handle may be mapped at several VAs), the tail
-//     draining at the old. This is safe because the request's work is
-//     queued on s after the free, so after every use of the old VA; the
-//     pieces of a span left free (before the lent granules, and its end in
-//     a shared granule) each get an event recorded now on s. Only what
+//  3. Before mapping, the new granules are paid for by free memory, s's
+//     own first: its free spans (of its segments and tag) whose last use
+//     has completed give up their whole granules from the tail, unmapped,
+//     their handles mapped at the new place; then those whose last use
+//     may still run (on a GPU the host runs ahead, so this step's earlier
+//     frees usually do), the largest first, lend the handles of their
+//     whole granules' tail: mapped at the new place too (a handle may be
+//     mapped at several VAs), the tail draining at the old. This is safe
+//     because the request's work is queued on s after the free, so after
+//     every use of the old VA; the pieces of a span left free (before the
+//     lent granules, and its end in a granule it shares) each get an event
+//     recorded now on s. Next, other streams' complete free spans pay,
+//     whatever their tag; last, other streams' free spans of the same tag
+//     still in use lend, once s waits for the event of their free
+//     (StreamWaitEvent), as a stream-ordered pool reuses another stream's
+//     frees by adding a dependency: that wait holds s's later work back
+//     until the other stream has run up to the free, which only a miss
+//     that would otherwise create memory pays. Own memory goes first
+//     because a stream whose complete memory is taken while its own frees
+//     still run can only create more: FSDP's all-gather stream did so for
+//     every layer while the compute stream's frees sat free. Only what
 //     nothing free can pay for is created, so held memory grows only when
-//     nothing held is free (and complete, but for s's own). A span whose
-//     last use may still run is never unmapped, and other streams' spans
-//     in use stay untouched.
+//     nothing held is free. A span whose last use may still run is never
+//     unmapped.
 //  4. When the cap cannot be met even after that, or held would pass the
 //     device's memory, Alloc fails with ErrOutOfMemory before any driver
 //     call. When the device says no (cuMemCreate), what was unmapped to
@@ -286,6 +295,10 @@ type PhysDriver interface {
 	// CaptureStatus, as Runtime has it: an event is never recorded on a
 	// stream being captured (it would join the graph).
 	CaptureStatus(s Stream) (CaptureStatus, error)
+	// StreamWaitEvent makes the work queued on s from now on wait for e
+	// (cuStreamWaitEvent): another stream's memory then serves s before
+	// its last use has run (step 3).
+	StreamWaitEvent(s Stream, e Event) error
 }
 
 // anyStream is the stream of memory taken outside a capture

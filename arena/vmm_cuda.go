@@ -106,6 +106,13 @@ func (p *cudaPhys) CaptureStatus(s Stream) (CaptureStatus, error) {
 	return p.rt.CaptureStatus(s)
 }
 
+// StreamWaitEvent is cuStreamWaitEvent, of e or of its stand-in in another
+// context (cudaRuntime.standIns).
+func (p *cudaPhys) StreamWaitEvent(s Stream, e Event) error {
+	ev, _ := p.rt.lookupStandIn(e)
+	return check("cuStreamWaitEvent", C.gx_stream_wait_event(p.rt.ctx, C.uintptr_t(s), ev))
+}
+
 // DestroyEvent is also called by the source's close, after VMM.Close has
 // marked the device closed.
 func (p *cudaPhys) DestroyEvent(e Event) error { return p.rt.destroyEvent(e) }
@@ -143,13 +150,6 @@ func (p cudaCopier) NewCopyStream() (Stream, error) {
 
 func (p cudaCopier) DestroyCopyStream(s Stream) error {
 	return check("cuStreamDestroy", C.gx_stream_destroy(p.rt.ctx, C.uintptr_t(s)))
-}
-
-// StreamWaitEvent is cuStreamWaitEvent, of e or of its stand-in in another
-// context (cudaRuntime.standIns).
-func (p cudaCopier) StreamWaitEvent(s Stream, e Event) error {
-	ev, _ := p.rt.lookupStandIn(e)
-	return check("cuStreamWaitEvent", C.gx_stream_wait_event(p.rt.ctx, C.uintptr_t(s), ev))
 }
 
 // CopyToHost is cuMemcpyDtoHAsync_v2 into pinned memory, queued on s.

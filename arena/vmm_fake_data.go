@@ -259,12 +259,15 @@ func (f *FakePhys) CopyStreams() int {
 	return len(f.streams)
 }
 
-// StreamWaitEvent orders nothing on the simulated device (see above); it
-// checks that e exists.
+// StreamWaitEvent orders s after e on a simulated device that models
+// ordering (arena.Sim); on another it checks that e exists.
 func (f *FakePhys) StreamWaitEvent(s Stream, e Event) error {
 	f.mu.Lock()
 	f.Calls["cuStreamWaitEvent"]++
 	f.mu.Unlock()
+	if w, ok := f.rt.(interface{ StreamWaitEvent(Stream, Event) error }); ok {
+		return w.StreamWaitEvent(s, e)
+	}
 	_, err := f.rt.EventDone(e)
 	return err
 }

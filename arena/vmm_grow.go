@@ -118,13 +118,10 @@ type growth struct {
 	f      fill
 	newSeg bool
 	// pays are the free spans that pay for f's new granules (step 3):
-	// complete ones, unmapped by the map step, and s's own still in use,
+	// complete ones, unmapped by the map step, and those still in use,
 	// which lend (drain). paid is their bytes, with the spare handles'.
 	pays []segPay
 	paid uint64
-	// later are s's own free spans whose last use may still run, the
-	// largest first: they lend once complete memory has paid what it can.
-	later []segRef
 	// borrowed are the handles the lending spans' tails lend, in the order
 	// they map at f.run, first.
 	borrowed []PhysHandle
@@ -144,11 +141,7 @@ func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
 		gr.newSeg = true
 		gr.f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
 	}
-	if err := e.payComplete(gr); err != nil {
-		return 0, err
-	}
-	if err := e.lend(gr); err != nil {
-		e.unpay(gr.pays)
+	if err := e.payOrLend(gr); err != nil {
 		return 0, err
 	}
 	if err := e.afford(gr); err != nil {
@@ -163,27 +156,52 @@ func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
 	return e.commit(gr.f, n, gr.pays), nil
 }
 
-// payComplete is step 3's first half: the free spans whose last use has
-// completed pay, the largest first, with the tail of their whole granules
-// (unmapped by the map step; their handles map at the new place), whatever
-// their tag: an unmapped handle holds nothing of anyone's. The spans of
-// the request's own share (its stream and tag) still in use are set aside
-// to lend; a span with a handle still mapped in a draining span does not
-// pay.
-func (e *vmmSegments) payComplete(gr *growth) error {
+// payOrLend is step 3: free memory pays for f's new granules, the
+// request's own share first. Its own free spans pay, complete ones
+// unmapped and the rest lending; then other shares' complete spans; then
+// other streams' spans still in use lend, once s waits for their frees.
+// Taking its own memory first leaves other streams theirs: a stream whose
+// free memory is taken while its own frees are still in use by the work
+// queued on it can only create more.
+func (e *vmmSegments) payOrLend(gr *growth) error {
 	gr.paid = uint64(len(e.spare)) * e.gran
-	for _, c := range e.payCandidates(gr.f) {
+	cands := e.payCandidates(gr.f)
+	for _, own := range []bool{true, false} {
+		later, err := e.payComplete(gr, cands, own)
+		if err == nil {
+			err = e.lend(gr, later)
+		}
+		if err != nil {
+			e.unpay(gr.pays)
+			return err
+		}
+	}
+	return nil
+}
+
+// payComplete pays with the candidates of the request's share (own) or of
+// the others whose last use has completed, the largest first, with the
+// tail of their whole granules (unmapped by the map step; their handles
+// map at the new place), whatever their tag: an unmapped handle holds
+// nothing of anyone's. It returns those still in use that may lend: of
+// the request's stream and tag, or of another stream and the same tag. A
+// span with a handle still mapped in a draining span does not pay.
+func (e *vmmSegments) payComplete(gr *growth, cands []segRef, own bool) (later []segRef, err error) {
+	for _, c := range cands {
 		if gr.paid >= gr.f.need {
 			break
+		}
+		if mine := c.g.stream == gr.s && c.g.tag == gr.tag && gr.s != anyStream; mine != own {
+			continue
 		}
 		sp := c.g.span(c.id)
 		done, err := e.spanDone(sp)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if !done {
-			if c.g.stream == gr.s && c.g.tag == gr.tag && gr.s != anyStream {
-				gr.later = append(gr.later, c)
+			if c.g.tag == gr.tag && gr.s != anyStream && c.g.stream != anyStream {
+				later = append(later, c)
 			}
 			continue
 		}
@@ -194,17 +212,20 @@ func (e *vmmSegments) payComplete(gr *growth) error {
 		gr.pays = append(gr.pays, segPay{g: c.g, id: c.id, bytes: take})
 		gr.paid += take
 	}
-	return nil
+	return later, nil
 }
 
-// lend is step 3's second half: s's own free spans whose last use may
-// still run, the largest first, lend the handles of their whole granules'
-// tail. Their work and the request's are ordered on s, so the handles
-// serve it at once, mapped at both places until the free completes. While
-// a capture is underway nothing lends (no event can be recorded): what is
-// missing is created.
-func (e *vmmSegments) lend(gr *growth) error {
-	for _, c := range gr.later {
+// lend is step 3's second half: free spans whose last use may still run,
+// the largest first, lend the handles of their whole granules' tail,
+// mapped at both places until the free completes. The request's work is
+// queued on s after that last use: a span of s's own was freed on s, and
+// for another stream's s first waits for the span's event
+// (StreamWaitEvent), the way a stream-ordered pool reuses another
+// stream's frees by adding a dependency. While a capture is underway
+// nothing lends (no event can be recorded or waited for): what is missing
+// is created.
+func (e *vmmSegments) lend(gr *growth, later []segRef) error {
+	for _, c := range later {
 		if gr.paid >= gr.f.need {
 			break
 		}
@@ -219,10 +240,17 @@ func (e *vmmSegments) lend(gr *growth) error {
 		_, hi := e.whole(sp)
 		take := min(e.wholeBytes(c), gr.f.need-gr.paid)
 		p := segPay{g: c.g, id: c.id, bytes: take, drain: true}
-		if err := e.recordPieces(&p, gr.s); err != nil {
-			if errors.Is(err, ErrCaptureUnderway) {
-				return nil
-			}
+		err := error(nil)
+		if c.g.stream != gr.s {
+			err = e.drv.StreamWaitEvent(gr.s, sp.event)
+		}
+		if err == nil {
+			err = e.recordPieces(&p, gr.s)
+		}
+		if errors.Is(err, ErrCaptureUnderway) {
+			return nil
+		}
+		if err != nil {
 			return err
 		}
 		for va := hi - uintptr(take); va < hi; va += uintptr(e.gran) {
@@ -236,7 +264,8 @@ func (e *vmmSegments) lend(gr *growth) error {
 
 // recordPieces gives each piece of p's span left free around the lent
 // tail (before it, and the span's end in a granule it shares) an event
-// recorded now on s, after the free's. On an error the events it took go
+// recorded now on s, the request's stream, after the free's (after s's
+// wait for it, for another stream's span). On an error the events it took go
 // back to the spare ones.
 func (e *vmmSegments) recordPieces(p *segPay, s Stream) error {
 	sp := p.g.span(p.id)

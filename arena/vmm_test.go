@@ -85,7 +85,7 @@ func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
 	d.phys.OnMap = func(va uintptr, size uint64, ph PhysHandle) error {
 		for off := uint64(0); off < size; off += simVMMGranule {
 			u, ok := h.lastPhys[physCell{ph, off}]
-			if ok && !h.completed(u) && (u.s != h.allocStream || h.allocStream == anyStream) {
+			if ok && !h.orderedBefore(u, h.allocStream) {
 				h.violations = append(h.violations, fmt.Sprintf("handle %d+%d mapped for stream %d before stream %d reached %d",
 					ph, off, h.allocStream, u.s, u.seq))
 			}
@@ -99,6 +99,36 @@ func (h *vmmHarness) completed(u use) bool {
 	h.d.mu.Lock()
 	defer h.d.mu.Unlock()
 	return h.d.completed(u.s) >= u.seq
+}
+
+// orderedBefore says use u comes before whatever stream s runs from now
+// on: it has completed, or it is s's own (anyStream's work is no stream's),
+// or s waits for an event of a stream whose work up to it is ordered after
+// u (StreamWaitEvent, followed from stream to stream).
+func (h *vmmHarness) orderedBefore(u use, s Stream) bool {
+	if h.completed(u) || (u.s == s && s != anyStream) {
+		return true
+	}
+	h.d.mu.Lock()
+	defer h.d.mu.Unlock()
+	return h.waitsFor(u, s, ^uint64(0), 0)
+}
+
+// waitsFor says s's work up to pos waits, directly or through other
+// streams' waits, for u's stream to reach u.
+func (h *vmmHarness) waitsFor(u use, s Stream, pos uint64, depth int) bool {
+	if s == u.s && pos >= u.seq {
+		return true
+	}
+	if depth > 8 {
+		return false
+	}
+	for _, w := range h.d.stream(s).waits {
+		if w.pos <= pos && h.waitsFor(u, w.stream, w.seq, depth+1) {
+			return true
+		}
+	}
+	return false
 }
 
 func (h *vmmHarness) position(s Stream) uint64 {
@@ -170,7 +200,7 @@ func (h *vmmHarness) allocTagged(size uint64, s Stream, tag Tag) (uintptr, error
 	h.writeCookie(p)
 	for _, c := range h.cells(p, max(size, 1)) {
 		h.shadow[c] = h.cookie
-		if u, ok := h.lastCell[c]; ok && !h.completed(u) && (u.s != s || s == anyStream) {
+		if u, ok := h.lastCell[c]; ok && !h.orderedBefore(u, s) {
 			h.violations = append(h.violations, fmt.Sprintf("%#x handed to stream %d before stream %d reached %d", p, s, u.s, u.seq))
 		}
 	}
@@ -321,10 +351,12 @@ func TestVMMRandomOps(t *testing.T) {
 	if n, err := strconv.Atoi(os.Getenv("GOALLOC_VMM_SEEDS")); err == nil && n > 0 {
 		seeds = int64(n) // more seeds, for a hunt: GOALLOC_VMM_SEEDS=500 go test -run TestVMMRandomOps ./arena
 	}
-	var sleeps, wakes, wakeOOMs, asleepFrees int
+	var sleeps, wakes, wakeOOMs, asleepFrees, crossLends int
 	defer func() {
-		t.Logf("%d sleeps, %d wakes, %d wakes out of memory, %d frees of sleeping blocks", sleeps, wakes, wakeOOMs, asleepFrees)
+		t.Logf("%d sleeps, %d wakes, %d wakes out of memory, %d frees of sleeping blocks, %d waits for another stream's frees",
+			sleeps, wakes, wakeOOMs, asleepFrees, crossLends)
 		assert.True(t, sleeps > 0 && wakes > 0 && asleepFrees > 0, "the steps slept, woke and freed sleeping blocks")
+		assert.Positive(t, crossLends, "another stream's frees still in use served a request")
 	}()
 	for seed := int64(1); seed <= seeds; seed++ {
 		t.Run(fmt.Sprint(seed), func(t *testing.T) {
@@ -377,6 +409,11 @@ func TestVMMRandomOps(t *testing.T) {
 			}
 			h.wakeAll()
 			sleeps, wakes, wakeOOMs, asleepFrees = sleeps+h.sleeps, wakes+h.wakes, wakeOOMs+h.wakeOOMs, asleepFrees+h.asleepFrees
+			for _, c := range h.d.DriverCalls() { // the placement's calls, not sleep's copies
+				if c.Name == "cuStreamWaitEvent" {
+					crossLends += int(c.Count)
+				}
+			}
 			keys := make([]uintptr, 0, len(h.live))
 			for q := range h.live {
 				keys = append(keys, q)

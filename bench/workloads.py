@@ -587,15 +587,17 @@ def run_steps(torch: Any, alloc: Optional[Allocator], mem: Optional[DeviceMemory
     out: dict[str, Any] = {"unit": UNITS.get(workload, "tokens"), "warmup": warmup,
                            "steps": args.steps, "limits": limits, "planned_shapes": len(planned)}
     log: list[dict[str, Any]] = []
-    t_build = time.perf_counter()
-    step = BUILDERS[workload](torch, dev, tiny=not cuda)
-    sync()
-    out["build_s"] = time.perf_counter() - t_build
-    if mem is not None:
-        mem.start()
     threads_before: dict[int, tuple[str, float]] = {}
     turns = Turns(args.turns) if args.turns else None
+    # The history starts before the model is built: a replay of it holds
+    # everything the process allocated, as the GPU's figures do.
     with recording_history(torch, alloc, args.record_history, out):
+        t_build = time.perf_counter()
+        step = BUILDERS[workload](torch, dev, tiny=not cuda)
+        sync()
+        out["build_s"] = time.perf_counter() - t_build
+        if mem is not None:
+            mem.start()
         for i, shape in enumerate(shapes):
             if turns is not None:
                 turns.wait()

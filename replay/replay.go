@@ -16,6 +16,9 @@ type Options struct {
 	Policy string
 	// Conf is a GOALLOC_CONF string for the goalloc policy.
 	Conf string
+	// DeviceLag is how far, in microseconds of the trace's clock, the
+	// simulated device runs behind the host (deviceLag); 0: none.
+	DeviceLag int64
 }
 
 // Result is what one replay of one trace on one policy measured.
@@ -176,6 +179,11 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	if name == "goalloc" {
 		res.Conf = opt.Conf
 	}
+	lag, err := newDeviceLag(dev, t, opt.DeviceLag)
+	if err != nil {
+		dev.Close()
+		return nil, err
+	}
 	cd := newCountingDevice(dev)
 	a, err := reference.New(name, cd.asDevice(), opt.Conf)
 	if err != nil {
@@ -198,6 +206,9 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	start := time.Now()
 	for i := range t.Events {
 		ev := &t.Events[i]
+		if lag != nil {
+			lag.before(ev.T)
+		}
 		switch ev.Op {
 		case OpAlloc:
 			p, err := a.Malloc(ev.Size, ev.Stream)
@@ -229,6 +240,9 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 				res.InputWarnings++
 			}
 			live -= ev.Size
+		}
+		if lag != nil {
+			lag.after(ev.Stream, ev.T)
 		}
 		tl.Live[i] = live
 		if live > peakLive {

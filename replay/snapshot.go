@@ -718,7 +718,7 @@ func (s *snapshotReader) replayTrace(events []snapEvent, initial []liveBlock) (*
 			continue
 		}
 		t.Actions[e.act]++
-		if err := p.apply(&rawEvent{act: e.act, addr: e.addr, size: e.size, stream: e.stream}); err != nil {
+		if err := p.apply(&rawEvent{act: e.act, addr: e.addr, size: e.size, stream: e.stream, t: e.timeUs}); err != nil {
 			return nil, fmt.Errorf("%s: %w", s.where(i), err)
 		}
 	}

@@ -58,6 +58,9 @@ type Event struct {
 	Slot   int32
 	Line   int32 // where in the file, for error messages (Trace.where)
 	Op     Op
+	// T is when the process made the call, in microseconds (the line's
+	// "t"; 0 where the trace has none).
+	T int64
 }
 
 // Trace is a parsed trace.
@@ -481,7 +484,7 @@ func (p *parser) apply(ev *rawEvent) error {
 			t.Slots++
 		}
 		p.ids[ev.addr] = liveID{slot: slot, line: int32(p.line), size: ev.size}
-		t.Events = append(t.Events, Event{Size: ev.size, Stream: arena.Stream(ev.stream), Slot: slot, Line: int32(p.line), Op: OpAlloc})
+		t.Events = append(t.Events, Event{Size: ev.size, Stream: arena.Stream(ev.stream), Slot: slot, Line: int32(p.line), Op: OpAlloc, T: ev.t})
 		p.live += ev.size
 		if p.live > t.PeakLive {
 			t.PeakLive, t.PeakEvent = p.live, len(t.Events)-1
@@ -497,7 +500,7 @@ func (p *parser) apply(ev *rawEvent) error {
 		}
 		delete(p.ids, ev.addr)
 		p.freeSlots = append(p.freeSlots, id.slot)
-		t.Events = append(t.Events, Event{Size: id.size, Stream: arena.Stream(ev.stream), Slot: id.slot, Line: int32(p.line), Op: OpFree})
+		t.Events = append(t.Events, Event{Size: id.size, Stream: arena.Stream(ev.stream), Slot: id.slot, Line: int32(p.line), Op: OpFree, T: ev.t})
 		p.live -= id.size
 	}
 	return nil

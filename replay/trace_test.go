@@ -65,11 +65,11 @@ func TestOpenSmallTrace(t *testing.T) {
 		require.Equal(t, 8, tr.Lines)
 		require.Equal(t, 1, tr.SegmentAllocs())
 		require.Equal(t, []Event{
-			{Size: 1024, Slot: 0, Line: 3, Op: OpAlloc},
-			{Size: 2048, Slot: 1, Line: 4, Op: OpAlloc},
-			{Size: 1024, Slot: 0, Line: 6, Op: OpFree},
-			{Size: 512, Slot: 0, Line: 7, Op: OpAlloc}, // slot 0 reused
-			{Size: 2048, Slot: 1, Line: 9, Op: OpFree},
+			{Size: 1024, Slot: 0, Line: 3, Op: OpAlloc, T: 1000},
+			{Size: 2048, Slot: 1, Line: 4, Op: OpAlloc, T: 1000},
+			{Size: 1024, Slot: 0, Line: 6, Op: OpFree, T: 1000},
+			{Size: 512, Slot: 0, Line: 7, Op: OpAlloc, T: 1000}, // slot 0 reused
+			{Size: 2048, Slot: 1, Line: 9, Op: OpFree, T: 1000},
 		}, tr.Events)
 		require.Equal(t, 2, tr.Slots)
 		require.Equal(t, uint64(3072), tr.PeakLive)
@@ -87,8 +87,8 @@ func TestOpenTolerates(t *testing.T) {
 	tr, err := Open(writeFile(t, "t.jsonl", text))
 	require.NoError(t, err)
 	require.Equal(t, []Event{
-		{Size: 512, Stream: 9, Line: 3, Op: OpAlloc},
-		{Size: 512, Stream: 9, Line: 5, Op: OpFree},
+		{Size: 512, Stream: 9, Line: 3, Op: OpAlloc, T: 5},
+		{Size: 512, Stream: 9, Line: 5, Op: OpFree}, // no "t": 0
 	}, tr.Events)
 }
 

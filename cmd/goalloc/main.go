@@ -80,6 +80,8 @@ Flags:
   --sim-memory BYTES   the simulated device's memory, e.g. 80G (default: $GOALLOC_SIM_MEMORY,
                        else %s)
   --device-index N     the device of a memory snapshot to replay (default: the first with events)
+  --device-lag D       run the simulated device D (e.g. 10ms) of the trace's clock behind the
+                       calls, as a GPU runs behind its host: frees complete that much later
   --max-input-bytes BYTES
                        the largest trace read, after gunzip (default %s); a larger one is refused
   --max-line-bytes BYTES
@@ -146,6 +148,8 @@ type replayFlags struct {
 	html      string
 	simMemory uint64
 	allowOOM  bool
+	// deviceLag is --device-lag, in microseconds (replay.Options.DeviceLag).
+	deviceLag int64
 	// deviceIndex picks a snapshot's device; -1 the first with events.
 	deviceIndex int
 	// maxInputBytes and maxLineBytes bound what is read of the trace
@@ -189,6 +193,7 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	fs.StringVar(&f.html, "html", "", "")
 	fs.BoolVar(&f.allowOOM, "allow-oom", false, "")
 	fs.IntVar(&f.deviceIndex, "device-index", -1, "")
+	deviceLag := fs.Duration("device-lag", 0, "")
 	simMemory := fs.String("sim-memory", "", "")
 	maxInput := fs.String("max-input-bytes", "", "")
 	maxLine := fs.String("max-line-bytes", "", "")
@@ -268,6 +273,14 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		}
 		*limit.to = n
 	}
+
+	switch {
+	case *deviceLag < 0:
+		return nil, usagef("--device-lag %v: a lag is 0 or more", *deviceLag)
+	case *deviceLag > 0 && f.device != arena.KindSim:
+		return nil, usagef("--device-lag delays the simulated device; a GPU runs at its own pace")
+	}
+	f.deviceLag = deviceLag.Microseconds()
 
 	f.simMemory = arena.DefaultSimMemory
 	source := "--sim-memory"
@@ -430,7 +443,7 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		opt := replay.Options{Policy: name}
+		opt := replay.Options{Policy: name, DeviceLag: f.deviceLag}
 		if name == "goalloc" {
 			opt.Conf = f.conf
 		}

@@ -1,0 +1,104 @@
+package arena
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Another stream's free memory whose last use is still queued serves a
+// request at once: the request's stream waits for the free's event
+// (cuStreamWaitEvent), the handles are mapped at the new place and drain
+// at the old one, and held does not grow. On a GPU the host runs ahead of
+// the device, so such frees are the usual case: FSDP's all-gather stream
+// created memory for every layer while the compute stream's frees sat
+// free (a checkpointed FSDP run held 1.23x its live peak).
+func TestSegmentsLendAcrossStreamsWithAWait(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1) // the work using p, still running
+	require.NoError(t, e.Free(p, 1, false))
+	_, err = e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 8*mib, e.Held(), "stream 1's free memory serves stream 2")
+	assert.Equal(t, 4, phys.Calls["cuMemCreate"], "nothing created for stream 2")
+	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"])
+	assert.Zero(t, phys.Calls["cuMemUnmap"], "nothing still in use is unmapped")
+	assert.Equal(t, [][3]uint64{{0, 8, spanDraining}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
+	require.NoError(t, e.CheckInvariants())
+
+	// Stream 2's work from now on runs after stream 1's.
+	ev, err := sim.NewEvent()
+	require.NoError(t, err)
+	sim.Launch(2)
+	require.NoError(t, sim.RecordEvent(ev, 2))
+	sim.Complete(2)
+	done, err := sim.EventDone(ev)
+	require.NoError(t, err)
+	assert.False(t, done, "stream 2 waits for stream 1")
+	sim.Complete(1)
+	sim.Complete(2)
+	done, err = sim.EventDone(ev)
+	require.NoError(t, err)
+	assert.True(t, done)
+
+	// Once stream 1's free completes the old mapping goes, and with it
+	// stream 1's segment.
+	require.NoError(t, e.pollDraining())
+	assert.Equal(t, 4, phys.Calls["cuMemUnmap"])
+	assert.EqualValues(t, 8*mib, e.Held())
+	assert.EqualValues(t, 8*mib, phys.Used())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A request takes its own stream's free memory, in use or not, before
+// other streams' complete memory: a stream whose complete memory is taken
+// while its own frees still run can only create more, and the next
+// request of the first would take it back, the two streams growing in
+// turn.
+func TestSegmentsGrowthTakesItsOwnFreeMemoryFirst(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	x, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	_, err = e.Alloc(2*mib, 2)
+	require.NoError(t, err)
+	a, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(a, 1, true)) // stream 1: 8 MiB free, complete
+	sim.Launch(2)
+	require.NoError(t, e.Free(x, 2, false)) // stream 2: 8 MiB free, still in use
+	_, err = e.Alloc(10*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 18*mib, e.Held(), "nothing created")
+	assert.Equal(t, 9, phys.Calls["cuMemCreate"])
+	assert.Equal(t, [][3]uint64{{0, 6, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]),
+		"stream 1 gave one granule, what stream 2's own could not pay")
+	assert.Zero(t, phys.Calls["cuStreamWaitEvent"], "its own frees need no wait")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// While a capture is underway no stream waits for another's event (a
+// captured stream may not wait for an event recorded outside the
+// capture): what is missing is created, and stream 1's memory stays.
+func TestSegmentsLendAcrossStreamsNotDuringACapture(t *testing.T) {
+	sim := NewSim(0, 1<<30)
+	sim.SetManual(true)
+	gate := &captureGate{PhysDriver: NewFakePhys(sim, 1<<30, simVMMGranule)}
+	e, err := newVMMSegments(gate, 1<<30, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.Close() })
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	e.fenceAll() // its event recorded before the capture
+	gate.underway.Store(true)
+	_, err = e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held())
+	assert.Equal(t, [][3]uint64{{0, 8, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
+	gate.underway.Store(false)
+	require.NoError(t, e.CheckInvariants())
+}
