@@ -79,6 +79,7 @@ def test_record_trace_from_the_middle_of_a_run(raw, device, tmp_path, goalloc_to
     assert header["events"] == len(events) == rec.events
     assert header["goalloc_max_requested"] == LARGE + SMALL + LARGE + SMALL  # the sizes asked for, as torch's
     assert "max_reserved" not in header  # that is the native allocator's figure
+    assert header["goalloc_reserved_peak"] == goalloc.memory_stats(device)["reserved_bytes.all.peak"] > 0
     assert {e["a"] for e in events} <= {"segment_alloc", "alloc", "free_requested", "free_completed"}
     # The live blocks come first, in address order, at the recording's start.
     firsts = [e for e in events if e["a"] == "alloc"][:2]

@@ -99,6 +99,11 @@ class TraceRecorder:
             # max_reserved / max_allocated are PyTorch's native allocator's
             # figures, which a goalloc run does not have.
             "goalloc_max_reserved": start.peak_reserved, "goalloc_max_requested": start.peak_requested,
+            # What the device held at most by the end of the recording
+            # (memory_stats' reserved_bytes.all.peak, since the process
+            # began or the last reset of the peaks): the figure a replay of
+            # the trace predicts, when the recording starts with the process.
+            "goalloc_reserved_peak": _lib.stat(self.device, _lib.RESERVED_PEAK),
         }
         opener = gzip.open if self.path.endswith(".gz") else open
         with opener(self.path, "wt", encoding="utf-8") as f:  # type: ignore[operator]
