@@ -29,6 +29,10 @@ type Header struct {
 	MaxReserved  uint64  `json:"max_reserved"`  // PyTorch's reserved_bytes.all.peak
 	Events       int64   `json:"events"`        // event lines that follow
 	Seconds      float64 `json:"seconds"`
+	// GoallocReservedPeak is, in a trace goalloc recorded, the most the
+	// device held by the recording's end (goalloc_reserved_peak): what a
+	// replay of a recording from the process's start predicts.
+	GoallocReservedPeak uint64 `json:"goalloc_reserved_peak"`
 }
 
 // NativeRatio is the native allocator's max_reserved / max_allocated, 0 when
