@@ -48,10 +48,11 @@ DEFAULT_BUDGET_S = 480.0
 
 # Per workload: its options' prefix (--PREFIX-steps, --PREFIX-warmup), default
 # timed and warm-up steps, and a run's estimated seconds on an H200 (a start,
-# then a cost per step: guesses for issue 33's four, not yet run on a GPU).
+# then a cost per step; rollout's and serving's from runs of 2 and 3 steps,
+# their steps' cost varying with the shapes drawn).
 STEPS = {"gpt2": ("gpt2", 45, 5, 9.0, 0.15), "llama": ("llama", 27, 3, 15.0, 0.35),
-         "resnet50": ("resnet", 35, 5, 6.5, 0.12), "rollout": ("rollout", 4, 1, 20.0, 5.0),
-         "checkpoint": ("checkpoint", 60, 3, 20.0, 0.35), "serving": ("serving", 12, 2, 15.0, 2.0),
+         "resnet50": ("resnet", 35, 5, 6.5, 0.12), "rollout": ("rollout", 4, 1, 25.0, 25.0),
+         "checkpoint": ("checkpoint", 60, 3, 20.0, 0.35), "serving": ("serving", 12, 2, 20.0, 8.0),
          "moe": ("moe", 200, 5, 15.0, 0.1)}
 ENV_ESTIMATE_S = 20.0
 # The most tokens a sequence may hold: GPT-2's context, LlamaConfig's

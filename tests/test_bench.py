@@ -319,7 +319,7 @@ def test_suite_lists_and_dispatches_the_new_workloads():
         assert (wargs.steps, wargs.warmup) == suite.step_counts(w, args) and wargs.steps >= 4
         assert workloads.train_limits(wargs, w) == default_limits(w)
         assert w in workloads.BUILDERS and "--plan-shapes" not in cmd and "--record-history" not in cmd
-        assert 30 <= suite.estimate(w, args) <= 60, (w, suite.estimate(w, args))  # a run's guessed length
+        assert 15 <= suite.estimate(w, args) <= 160, (w, suite.estimate(w, args))  # runs of 15-110 s on an H200
 
 
 def test_new_workloads_options_pass_through_and_quick_shrinks_them():

@@ -157,6 +157,34 @@ type replayFlags struct {
 	maxInputBytes, maxLineBytes uint64
 }
 
+// parseLimits sets the bounds on what is read of the trace from
+// --max-input-bytes and --max-line-bytes ("" keeps the default).
+func (f *replayFlags) parseLimits(maxInput, maxLine string) error {
+	for _, limit := range []struct {
+		flag  string
+		value string
+		to    *uint64
+		def   uint64
+	}{
+		{"--max-input-bytes", maxInput, &f.maxInputBytes, replay.DefaultMaxInputBytes},
+		{"--max-line-bytes", maxLine, &f.maxLineBytes, replay.DefaultMaxLineBytes},
+	} {
+		*limit.to = limit.def
+		if limit.value == "" {
+			continue
+		}
+		n, err := units.ParseBytes(limit.value)
+		if err == nil && n == 0 {
+			err = errors.New("a limit is at least 1 byte")
+		}
+		if err != nil {
+			return usagef("%s: %v", limit.flag, err)
+		}
+		*limit.to = n
+	}
+	return nil
+}
+
 func runReplay(args []string, stdout, stderr io.Writer) int {
 	f, err := parseReplayFlags(args)
 	if errors.Is(err, flag.ErrHelp) {
@@ -251,29 +279,9 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		}
 		return nil, usagef("--conf configures the goalloc policy; %s takes none", f.policy)
 	}
-	for _, limit := range []struct {
-		flag  string
-		value string
-		to    *uint64
-		def   uint64
-	}{
-		{"--max-input-bytes", *maxInput, &f.maxInputBytes, replay.DefaultMaxInputBytes},
-		{"--max-line-bytes", *maxLine, &f.maxLineBytes, replay.DefaultMaxLineBytes},
-	} {
-		*limit.to = limit.def
-		if limit.value == "" {
-			continue
-		}
-		n, err := units.ParseBytes(limit.value)
-		if err == nil && n == 0 {
-			err = errors.New("a limit is at least 1 byte")
-		}
-		if err != nil {
-			return nil, usagef("%s: %v", limit.flag, err)
-		}
-		*limit.to = n
+	if err := f.parseLimits(*maxInput, *maxLine); err != nil {
+		return nil, err
 	}
-
 	switch {
 	case *deviceLag < 0:
 		return nil, usagef("--device-lag %v: a lag is 0 or more", *deviceLag)
