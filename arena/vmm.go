@@ -182,7 +182,8 @@
 // request. On a GPU draining is what keeps held from growing while a
 // step's own frees are still queued (the simulated device completes events
 // at once, so no span drains in its replays). HeldSplit (vmm_held.go)
-// measures this, span by span, and the replay tool reports it at the peak.
+// measures this, span by span; the device keeps the split of the moment
+// held last rose to a new high, and the replay tool reports it at the peak.
 //
 // # VA and streams
 //

@@ -236,6 +236,10 @@ func (d *VMM) DriverCalls() []DriverCallStat { return d.src.DriverCalls() }
 // HeldSplit is HeldSplitter's method (vmm_held.go): a walk over every span.
 func (d *VMM) HeldSplit() HeldSplit { return d.src.heldSplit() }
 
+// HeldSplitAtPeak is HeldSplitter's: the split when held last rose above
+// its high-water mark.
+func (d *VMM) HeldSplitAtPeak() HeldSplit { return d.src.heldSplitAtPeak() }
+
 // Granularity is the driver's allocation granularity for this device.
 func (d *VMM) Granularity() uint64 { return d.src.gran }
 

@@ -34,18 +34,30 @@ type HeldSplit struct {
 func (s HeldSplit) Parts() uint64 { return s.Live + s.FreeShared + s.FreeWhole + s.Pending + s.Asleep }
 
 // HeldSplitter is a device that says what its held memory is made of: the
-// VMM devices.
+// VMM devices. HeldSplitAtPeak is the split when held last reached a new
+// high-water mark (since the device was made or its peaks reset): what
+// held the memory at the peak, taken by the device itself rather than by
+// a sampler that may see the peak late.
 type HeldSplitter interface {
 	HeldSplit() HeldSplit
+	HeldSplitAtPeak() HeldSplit
 }
 
-// HeldSplit is HeldSplitter's method: a walk over every span.
-func (d *SimVMM) HeldSplit() HeldSplit { return d.src.heldSplit() }
+// HeldSplit and HeldSplitAtPeak are HeldSplitter's methods; the first is a
+// walk over every span.
+func (d *SimVMM) HeldSplit() HeldSplit       { return d.src.heldSplit() }
+func (d *SimVMM) HeldSplitAtPeak() HeldSplit { return d.src.heldSplitAtPeak() }
 
 func (v *vmmSource) heldSplit() HeldSplit {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	return v.eng.heldSplit()
+}
+
+func (v *vmmSource) heldSplitAtPeak() HeldSplit {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.peakSplit
 }
 
 // heldSplit adds up the spans; CheckInvariants checks that the parts make

@@ -34,3 +34,32 @@ func TestHeldSplitAddsUpToHeld(t *testing.T) {
 		"c, freed on another stream, waits for its event")
 	assert.Equal(t, got.Held, got.Parts())
 }
+
+// The split at the peak is the device's own, taken when held last rose:
+// after the frees that follow, it still shows what held the memory then,
+// and a reset of the peaks starts it again from the current split.
+func TestHeldSplitAtPeak(t *testing.T) {
+	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
+	require.NoError(t, err)
+	a, err := d.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	b, err := d.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	peak := HeldSplit{Held: 6 * mib, Live: 6 * mib}
+	assert.Equal(t, peak, d.HeldSplitAtPeak())
+	require.NoError(t, d.Free(b, 3*mib, 1))
+	c, err := d.Alloc(1*mib, 1) // in b's free span: held does not rise
+	require.NoError(t, err)
+	assert.Equal(t, peak, d.HeldSplitAtPeak(), "held did not rise: the split at the peak stays")
+	assert.Equal(t, HeldSplit{Held: 6 * mib, Live: 4 * mib, FreeWhole: 2 * mib, FreeSpans: 1}, d.HeldSplit())
+
+	require.NoError(t, d.ResetPoolHigh())
+	assert.Equal(t, d.HeldSplit(), d.HeldSplitAtPeak(), "a reset takes the split of now")
+	_, err = d.Alloc(4*mib, 1) // the free granule [4, 6) MiB, then one more
+	require.NoError(t, err)
+	got := d.HeldSplitAtPeak()
+	assert.Equal(t, uint64(8*mib), got.Held)
+	assert.Equal(t, got.Held, got.Parts())
+	assert.Equal(t, uint64(8*mib), got.Live+got.FreeShared)
+	_, _ = a, c
+}

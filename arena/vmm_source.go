@@ -32,6 +32,12 @@ type vmmSource struct {
 	share      *sharePhys
 	imports    map[uintptr]*ipcImport
 	importGran uint64 // imported handles are multiples of it
+	// peakSplit is the held split (vmm_held.go) when held last reached a
+	// new high: taken after the allocation or wake that raised it, so its
+	// Held is the placement's HeldHigh. A walk over every span, made only
+	// when memory is created above the high, so at most once per granule
+	// of the high-water mark since the last reset.
+	peakSplit HeldSplit
 }
 
 // pieceAlign is the alignment of what the source hands out: the caching
@@ -93,8 +99,16 @@ func (v *vmmSource) alloc(size uint64, s Stream) (uintptr, error) {
 	p, err := v.eng.AllocTagged(n, s, tag)
 	if err == nil {
 		v.count(int64(v.eng.round(n)))
+		v.notePeak()
 	}
 	return p, err
+}
+
+// notePeak takes the held split when held has passed the last one's.
+func (v *vmmSource) notePeak() {
+	if v.eng.HeldHigh() > v.peakSplit.Held {
+		v.peakSplit = v.eng.heldSplit()
+	}
 }
 
 // synchronize runs sync, a device-wide synchronisation (the device's
@@ -163,6 +177,7 @@ func (v *vmmSource) resetHigh() {
 	defer v.mu.Unlock()
 	v.eng.resetHigh()
 	v.usedHigh = v.used
+	v.peakSplit = v.eng.heldSplit()
 }
 
 // setCap bounds held memory; when it is above the new cap, what is free
@@ -259,7 +274,9 @@ func (v *vmmSource) wake(tag Tag) (WakeReport, error) {
 	case v.drv.underway.Load():
 		return WakeReport{}, errSleepInCapture
 	}
-	return v.eng.Wake(tag)
+	r, err := v.eng.Wake(tag)
+	v.notePeak()
+	return r, err
 }
 
 func (v *vmmSource) sleepState() SleepState {

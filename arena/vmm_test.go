@@ -297,6 +297,9 @@ func (h *vmmHarness) wake(tag Tag) error {
 func (h *vmmHarness) check() {
 	require.NoError(h.t, h.d.CheckInvariants())
 	require.Empty(h.t, h.violations)
+	u, err := h.d.PoolUsage()
+	require.NoError(h.t, err)
+	require.Equal(h.t, u.ReservedHigh, h.d.HeldSplitAtPeak().Held, "the split at the peak is the high-water mark's")
 	for p, b := range h.live {
 		if h.asleep[b.tag] {
 			continue

@@ -482,6 +482,18 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
     if at:
         lines.append(f"  - at the device's peak ({fmt_bytes(used)} over the idle process; medians): "
                      + "; ".join(f"{label} {fmt_bytes(v)}" for label, v in at) + ".")
+    # goalloc-vmm's own split, taken by the device when held last peaked.
+    peak = {k: med("allocator", "held_split_at_peak", k)
+            for k in ("held", "live", "free_shared", "free_spans", "free_whole", "pending")}
+    if peak["held"] is not None and peak["live"] is not None:
+        parts = [f"live spans {fmt_bytes(peak['live'])}"]
+        if peak["free_shared"] is not None:
+            parts.append(f"free ends of handles shared with live memory {fmt_bytes(peak['free_shared'])} "
+                         f"({peak['free_spans'] or 0:.0f} free spans)")
+        parts += [f"{label} {fmt_bytes(peak[k])}" for label, k in (("whole free handles", "free_whole"),
+                                                                      ("pending", "pending")) if peak[k]]
+        lines.append(f"  - when {config} held its most ({fmt_bytes(peak['held'])}; the device's own split, "
+                     "medians): " + "; ".join(parts) + ".")
     return lines
 
 
@@ -619,7 +631,7 @@ KEEP_RUN = ("id", "name", "workload", "config", "repeat", "trace", "status", "re
 KEEP_RESULT = ("unit", "warmup", "steps", "planned_shapes", "timed_seconds", "timed_units", "units_per_s",
                "median_step_s", "losses_finite")
 KEEP_ALLOCATOR = ("pool_reserved_max_read", "reserved_peak", "allocated_peak", "requested_peak", "device_alloc_ns",
-                  "backend")
+                  "held_split_at_peak", "backend")
 
 
 def pick(d: Any, keys: Iterable[str]) -> dict[str, Any]:

@@ -232,6 +232,9 @@ class Allocator:
             f = self.goalloc.fragmentation(0)
             out.update(pool_reserved_current=int(f.pool_reserved_bytes), pool_used_current=int(f.pool_used_bytes),
                        pool_reserved_max_read=max(int(f.pool_reserved_bytes), int(f.pool_reserved_high_bytes)))
+            # On backend:vmm, what held the memory when held last peaked,
+            # split by the device itself at that moment.
+            out["held_split_at_peak"] = getattr(f, "held_split_at_peak", None)
             out["device_alloc_ns"] = miss_latency(s)  # None from a library that does not report it
         return out
 

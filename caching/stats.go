@@ -375,8 +375,11 @@ type Fragmentation struct {
 	PoolReservedHigh uint64 `json:"pool_reserved_high_bytes"`
 	PoolUsedHigh     uint64 `json:"pool_used_high_bytes"`
 	// Held is what a VMM device holds now, span by span (arena.HeldSplit):
-	// where its bytes beyond goalloc's blocks lie. Nil on other devices.
-	Held *arena.HeldSplit `json:"held,omitempty"`
+	// where its bytes beyond goalloc's blocks lie; HeldAtPeak the same when
+	// held last reached its high-water mark (PoolReservedHigh). Nil on
+	// other devices.
+	Held       *arena.HeldSplit `json:"held,omitempty"`
+	HeldAtPeak *arena.HeldSplit `json:"held_at_peak,omitempty"`
 }
 
 // Stats returns a copy of the statistics, after collecting completed
@@ -470,8 +473,8 @@ func (a *Allocator) fragmentation() Fragmentation {
 		f.PoolReservedHigh, f.PoolUsedHigh = u.ReservedHigh, u.UsedHigh
 	}
 	if hs, ok := a.dev.(arena.HeldSplitter); ok {
-		h := hs.HeldSplit()
-		f.Held = &h
+		h, p := hs.HeldSplit(), hs.HeldSplitAtPeak()
+		f.Held, f.HeldAtPeak = &h, &p
 	}
 	return f
 }

@@ -197,8 +197,12 @@ func TestFragmentationCarriesTheHeldSplit(t *testing.T) {
 	assert.Equal(t, f.PoolReserved, f.Held.Held)
 	assert.Equal(t, f.Held.Held, f.Held.Parts())
 	assert.Equal(t, uint64(8<<20), f.Held.Live, "the live block and the cached one")
+	require.NotNil(t, f.HeldAtPeak)
+	assert.Equal(t, f.PoolReservedHigh, f.HeldAtPeak.Held, "the split when held peaked")
+	assert.Equal(t, f.HeldAtPeak.Held, f.HeldAtPeak.Parts())
 	require.NoError(t, a.Free(p, 3<<20, 1))
 
 	async, _ := newTestAllocator(t, DefaultConfig())
 	assert.Nil(t, async.Fragmentation().Held)
+	assert.Nil(t, async.Fragmentation().HeldAtPeak)
 }

@@ -1220,3 +1220,21 @@ def test_breakdown_at_the_device_peak_adds_up():
             "of handles shared with live memory (7 free spans) 60.0 MiB.") in text, text
     kept = render.keep(doc, [])
     assert any(r["result"]["device"].get("at_peak") for r in kept["runs"] if isinstance(r.get("result"), dict))
+
+
+def test_breakdown_at_the_held_peak_is_the_devices_own_split():
+    """goalloc-vmm's split taken by the device when held last peaked
+    (fragmentation().held_split_at_peak) gets its own line, and kept
+    results keep it."""
+    doc = fake_doc()
+    peak = {"held": 12 << 30, "live": (12 << 30) - (96 << 20), "free_shared": 80 << 20, "free_spans": 9,
+            "free_whole": 16 << 20, "pending": 0}
+    for run in doc["runs"]:
+        if run.get("workload") == "gpt2" and run.get("config") == "goalloc-vmm" and run.get("status") == "ok":
+            run["result"]["allocator"]["held_split_at_peak"] = peak
+    text = render.render(doc)
+    assert ("  - when goalloc-vmm held its most (12.00 GiB; the device's own split, medians): live spans 11.91 GiB; "
+            "free ends of handles shared with live memory 80.0 MiB (9 free spans); whole free handles 16.0 MiB.") in text, text
+    kept = render.keep(doc, [])
+    assert any(r["result"]["allocator"].get("held_split_at_peak") == peak
+               for r in kept["runs"] if isinstance(r.get("result"), dict))

@@ -324,6 +324,9 @@ class Fragmentation:
     #: live memory) + ``free_whole`` + ``pending`` (freed on another stream,
     #: waiting for it); ``free_spans`` counts the free pieces. None elsewhere.
     held_split: Optional[dict[str, int]] = None
+    #: The same when held last reached its high-water mark
+    #: (pool_reserved_high_bytes): what held the memory at the peak.
+    held_split_at_peak: Optional[dict[str, int]] = None
 
 
 def fragmentation(device: Device = None) -> Fragmentation:
@@ -338,6 +341,7 @@ def fragmentation(device: Device = None) -> Fragmentation:
         pool_reserved_high_bytes=f.get("pool_reserved_high_bytes", 0),
         pool_used_high_bytes=f.get("pool_used_high_bytes", 0),
         held_split=f.get("held"),
+        held_split_at_peak=f.get("held_at_peak"),
     )
 
 
