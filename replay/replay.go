@@ -28,6 +28,9 @@ type Result struct {
 	Policy   string `json:"policy"`
 	Conf     string `json:"conf,omitempty"`
 	Device   string `json:"device"` // "sim" or "cuda"
+	// DeviceLagMicros is Options.DeviceLag: how far the simulated device
+	// ran behind the trace's clock.
+	DeviceLagMicros int64 `json:"device_lag_us,omitempty"`
 
 	// Events is the number of event lines in the trace; Replayed those
 	// acted on (alloc and free_completed).
@@ -179,6 +182,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	if name == "goalloc" {
 		res.Conf = opt.Conf
 	}
+	res.DeviceLagMicros = opt.DeviceLag
 	lag, err := newDeviceLag(dev, t, opt.DeviceLag)
 	if err != nil {
 		dev.Close()

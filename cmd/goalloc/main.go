@@ -28,6 +28,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/goalloc/goalloc/arena"
 	"github.com/goalloc/goalloc/replay"
@@ -577,7 +578,11 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 	fmt.Fprintf(w, "\n         %s events, %s replayed (alloc, free_completed); read in %.0f ms (%.1f M lines/s)\n",
 		units.FormatCount(uint64(tr.Lines)), units.FormatCount(uint64(len(tr.Events))), tr.Elapsed.Seconds()*1000, float64(tr.Lines)/tr.Elapsed.Seconds()/1e6)
 	if f.device == "sim" {
-		fmt.Fprintf(w, "device   sim, %s\n", units.FormatBytes(f.simMemory))
+		fmt.Fprintf(w, "device   sim, %s", units.FormatBytes(f.simMemory))
+		if f.deviceLag > 0 {
+			fmt.Fprintf(w, ", %v behind the host", time.Duration(f.deviceLag)*time.Microsecond)
+		}
+		fmt.Fprintln(w)
 	} else {
 		fmt.Fprintf(w, "device   cuda, GPU 0\n")
 	}

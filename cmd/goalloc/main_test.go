@@ -519,3 +519,13 @@ func TestVersion(t *testing.T) {
 	require.Equal(t, 0, code)
 	require.Contains(t, out, "goalloc --version")
 }
+
+func TestDeviceLag(t *testing.T) {
+	trace := synthetic(t, "s.jsonl.gz")
+	code, out, errOut := goalloc(t, "replay", trace, "--device-lag", "10ms")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "device   sim, 80.00 GiB, 10ms behind the host")
+	code, out, errOut = goalloc(t, "replay", trace, "--device-lag", "10ms", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"device_lag_us": 10000`)
+}
