@@ -186,7 +186,8 @@ func (e *vmmSegments) payOrLend(gr *growth) error {
 // nothing of anyone's. It returns those still in use that may lend: of
 // the request's stream and tag, or of another stream and the same tag. A
 // span with a handle still mapped in a draining span does not pay.
-func (e *vmmSegments) payComplete(gr *growth, cands []segRef, own bool) (later []segRef, err error) {
+func (e *vmmSegments) payComplete(gr *growth, cands []segRef, own bool) ([]segRef, error) {
+	var later []segRef
 	for _, c := range cands {
 		if gr.paid >= gr.f.need {
 			break
