@@ -24,7 +24,11 @@ type laggingDevice interface {
 // it. On a GPU the host runs ahead of the device, so an event the
 // allocator records completes a while after it is recorded, and what its
 // placement does with memory whose last use may still run shows only
-// then; with no lag (the default) every event completes at once.
+// then; with no lag (the default) every event completes at once. It is
+// checked against the GPU for the VMM device (replay/gpu_traces_test.go);
+// the simulated stream-ordered pool (backend:async, arena/simpool.go) does
+// not model the driver's reuse of another stream's frees behind an added
+// dependency, so its figures behind the host run high.
 type deviceLag struct {
 	dev laggingDevice
 	lag int64

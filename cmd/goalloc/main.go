@@ -83,6 +83,7 @@ Flags:
   --device-index N     the device of a memory snapshot to replay (default: the first with events)
   --device-lag D       run the simulated device D (e.g. 10ms) of the trace's clock behind the
                        calls, as a GPU runs behind its host: frees complete that much later
+                       (checked against the GPU on backend:vmm; backend:async's pool runs high)
   --max-input-bytes BYTES
                        the largest trace read, after gunzip (default %s); a larger one is refused
   --max-line-bytes BYTES
