@@ -47,6 +47,8 @@ type FakePhys struct {
 	// set, before each copy between device and host (toDevice: which way).
 	FailHost func(size uint64) error
 	OnCopy   func(va uintptr, size uint64, toDevice bool) error
+	// FailStreamWait, when set, is asked before each StreamWaitEvent.
+	FailStreamWait func(s Stream, e Event) error
 	// CopiedBytes counts the bytes copied between device and host.
 	CopiedBytes uint64
 

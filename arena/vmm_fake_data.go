@@ -264,7 +264,13 @@ func (f *FakePhys) CopyStreams() int {
 func (f *FakePhys) StreamWaitEvent(s Stream, e Event) error {
 	f.mu.Lock()
 	f.Calls["cuStreamWaitEvent"]++
+	fail := f.FailStreamWait
 	f.mu.Unlock()
+	if fail != nil {
+		if err := fail(s, e); err != nil {
+			return err
+		}
+	}
 	if w, ok := f.rt.(interface{ StreamWaitEvent(Stream, Event) error }); ok {
 		return w.StreamWaitEvent(s, e)
 	}

@@ -241,17 +241,21 @@ func (e *vmmSegments) lend(gr *growth, later []segRef) error {
 		_, hi := e.whole(sp)
 		take := min(e.wholeBytes(c), gr.f.need-gr.paid)
 		p := segPay{g: c.g, id: c.id, bytes: take, drain: true}
-		err := error(nil)
 		if c.g.stream != gr.s {
-			err = e.drv.StreamWaitEvent(gr.s, sp.event)
+			// Without the wait the memory may not serve s: a refused wait
+			// leaves the span where it is, and what it would have paid is
+			// created.
+			if err := e.drv.StreamWaitEvent(gr.s, sp.event); err != nil {
+				if errors.Is(err, ErrCaptureUnderway) {
+					return nil
+				}
+				continue
+			}
 		}
-		if err == nil {
-			err = e.recordPieces(&p, gr.s)
-		}
-		if errors.Is(err, ErrCaptureUnderway) {
-			return nil
-		}
-		if err != nil {
+		if err := e.recordPieces(&p, gr.s); err != nil {
+			if errors.Is(err, ErrCaptureUnderway) {
+				return nil
+			}
 			return err
 		}
 		for va := hi - uintptr(take); va < hi; va += uintptr(e.gran) {

@@ -1,6 +1,7 @@
 package arena
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -100,5 +101,21 @@ func TestSegmentsLendAcrossStreamsNotDuringACapture(t *testing.T) {
 	assert.EqualValues(t, 16*mib, e.Held())
 	assert.Equal(t, [][3]uint64{{0, 8, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
 	gate.underway.Store(false)
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A wait the driver refuses leaves the other stream's memory where it is:
+// the request is served with memory created instead, and nothing fails.
+func TestSegmentsLendAcrossStreamsRefusedWait(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	phys.FailStreamWait = func(Stream, Event) error { return errors.New("CUDA_ERROR_NOT_SUPPORTED") }
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	_, err = e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held(), "created, not lent")
+	assert.Equal(t, [][3]uint64{{0, 8, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
 	require.NoError(t, e.CheckInvariants())
 }
