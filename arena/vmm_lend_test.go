@@ -12,9 +12,9 @@ import (
 // request at once: the request's stream waits for the free's event
 // (cuStreamWaitEvent), the handles are mapped at the new place and drain
 // at the old one, and held does not grow. On a GPU the host runs ahead of
-// the device, so such frees are the usual case: FSDP's all-gather stream
-// created memory for every layer while the compute stream's frees sat
-// free (a checkpointed FSDP run held 1.23x its live peak).
+// the device, so such frees are the usual case: without this, FSDP's
+// all-gather stream creates memory for every layer while the compute
+// stream's frees sit free (BENCHMARKS.md has the GPU's figures).
 func TestSegmentsLendAcrossStreamsWithAWait(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 0)
 	p, err := e.Alloc(8*mib, 1)

@@ -16,7 +16,7 @@ import (
 // behind it: a change to the placement that moves the figure shows here.
 // Checkpointed FSDP runs two streams (FSDP's all-gathers on their own), so
 // it holds the rule that another stream's frees still in use serve a miss
-// after a wait: without it the replay 10 ms behind holds 1.2x more.
+// after a wait: without it the replay 10 ms behind misses the GPU's figure.
 var gpuTraces = []string{"checkpoint-vmm", "moe-vmm"}
 
 func TestSimulatorPredictsTheGPU(t *testing.T) {

@@ -43,7 +43,10 @@ type lagMark struct {
 }
 
 func newDeviceLag(dev arena.Device, t *Trace, lagMicros int64) (*deviceLag, error) {
-	if lagMicros <= 0 {
+	if lagMicros < 0 {
+		return nil, fmt.Errorf("a device lag of %d µs: a lag is 0 or more", lagMicros)
+	}
+	if lagMicros == 0 {
 		return nil, nil
 	}
 	ld, ok := dev.(laggingDevice)

@@ -63,6 +63,11 @@ func TestReplayDeviceLagRefuses(t *testing.T) {
 
 	_, err = Replay(timeless, fakeGPU{arena.NewSim(0, 0)}, Options{DeviceLag: 1000})
 	require.ErrorContains(t, err, "a device lag needs the simulated device")
+
+	dev, err = arena.NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	_, err = Replay(timeless, dev, Options{DeviceLag: -1})
+	require.ErrorContains(t, err, "a lag is 0 or more")
 }
 
 // fakeGPU is a device whose streams cannot be held back.
