@@ -232,6 +232,34 @@ static int64_t deferred_frees() {
 // receivers), so the free is made at once. getIpcDevPtr refuses a string
 // torch would not write before it touches CUDA. Opening a string needs a
 // GPU: tests/gpu/test_ipc_gpu.py.
+// Nested use_mem_pool (test_nested_mempool): the innermost open window
+// whose filter takes the stream gets the allocation, as PyTorch's caching
+// allocator searches its windows last opened first; closing it hands the
+// thread back to the window around it.
+static void nested_pools(GoallocAllocator& a) {
+  const cudaStream_t S = stream(0x10);
+  const c10::MempoolId_t outer{0, 7001}, inner{0, 7002};
+  a.createOrIncrefPool(0, outer, nullptr);
+  a.createOrIncrefPool(0, inner, nullptr);
+  a.beginAllocateToPool(0, outer, [](cudaStream_t) { return true; });
+  void* x = a.malloc(4 << 20, 0, S);
+  a.beginAllocateToPool(0, inner, [](cudaStream_t) { return true; });
+  void* y = a.malloc(4 << 20, 0, S);
+  a.endAllocateToPool(0, inner);
+  void* z = a.malloc(4 << 20, 0, S);
+  a.endAllocateToPool(0, outer);
+  EXPECT(a.checkPoolLiveAllocations(0, outer, {x, z}), "outer holds the allocations outside the inner window");
+  EXPECT(a.checkPoolLiveAllocations(0, inner, {y}), "inner holds the one made while it was open");
+  EXPECT(a.snapshot(inner, false).segments.size() == 1, "inner's snapshot: %zu segments",
+         a.snapshot(inner, false).segments.size());
+  for (void* p : {x, y, z}) raw_delete_fn(p);
+  for (const auto& id : {outer, inner}) {
+    a.releasePool(0, id);  // the window
+    a.releasePool(0, id);  // ~MemPool
+    a.emptyCache(id);
+  }
+}
+
 static void ipc_share(GoallocAllocator& a) {
   const cudaStream_t S = stream(0x10);
   const size_t MiB = size_t(1) << 20;
@@ -458,6 +486,7 @@ int main(int argc, char** argv) {
          "raw_delete of a stranger");
   a.emptyCache({0, 0});
   own_allocator_pools(a);
+  nested_pools(a);
   profiler_reports(a);
 
   // roundup_power2_divisions, set at run time as

@@ -1484,15 +1484,17 @@ class GoallocAllocator : public CCA::CUDAAllocator {
                 std::to_string(kMaxDevices), ")");
   }
 
-  // pool_for finds the pool an allocation on stream goes to: the first
-  // window whose filter takes it, as PyTorch's caching allocator does.
+  // pool_for finds the pool an allocation on stream goes to: the window
+  // opened last whose filter takes it, as PyTorch's caching allocator
+  // searches its windows, so that a use_mem_pool nested in another wins.
   void pool_for(c10::DeviceIndex device, cudaStream_t stream, ull* id0, ull* id1) {
     if (device < 0 || device >= kMaxDevices) return;  // goalloc refuses the device itself
     std::lock_guard<std::mutex> g(mu_);
-    for (const auto& w : windows_[device]) {
-      if (w.filter(stream)) {
-        *id0 = w.id.first;
-        *id1 = w.id.second;
+    const auto& ws = windows_[device];
+    for (auto w = ws.rbegin(); w != ws.rend(); ++w) {
+      if (w->filter(stream)) {
+        *id0 = w->id.first;
+        *id1 = w->id.second;
         return;
       }
     }
