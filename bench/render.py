@@ -620,8 +620,12 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
                      f"({r.get('status')}): keeping {path}'s")
             runs[k] = (i, r)
         plan.update((run_key(p), p) for p in doc.get("plan", []))
-    inputs = [{k: v for k, v in d.items() if k not in ("runs", "plan")}
-              | {"path": p, "runs": d.get("runs", []), "plan": d.get("plan", [])} for d, p in zip(docs, paths)]
+    # A merged or kept document brings its own inputs, so that a kept file
+    # given again with new suites still names every suite's command.
+    inputs = [x for d, p in zip(docs, paths)
+              for x in (d["inputs"] if d.get("inputs") else
+                        [{k: v for k, v in d.items() if k not in ("runs", "plan")}
+                         | {"path": p, "runs": d.get("runs", []), "plan": d.get("plan", [])}])]
     return {"schema": 1, "inputs": inputs, "replaced": replaced, "runs": [r for _, r in runs.values()],
             "plan": list(plan.values())}
 

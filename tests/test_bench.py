@@ -1190,6 +1190,22 @@ def test_keep_writes_a_file_that_renders_the_same_tables(tmp_path: Path):
     assert all(set(r) <= set(render.KEEP_RUN) | {"result"} for r in doc["runs"])
 
 
+def test_keep_again_with_a_new_suite_names_every_suite(tmp_path: Path):
+    """A kept file rendered with a further suite keeps the commands of the
+    suites it was made from, and adds the new one's."""
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(fake_doc()))
+    b.write_text(json.dumps(suite_doc("1", 3, 2, ["llama", "resnet50"])))
+    c.write_text(json.dumps(suite_doc("2", 3, 2, ["llama"]) | {"command": "bash bench/run.sh OUTDIR --third"}))
+    kept, again = tmp_path / "kept.json", tmp_path / "again.json"
+    assert run_py(str(BENCH / "render.py"), str(a), str(b), "--keep", str(kept)).returncode == 0
+    p = run_py(str(BENCH / "render.py"), str(kept), str(c), "--keep", str(again))
+    assert p.returncode == 0, p.stderr
+    suites = json.loads(again.read_text())["produced_by"]["suites"]
+    assert suites == json.loads(kept.read_text())["produced_by"]["suites"] + ["bash bench/run.sh OUTDIR --third"]
+    assert None not in suites
+
+
 def test_allocator_split_names_what_holds_the_memory():
     """goalloc's split has its own blocks apart from what it holds from the
     driver; PyTorch's has held and allocated."""
