@@ -13,8 +13,9 @@ import (
 // temporaries sat between them: each new tensor goes where a shorter one
 // was freed or extends the free end beside it, so growth leaves no free
 // end per tensor, only a few handles' worth in all, whatever the handle
-// size. (Serving on the GPU holds more beyond its live spans, 381 MB at
-// 16 MiB handles: this pattern alone does not make it.)
+// size. (Serving on the GPU holds more beyond its live spans: small
+// allocations that stay, placed in the free ends beside these tensors, pin
+// those ends; this test has none.)
 func TestVMMGrowingTensorsPackTightly(t *testing.T) {
 	const (
 		tensors     = 48 // 24 layers, keys and values
