@@ -13,9 +13,8 @@ import (
 // temporaries sat between them: each new tensor goes where a shorter one
 // was freed or extends the free end beside it, so growth leaves no free
 // end per tensor, only a few handles' worth in all, whatever the handle
-// size. (Serving on the GPU holds more beyond its live spans: small
-// allocations that stay, placed in the free ends beside these tensors, pin
-// those ends; this test has none.)
+// size. (Small allocations that stay can pin the free ends beside these
+// tensors, and hold far more; this test makes none.)
 func TestVMMGrowingTensorsPackTightly(t *testing.T) {
 	const (
 		tensors     = 48 // 24 layers, keys and values
