@@ -50,7 +50,9 @@ func TestVMMSmallApartSharesPayEachOther(t *testing.T) {
 	_, err = d.Alloc(6*mib, 1)
 	require.NoError(t, err)
 	assert.Equal(t, created, d.Phys().Calls["cuMemCreate"], "the small share's granules paid")
-	assert.Zero(t, d.Phys().Calls["cuStreamWaitEvent"], "its own stream: no wait")
+	for _, c := range d.DriverCalls() {
+		assert.NotEqual(t, "cuStreamWaitEvent", c.Name, "its own stream: no wait")
+	}
 	assert.Equal(t, uint64(4*simVMMGranule), d.Phys().Used())
 	require.NoError(t, d.CheckInvariants())
 }
