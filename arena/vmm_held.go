@@ -21,6 +21,10 @@ type HeldSplit struct {
 	FreeShared uint64 `json:"free_shared"`
 	FreeWhole  uint64 `json:"free_whole"`
 	FreeSpans  int    `json:"free_spans"`
+	// FreeBesideSmall is the part of FreeShared in granules shared with a
+	// live span under smallLiveSpan: free ends a small block pins
+	// ("Small requests apart" in vmm.go).
+	FreeBesideSmall uint64 `json:"free_beside_small"`
 	// Pending is spans freed on another stream, waiting for its event;
 	// Draining, spans whose handles were lent (not in Held).
 	Pending  uint64 `json:"pending"`
@@ -29,6 +33,10 @@ type HeldSplit struct {
 	// the driver failed (vmm_sleep.go); nothing otherwise.
 	Asleep uint64 `json:"asleep,omitempty"`
 }
+
+// smallLiveSpan is what FreeBesideSmall counts as a small live span: the
+// caching layer's small segments, and its blocks under 1 MiB, are below it.
+const smallLiveSpan = 1 << 20
 
 // Parts is what the split adds up to, which is Held.
 func (s HeldSplit) Parts() uint64 { return s.Live + s.FreeShared + s.FreeWhole + s.Pending + s.Asleep }
@@ -83,6 +91,7 @@ func (e *vmmSegments) heldSplit() HeldSplit {
 				whole := uint64(max(hi, lo) - lo)
 				out.FreeWhole += whole
 				out.FreeShared += sp.size - whole
+				out.FreeBesideSmall += e.besideSmall(g, id, lo, hi)
 				out.FreeSpans++
 			case spanPending:
 				out.Pending += sp.size
@@ -90,6 +99,29 @@ func (e *vmmSegments) heldSplit() HeldSplit {
 				out.Draining += sp.size
 			}
 		}
+	}
+	return out
+}
+
+// besideSmall is the bytes of the free span id of g, whose whole granules
+// are [lo, hi), in granules it shares with a live span under
+// smallLiveSpan. Its head, before lo, shares a granule with the span
+// before it, and with the one after it too when the span ends unaligned
+// inside that granule; its tail, from hi, with the span after it.
+func (e *vmmSegments) besideSmall(g *vmmSegment, id spanID, lo, hi uintptr) uint64 {
+	sp := g.span(id)
+	end := sp.end()
+	small := func(n spanID) bool {
+		return n != noSpan && g.span(n).state == spanLive && g.span(n).size < smallLiveSpan
+	}
+	var out uint64
+	if headEnd := min(lo, end); headEnd > sp.base {
+		if small(g.prev(id)) || (end < lo && small(g.next(id))) {
+			out += uint64(headEnd - sp.base)
+		}
+	}
+	if end > lo && hi < end && small(g.next(id)) {
+		out += uint64(end - hi)
 	}
 	return out
 }

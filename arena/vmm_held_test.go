@@ -63,3 +63,30 @@ func TestHeldSplitAtPeak(t *testing.T) {
 	assert.Equal(t, uint64(8*mib), got.Live+got.FreeShared)
 	_, _ = a, c
 }
+
+// The free ends a small live span pins are counted apart: after a 3 MiB
+// block and a 256 KiB one on 2 MiB handles, the free end of the second
+// granule lies beside the small one; once the large block is freed, its
+// free span's tail shares that granule with the small one too.
+func TestHeldSplitFreeBesideSmall(t *testing.T) {
+	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
+	require.NoError(t, err)
+	a, err := d.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	got := d.HeldSplit()
+	assert.Equal(t, uint64(mib), got.FreeShared)
+	assert.Zero(t, got.FreeBesideSmall, "the free end lies beside the 3 MiB block")
+
+	s, err := d.Alloc(256<<10, 1)
+	require.NoError(t, err)
+	require.Equal(t, a+3*mib, s)
+	got = d.HeldSplit()
+	assert.Equal(t, uint64(768<<10), got.FreeShared)
+	assert.Equal(t, uint64(768<<10), got.FreeBesideSmall, "the rest of the granule, after the small block")
+
+	require.NoError(t, d.Free(a, 3*mib, 1))
+	got = d.HeldSplit()
+	assert.Equal(t, uint64(768<<10+mib), got.FreeShared, "the freed block's tail [2, 3) MiB and the end after the small one")
+	assert.Equal(t, got.FreeShared, got.FreeBesideSmall, "both share a granule with the small block")
+	assert.Equal(t, got.Held, got.Parts())
+}

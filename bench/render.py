@@ -484,12 +484,14 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
                      + "; ".join(f"{label} {fmt_bytes(v)}" for label, v in at) + ".")
     # goalloc-vmm's own split, taken by the device when held last peaked.
     peak = {k: med("allocator", "held_split_at_peak", k)
-            for k in ("held", "live", "free_shared", "free_spans", "free_whole", "pending")}
+            for k in ("held", "live", "free_shared", "free_spans", "free_whole", "pending", "free_beside_small")}
     if peak["held"] is not None and peak["live"] is not None:
         parts = [f"live spans {fmt_bytes(peak['live'])}"]
         if peak["free_shared"] is not None:
+            small = ("" if peak["free_beside_small"] is None else
+                     f"; {fmt_bytes(peak['free_beside_small'])} of it beside live blocks under 1 MiB")
             parts.append(f"free ends of handles shared with live memory {fmt_bytes(peak['free_shared'])} "
-                         f"({peak['free_spans'] or 0:.0f} free spans)")
+                         f"({peak['free_spans'] or 0:.0f} free spans{small})")
         parts += [f"{label} {fmt_bytes(peak[k])}" for label, k in (("whole free handles", "free_whole"),
                                                                       ("pending", "pending")) if peak[k]]
         lines.append(f"  - when {config} held its most ({fmt_bytes(peak['held'])}; the device's own split, "

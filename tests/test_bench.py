@@ -1254,3 +1254,9 @@ def test_breakdown_at_the_held_peak_is_the_devices_own_split():
     kept = render.keep(doc, [])
     assert any(r["result"]["allocator"].get("held_split_at_peak") == peak
                for r in kept["runs"] if isinstance(r.get("result"), dict))
+    # A library that splits out the free ends beside small blocks says so.
+    for run in doc["runs"]:
+        if run.get("workload") == "gpt2" and run.get("config") == "goalloc-vmm" and run.get("status") == "ok":
+            run["result"]["allocator"]["held_split_at_peak"] = peak | {"free_beside_small": 48 << 20}
+    assert ("free ends of handles shared with live memory 80.0 MiB (9 free spans; 48.0 MiB of it beside live "
+            "blocks under 1 MiB)") in render.render(doc)

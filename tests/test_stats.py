@@ -145,6 +145,7 @@ def test_fragmentation(five_then_free_one):
     assert h["held"] == f.pool_reserved_bytes
     assert h["live"] == SEGMENT + 2 * BLOCK, "goalloc's blocks, the cached one too, and the small segment"
     assert h["held"] == h["live"] + h["free_shared"] + h["free_whole"] + h["pending"]
+    assert 0 <= h["free_beside_small"] <= h["free_shared"]
     p = f.held_split_at_peak  # taken by the device when held last rose
     assert p["held"] == f.pool_reserved_high_bytes
     assert p["held"] == p["live"] + p["free_shared"] + p["free_whole"] + p["pending"]

@@ -620,9 +620,10 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 	fmt.Fprintln(w, "M ev/s: replayed events per second of the replay loop; e2e: every trace line over read + parse + replay.")
 	for _, r := range results {
 		if h := r.HeldAtPeak; h != nil {
-			fmt.Fprintf(w, "%s: at the peak the device held %s: %s in live spans, %s free in the shared granules of %d free spans, "+
-				"%s of whole free granules, %s pending, %s draining\n", r.Policy, units.FormatBytes(h.Held), units.FormatBytes(h.Live),
-				units.FormatBytes(h.FreeShared), h.FreeSpans, units.FormatBytes(h.FreeWhole), units.FormatBytes(h.Pending),
+			fmt.Fprintf(w, "%s: at the peak the device held %s: %s in live spans, %s free in the shared granules of %d free spans "+
+				"(%s beside live spans under 1 MiB), %s of whole free granules, %s pending, %s draining\n", r.Policy,
+				units.FormatBytes(h.Held), units.FormatBytes(h.Live), units.FormatBytes(h.FreeShared), h.FreeSpans,
+				units.FormatBytes(h.FreeBesideSmall), units.FormatBytes(h.FreeWhole), units.FormatBytes(h.Pending),
 				units.FormatBytes(h.Draining))
 		}
 		if r.OOMs > 0 {

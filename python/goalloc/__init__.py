@@ -322,7 +322,10 @@ class Fragmentation:
     #: (pool_reserved_bytes) is ``live`` (goalloc's blocks and segments,
     #: in use or cached) + ``free_shared`` (free ends in handles shared with
     #: live memory) + ``free_whole`` + ``pending`` (freed on another stream,
-    #: waiting for it); ``free_spans`` counts the free pieces. None elsewhere.
+    #: waiting for it); ``free_spans`` counts the free pieces;
+    #: ``free_beside_small`` is the part of ``free_shared`` in handles shared
+    #: with a live block under 1 MiB (a small block pinning a free end).
+    #: None elsewhere.
     held_split: Optional[dict[str, int]] = None
     #: The same when held last reached its high-water mark
     #: (pool_reserved_high_bytes): what held the memory at the peak.
