@@ -192,11 +192,11 @@
 // small allocation that stays there (a cache's small segment) pins that
 // end: the large span's successor, a token longer as a growing KV cache's
 // is, can no longer extend into it and goes elsewhere, leaving the
-// granule's free end behind, one per such tensor. With
-// VMMLayout.SmallApart (GOALLOC_CONF's vmm_small_apart), requests of
-// fewer bytes are placed in shares of their own (shareKey.small): other
-// segments of the same stream and tag, so that they never share a granule
-// with a larger request. The two shares of a stream pay each other as
+// granule's free end behind, one per such tensor (HeldSplit's
+// FreeBesideSmall measures such ends). With VMMLayout.SmallApart
+// (GOALLOC_CONF's vmm_small_apart), requests of fewer bytes are placed in
+// shares of their own (shareKey.small): other segments of the same stream
+// and tag, so that they never share a granule with a larger request. The two shares of a stream pay each other as
 // their own (step 3: the same stream orders their work), so memory moves
 // between them without a wait. The price is a partly used granule per
 // stream and tag for the small share. Off by default.
