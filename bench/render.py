@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # bench/workloads.py: the configurations (goalloc installed in GOALLOC_CONFIGS: the goals take the better).
-from workloads import CONFIGS, GOALLOC_CONFIGS, SHAPE_RANGES  # noqa: E402
+from workloads import CONFIGS, GOALLOC_CONFIGS, SHAPE_RANGES, base_config, is_goalloc  # noqa: E402
 
 DEFAULT_GOALLOC = "goalloc-vmm"  # backend:vmm, goalloc's default backend
 TRAIN = (("gpt2", "GPT-2 124M", "tokens/s"), ("llama", "LLaMA 672M (GQA)", "tokens/s"),
@@ -110,7 +110,7 @@ def memory_of_record(config: str, result: dict[str, Any]) -> Any:
     of its memory source (the pool's reserved bytes; for goalloc-vmm the
     physical memory mapped), for torch's allocators their max reserved."""
     a = result.get("allocator") or {}
-    return a.get("pool_reserved_max_read") if config in GOALLOC_CONFIGS else a.get("reserved_peak")
+    return a.get("pool_reserved_max_read") if is_goalloc(config) else a.get("reserved_peak")
 
 
 def device_peak(_: str, result: dict[str, Any]) -> Any:
@@ -243,7 +243,8 @@ def environment(doc: dict[str, Any]) -> list[str]:
         f"- command: `{doc.get('command', '?')}`",
         "- options: " + (f"workloads {','.join(workloads)}; " if isinstance(workloads, list) else "")
         + f"repeats {reps}; " + "; ".join(train) + f"; mem_get_info sampled every {opts.get('sample_ms', '?')} ms"
-        + (f"; GOALLOC_CONF `{opts['goalloc_conf']}`" if opts.get("goalloc_conf") else "; goalloc's default configuration"),
+        + (f"; GOALLOC_CONF `{opts['goalloc_conf']}`" if opts.get("goalloc_conf") else "; goalloc's default configuration")
+        + "".join(f"; {name} adds `{conf}`" for name, conf in (opts.get("variants") or {}).items()),
         f"- runs: {status_counts(doc.get('runs', []))}"
         + (f"; repository commit {doc['git_commit']}" if doc.get("git_commit") else ""),
     ]
@@ -288,10 +289,10 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
                      fmt_bytes(a["memory"].median), fmt_x(ratio(a["memory"].median, a["live"].median)),
                      fmt_x(ratio(a["memory"].median, base["memory"].median if base else None)),
                      fmt_bytes(a["device"].median), fmt_bytes(a["live"].median),
-                     MEMORY_BASIS.get(c, "torch max reserved")])
+                     MEMORY_BASIS.get(base_config(c), "torch max reserved")])
     lines += table(["config", unit, "× native", "peak device memory", "÷ peak live", "× native",
                     "device peak over idle", "peak live", "basis"], rows)
-    miss = miss_latency_table(doc, workload, [c for c in configs if c in GOALLOC_CONFIGS])
+    miss = miss_latency_table(doc, workload, [c for c in configs if is_goalloc(c)])
     return lines + ([""] + miss if miss else [])
 
 
@@ -399,7 +400,8 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
         add(name, r <= goal, how + ".")
         lines.extend(breakdown(doc, workload, best))
     others = ["native", "expandable", "async"]
-    for other in others + [c for c in present_configs(doc, workload) if c not in others + list(GOALLOC_CONFIGS)]:
+    # goalloc-vmm's variants are goalloc's own settings, not rivals.
+    for other in others + [c for c in present_configs(doc, workload) if c not in others and not is_goalloc(c)]:
         mine, theirs, note = memory_medians(doc, workload, best, other) if best else (None, None, "")
         rr = ratio(mine, theirs)
         name = f"{label} peak memory below {other}"
@@ -462,7 +464,7 @@ def breakdown(doc: dict[str, Any], workload: str, config: str) -> list[str]:
     res = own if own is not None else med("allocator", "reserved_peak")
     parts = []
     if pool is not None and res is not None:
-        source = "mapped physical memory" if config == "goalloc-vmm" else "driver pool"
+        source = "mapped physical memory" if base_config(config) == "goalloc-vmm" else "driver pool"
         parts.append(f"{source} over goalloc's own reserved peak {fmt_bytes(pool - res)}")
     if res is not None and alloc is not None:
         parts.append(f"goalloc reserved over allocated peak (cache and segment slack) {fmt_bytes(res - alloc)}")

@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 import workloads  # noqa: E402  (bench/workloads.py: the configurations, the workloads and their shape ranges)
-from workloads import CONFIGS, GOALLOC_CONFIGS, write_json_atomic  # noqa: E402
+from workloads import CONFIGS, VARIANT, is_goalloc, write_json_atomic  # noqa: E402
 
 DEFAULT_TRAIN_CONFIGS = CONFIGS
 WORKLOADS = TRAIN_WORKLOADS = tuple(workloads.SHAPE_RANGES)
@@ -139,6 +139,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval (ms)")
     p.add_argument("--record-history", action="store_true",
                    help="every run records its allocations in OUTDIR/history/ (bench/workloads.py --record-history)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=CONF",
+                   help="also run goalloc-vmm.LABEL: goalloc-vmm with CONF added to its GOALLOC_CONF (e.g. "
+                        "apart=vmm_small_apart:1M), interleaved with the others; may be given more than once")
     p.add_argument("--goalloc-conf", default="",
                    help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
                         "no backend: goalloc-vmm adds backend:vmm to it")
@@ -170,6 +173,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{' + --'.join(names)}: {w}'s model holds {limit} tokens (its context)")
     if "backend" in (kv.split(":", 1)[0].strip() for kv in args.goalloc_conf.split(",")):
         p.error("--goalloc-conf: no backend here: goalloc runs backend:async and goalloc-vmm backend:vmm")
+    args.variants = {}
+    for v in args.variant:
+        label, _, conf = v.partition("=")
+        name = f"goalloc-vmm.{label}"
+        if not VARIANT.fullmatch(name) or not conf.strip() or name in args.variants:
+            p.error(f"--variant {v!r}: want LABEL=CONF, a new LABEL of lower-case letters, digits, - and _")
+        if "backend" in (kv.split(":", 1)[0].strip() for kv in conf.split(",")):
+            p.error(f"--variant {v!r}: no backend here: a variant is of goalloc-vmm (backend:vmm)")
+        args.variants[name] = conf.strip(" ,")
+    args.train_configs = list(args.train_configs) + [c for c in args.variants if c not in args.train_configs]
     if args.budget <= 0:
         p.error("--budget must be positive")
     if args.sample_ms < 0:
@@ -254,8 +267,11 @@ def child_env(config: str, args: argparse.Namespace) -> dict[str, str]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     elif config == "async":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-    elif config in GOALLOC_CONFIGS and args.goalloc_conf:
-        env["GOALLOC_CONF"] = args.goalloc_conf  # goalloc-vmm adds its backend to it (bench/workloads.py)
+    elif is_goalloc(config):
+        # goalloc-vmm adds its backend to it (bench/workloads.py).
+        conf = ",".join(filter(None, (args.goalloc_conf, args.variants.get(config, ""))))
+        if conf:
+            env["GOALLOC_CONF"] = conf
     return env
 
 
@@ -392,7 +408,7 @@ def summary_line(rec: dict[str, Any]) -> str:
     if rec.get("status") != "ok" or not isinstance(r, dict):
         return (rec.get("reason") or "")[:120]
     a, d = r.get("allocator") or {}, r.get("device") or {}
-    mem = a.get("pool_reserved_max_read") if rec["config"] in GOALLOC_CONFIGS else a.get("reserved_peak")
+    mem = a.get("pool_reserved_max_read") if is_goalloc(rec["config"]) else a.get("reserved_peak")
     return (f"{r.get('units_per_s') or 0:.0f} {r.get('unit')}/s  mem {(mem or 0) / gib:.2f} GiB  "
             f"live {(a.get('allocated_peak') or 0) / gib:.2f} GiB  device {(d.get('peak_over_baseline') or 0) / gib:.2f} GiB")
 

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import threading
@@ -31,6 +32,10 @@ from typing import Any, Callable, Optional
 
 CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 GOALLOC_CONFIGS = ("goalloc", "goalloc-vmm")  # goalloc installed: figures from goalloc.memory_stats
+# A variant of goalloc-vmm, "goalloc-vmm.LABEL": goalloc-vmm with the suite's
+# --variant LABEL=CONF added to its GOALLOC_CONF, so that a setting runs
+# beside the default in one suite, interleaved, and renders as its own row.
+VARIANT = re.compile(r"goalloc-vmm\.[a-z0-9][a-z0-9_-]*")
 # What each workload draws its steps' shapes from: (option, MIN, MAX, and
 # the suite's --quick MIN, MAX); the suite has the same options (--NAME MIN
 # MAX) and passes them on.
@@ -54,9 +59,27 @@ HISTORY_ENTRIES = 1 << 20  # --record-history: the most events the library's his
 MISS_LATENCY_KEYS = ("p50", "p99", "max", "count")  # goalloc.device_alloc_ns.*, ns
 
 
+def base_config(config: str) -> str:
+    """The configuration config runs: goalloc-vmm for its variants, else itself."""
+    return "goalloc-vmm" if VARIANT.fullmatch(config) else config
+
+
+def is_goalloc(config: str) -> bool:
+    """Whether config installs goalloc (its figures come from goalloc.memory_stats)."""
+    return base_config(config) in GOALLOC_CONFIGS
+
+
+def config_name(s: str) -> str:
+    """--config: one of CONFIGS, or a variant of goalloc-vmm."""
+    if s in CONFIGS or VARIANT.fullmatch(s):
+        return s
+    raise argparse.ArgumentTypeError(f"{s!r}: want one of {', '.join(CONFIGS)}, or goalloc-vmm.LABEL")
+
+
 def goalloc_conf(base: str, config: str) -> str:
     """GOALLOC_CONF of a goalloc configuration: the suite's --goalloc-conf, then its backend."""
-    return ",".join(x for x in (base.strip(" ,"), "backend:vmm" if config == "goalloc-vmm" else "backend:async") if x)
+    backend = "backend:vmm" if base_config(config) == "goalloc-vmm" else "backend:async"
+    return ",".join(x for x in (base.strip(" ,"), backend) if x)
 
 
 def miss_latency(stats: dict[str, Any]) -> Optional[dict[str, int]]:
@@ -213,7 +236,7 @@ class Allocator:
         self.goalloc: Any = None
 
     def setup(self) -> None:
-        if self.config in GOALLOC_CONFIGS:
+        if is_goalloc(self.config):
             import goalloc
 
             self.goalloc = goalloc
@@ -709,7 +732,7 @@ def turn_fds(s: str) -> tuple[int, int]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", required=True, choices=WORKLOADS)
-    p.add_argument("--config", default="native", choices=CONFIGS)
+    p.add_argument("--config", default="native", type=config_name)
     p.add_argument("--repeat", type=int, default=0)
     p.add_argument("--out", required=True, help="the JSON result file")
     p.add_argument("--sample-ms", type=float, default=5.0, help="mem_get_info sampling interval; 0: off")

@@ -779,6 +779,51 @@ def suite_doc(gpu: str, first: int, repeats: int, workloads: list[str], bogus: b
             "plan": plan, "runs": runs}
 
 
+def test_variants_run_beside_goalloc_vmm():
+    """--variant LABEL=CONF adds goalloc-vmm.LABEL: planned and rotated with
+    the others, run with CONF added to GOALLOC_CONF and backend:vmm; bad
+    labels, a backend and a label given twice are refused."""
+    args = suite.parse_args(["OUT", "--workloads", "serving", "--train-configs", "native,goalloc-vmm",
+                             "--goalloc-conf", "large_cache:0", "--variant", "apart=vmm_small_apart:1M",
+                             "--variant", "h4=vmm_handle:4M", "--repeats", "3"])
+    configs = ["native", "goalloc-vmm", "goalloc-vmm.apart", "goalloc-vmm.h4"]
+    assert args.train_configs == configs
+    plan = suite.build_plan(args)
+    assert sorted(r.config for r in plan) == sorted(configs * 3)
+    assert len({tuple(r.config for r in plan if r.repeat == k) for k in range(3)}) == 3, "rotated by the repeat"
+    assert suite.child_env("goalloc-vmm.apart", args)["GOALLOC_CONF"] == "large_cache:0,vmm_small_apart:1M"
+    assert suite.child_env("goalloc-vmm", args)["GOALLOC_CONF"] == "large_cache:0"
+    assert workloads.goalloc_conf("vmm_handle:4M", "goalloc-vmm.h4") == "vmm_handle:4M,backend:vmm"
+    assert workloads.is_goalloc("goalloc-vmm.h4") and workloads.base_config("goalloc-vmm.h4") == "goalloc-vmm"
+    assert workloads.parse_args(["--workload", "serving", "--config", "goalloc-vmm.h4", "--out", "x"]).config == \
+        "goalloc-vmm.h4"
+    for bad in ("goalloc.h4", "native.x", "goalloc-vmm.", "goalloc-vmm.H4"):
+        with pytest.raises(SystemExit):
+            workloads.parse_args(["--workload", "serving", "--config", bad, "--out", "x"])
+    for bad in (["--variant", "Big=vmm_handle:4M"], ["--variant", "x"], ["--variant", "x=backend:async"],
+                ["--variant", "x=vmm_handle:4M", "--variant", "x=vmm_handle:2M"]):
+        with pytest.raises(SystemExit):
+            suite.parse_args(["OUT", *bad])
+
+
+def test_render_shows_a_variant_as_goallocs_own_row():
+    """A variant's row reads goalloc's figures (the physical memory mapped),
+    the options name what it adds, and the goals compare it with nobody."""
+    doc = suite_doc("0", 0, 1, ["llama"])
+    vmm = next(r for r in doc["runs"] if r["config"] == "goalloc-vmm")
+    variant = json.loads(json.dumps(vmm)) | {"config": "goalloc-vmm.apart", "id": 99, "name": "099-llama-goalloc-vmm.apart-r0"}
+    variant["result"]["allocator"]["pool_reserved_max_read"] = 42 * GiB
+    doc["runs"].append(variant)
+    doc["plan"].append({k: variant[k] for k in ("id", "workload", "config", "repeat")})
+    doc["options"]["variants"] = {"goalloc-vmm.apart": "vmm_small_apart:1M"}
+    text = render.render(doc)
+    row = next(line for line in text.splitlines() if line.startswith("| goalloc-vmm.apart |"))
+    assert "42.00 GiB" in row and "physical memory mapped" in row, row
+    assert "goalloc-vmm.apart adds `vmm_small_apart:1M`" in text
+    assert "below goalloc-vmm.apart" not in text
+    assert "goalloc-vmm (the better goalloc configuration)" in text
+
+
 def test_render_merges_suites_and_computes_the_issue_goals():
     a = suite_doc("0", 0, 2, ["llama"])
     a["runs"] = [r for r in a["runs"] if r["repeat"] == 0] + suite_doc("0", 1, 1, ["llama"], bogus=True)["runs"]
