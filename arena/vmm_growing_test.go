@@ -7,51 +7,66 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// A KV cache grown a token at a time, as transformers' generate grows it
-// (torch.cat: the longer tensor allocated, then the shorter one freed),
-// every layer's keys and values on one stream after a prefill whose
-// temporaries sat between them: each new tensor goes where a shorter one
-// was freed or extends the free end beside it, so growth leaves no free
-// end per tensor, only a few handles' worth in all, whatever the handle
-// size. (Small allocations that stay can pin the free ends beside these
-// tensors, and hold far more; this test makes none.)
+// The shape of a KV cache as transformers' generate grows it: 24 layers'
+// keys and values, each a token longer at every step (torch.cat: the
+// longer tensor allocated, then the shorter one freed), on one stream.
+const (
+	kvTensors  = 48
+	kvStart    = 40*mib + 3<<10
+	kvPerToken = 43 << 10 // batch 42 x 4 heads x 128 x bf16
+	kvTokens   = 160
+)
+
+// growKVCache grows the tensors at ptrs (each size bytes) on stream 1 of d
+// for kvTokens tokens. Before every smallEvery-th request of the first 20
+// tokens' worth (never, for 0) a 448 KiB block arrives that stays, as a
+// cache's small segment does. It returns the tensors' last size.
+func growKVCache(t *testing.T, d *SimVMM, ptrs []uintptr, size uint64, smallEvery int) uint64 {
+	n := 0
+	for tok := 0; tok < kvTokens; tok++ {
+		for i := range ptrs {
+			if n++; smallEvery > 0 && n%smallEvery == 0 && n < 20*len(ptrs) {
+				_, err := d.Alloc(448<<10, 1)
+				require.NoError(t, err)
+			}
+			p, err := d.Alloc(size+kvPerToken, 1)
+			require.NoError(t, err)
+			require.NoError(t, d.Free(ptrs[i], size, 1))
+			ptrs[i] = p
+		}
+		size += kvPerToken
+	}
+	return size
+}
+
+// A KV cache grown after a prefill whose temporaries sat between its
+// tensors: each new tensor goes where a shorter one was freed or extends
+// the free end beside it, so growth leaves no free end per tensor, only a
+// few handles' worth in all, whatever the handle size. (Small allocations
+// that stay can pin the free ends beside these tensors, and hold far more;
+// this test makes none: see vmm_small_test.go.)
 func TestVMMGrowingTensorsPackTightly(t *testing.T) {
-	const (
-		tensors     = 48 // 24 layers, keys and values
-		start       = 40*mib + 3<<10
-		perToken    = 43 << 10 // batch 42 x 4 heads x 128 x bf16
-		tokens      = 160
-		prefillTemp = 300*mib + 5<<10
-	)
+	const prefillTemp = 300*mib + 5<<10
 	for _, handle := range []uint64{16 * mib, 4 * mib} {
 		d, err := NewSimVMMWith(0, 8<<30, VMMLayout{Handle: handle})
 		require.NoError(t, err)
-		ptrs := make([]uintptr, tensors)
-		size := uint64(start)
-		for i := 0; i < tensors; i += 2 {
+		ptrs := make([]uintptr, kvTensors)
+		for i := 0; i < kvTensors; i += 2 {
 			tmp, err := d.Alloc(prefillTemp, 1)
 			require.NoError(t, err)
-			ptrs[i], err = d.Alloc(size, 1)
+			ptrs[i], err = d.Alloc(kvStart, 1)
 			require.NoError(t, err)
-			ptrs[i+1], err = d.Alloc(size, 1)
+			ptrs[i+1], err = d.Alloc(kvStart, 1)
 			require.NoError(t, err)
 			require.NoError(t, d.Free(tmp, prefillTemp, 1))
 		}
-		for tok := 0; tok < tokens; tok++ {
-			for i := range ptrs {
-				p, err := d.Alloc(size+perToken, 1)
-				require.NoError(t, err)
-				require.NoError(t, d.Free(ptrs[i], size, 1))
-				ptrs[i] = p
-			}
-			size += perToken
-		}
+		size := growKVCache(t, d, ptrs, kvStart, 0)
 		at := d.HeldSplitAtPeak()
 		require.Equal(t, at.Held, at.Parts())
 		t.Logf("%d MiB handles: %d MiB live at the peak, %d MiB beyond in %d free spans",
 			handle/mib, at.Live/mib, (at.Held-at.Live)/mib, at.FreeSpans)
 		assert.LessOrEqual(t, at.Held-at.Live, 4*handle, "%d MiB handles: a few handles' free ends in all", handle/mib)
-		assert.LessOrEqual(t, at.Live, uint64(tensors+1)*size+prefillTemp, "the peak's live spans")
+		assert.LessOrEqual(t, at.Live, uint64(kvTensors+1)*size+prefillTemp, "the peak's live spans")
 		require.NoError(t, d.CheckInvariants())
 	}
 }

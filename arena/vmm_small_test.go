@@ -57,41 +57,21 @@ func TestVMMSmallApartSharesPayEachOther(t *testing.T) {
 	require.NoError(t, d.CheckInvariants())
 }
 
-// A KV cache grown a token at a time (as in vmm_growing_test.go) while
-// small allocations that stay arrive between its tensors' growth: placed
-// together, each small one pins the free end beside a tensor, and the
-// memory beyond the live spans at the peak grows with them; kept apart, it
-// stays a few handles.
+// A KV cache grown a token at a time (growKVCache) while small blocks that
+// stay arrive between its tensors' growth: placed together, each small one
+// pins the free end beside a tensor, and the memory beyond the live spans
+// at the peak grows with them; kept apart, it stays a few handles.
 func TestVMMSmallApartUnpinsGrowingTensors(t *testing.T) {
-	const (
-		tensors  = 48
-		start    = 40*mib + 3<<10
-		perToken = 43 << 10
-		tokens   = 160
-	)
 	beyond := map[uint64]uint64{}
 	for _, apart := range []uint64{0, mib} {
 		d, err := NewSimVMMWith(0, 8<<30, VMMLayout{Handle: 16 * mib, SmallApart: apart})
 		require.NoError(t, err)
-		ptrs := make([]uintptr, tensors)
-		size := uint64(start)
+		ptrs := make([]uintptr, kvTensors)
 		for i := range ptrs {
-			ptrs[i], err = d.Alloc(size, 1)
+			ptrs[i], err = d.Alloc(kvStart, 1)
 			require.NoError(t, err)
 		}
-		for tok, n := 0, 0; tok < tokens; tok++ {
-			for i := range ptrs {
-				if n++; n%7 == 0 && n < 20*tensors { // a cache's small segment, kept
-					_, err := d.Alloc(448<<10, 1)
-					require.NoError(t, err)
-				}
-				p, err := d.Alloc(size+perToken, 1)
-				require.NoError(t, err)
-				require.NoError(t, d.Free(ptrs[i], size, 1))
-				ptrs[i] = p
-			}
-			size += perToken
-		}
+		growKVCache(t, d, ptrs, kvStart, 7)
 		at := d.HeldSplitAtPeak()
 		beyond[apart] = at.Held - at.Live
 		t.Logf("small apart below %d bytes: %d MiB beyond the live spans at the peak, %d free spans",
