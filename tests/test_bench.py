@@ -1305,3 +1305,29 @@ def test_breakdown_at_the_held_peak_is_the_devices_own_split():
             run["result"]["allocator"]["held_split_at_peak"] = peak | {"free_beside_small": 48 << 20}
     assert ("free ends of handles shared with live memory 80.0 MiB (9 free spans; 48.0 MiB of it beside live "
             "blocks under 1 MiB)") in render.render(doc)
+
+
+slim_trace = load_bench("slim_trace")
+
+
+def test_slim_trace_keeps_what_the_replay_acts_on() -> None:
+    import io
+    lines = [
+        {"workload": "w", "events": 7},
+        {"a": "segment_alloc", "addr": 5000, "size": 4096, "stream": 0, "t": 100},
+        {"a": "alloc", "addr": 5000, "size": 512, "stream": 0, "t": 101},
+        {"a": "alloc", "addr": 9000, "size": 1024, "stream": 7, "t": 103},
+        {"a": "free_requested", "addr": 5000, "size": 512, "stream": 0, "t": 104},
+        {"a": "free_completed", "addr": 5000, "size": 512, "stream": 0, "t": 105},
+        {"a": "alloc", "addr": 5000, "size": 512, "stream": 0, "t": 110},  # the address again
+        {"a": "free_completed", "addr": 9000, "size": 1024, "stream": 7, "t": 111},
+    ]
+    out = [json.loads(x) for x in slim_trace.slim_lines(io.StringIO("".join(json.dumps(x) + "\n" for x in lines)))]
+    header, events = out[0], out[1:]
+    assert header["workload"] == "w" and header["events"] == 5 and "slimmed" in header
+    assert [(e["a"], e["addr"], e["size"], e["stream"], e["t"]) for e in events] == [
+        ("alloc", 1, 512, 0, 0), ("alloc", 2, 1024, 7, 2), ("free_completed", 1, 512, 0, 4),
+        ("alloc", 1, 512, 0, 9), ("free_completed", 2, 1024, 7, 10)]
+    bad = io.StringIO(json.dumps(lines[0]) + "\n" + json.dumps(lines[5]) + "\n")
+    with pytest.raises(ValueError, match="no alloc before it"):
+        list(slim_trace.slim_lines(bad))
