@@ -64,7 +64,7 @@ func NewSimVMMWith(ordinal int, capacity uint64, l VMMLayout) (*SimVMM, error) {
 	// devices share one address space: a pointer names its device.
 	start := simVMMVABase + uintptr(ordinal)*simVMMVAWindow
 	phys.SetVAWindow(start, start+simVMMVAWindow)
-	src, err := newVMMSource(phys, capacity, 0, l.SmallApart)
+	src, err := newVMMSource(phys, capacity, 0)
 	if err != nil {
 		return nil, err
 	}

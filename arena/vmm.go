@@ -116,7 +116,7 @@
 //     they hold beyond the request, less than a granule, is a free span
 //     that the next request of s starts in.
 //  3. Before mapping, the new granules are paid for by free memory, s's
-//     own first: its free spans (of its stream and tag) whose last use
+//     own first: its free spans (of its segments and tag) whose last use
 //     has completed give up their whole granules from the tail, unmapped,
 //     their handles mapped at the new place; then those whose last use
 //     may still run (on a GPU the host runs ahead, so this step's earlier
@@ -185,21 +185,11 @@
 // measures this, span by span; the device keeps the split of the moment
 // held last rose to a new high, and the replay tool reports it at the peak.
 //
-// # Small requests apart
-//
-// Step 1 puts a small request in the smallest free span that holds it,
-// which is often the free end of a granule beside a large live span. A
-// small allocation that stays there (a cache's small segment) pins that
-// end: the large span's successor, a token longer as a growing KV cache's
-// is, can no longer extend into it and goes elsewhere, leaving the
-// granule's free end behind, one per such tensor (HeldSplit's
-// FreeBesideSmall measures such ends). With VMMLayout.SmallApart
-// (GOALLOC_CONF's vmm_small_apart), requests of fewer bytes are placed in
-// shares of their own (shareKey.small): other segments of the same stream
-// and tag, so that they never share a granule with a larger request. The two shares of a stream pay each other as
-// their own (step 3: the same stream orders their work), so memory moves
-// between them without a wait. The price is a partly used granule per
-// stream and tag for the small share. Off by default.
+// Serving is where such ends gather: at its peak, a free end beside most
+// tensors of a generate loop's KV cache, each about half a granule, and
+// not beside small blocks (HeldSplit's FreeBesideSmall). Smaller handles
+// (vmm_handle) shrink each end in proportion, for more driver calls where
+// memory grows and more handles to sleep, wake and share.
 //
 // # VA and streams
 //
@@ -324,17 +314,13 @@ type PhysDriver interface {
 const anyStream = Stream(^uintptr(0) - 1)
 
 // VMMLayout is how a VMM device lays out physical memory: the size of the
-// physical handles it maps, and which requests it keeps apart.
+// physical handles it maps.
 type VMMLayout struct {
 	// Handle is the bytes of each physical handle: the placement's
 	// granule, the unit in which it maps, moves and releases memory. A
 	// power of two, at least the device's own allocation granularity
 	// (raised to it where smaller). 0: DefaultVMMHandle.
 	Handle uint64
-	// SmallApart: requests of fewer bytes are placed in segments of their
-	// own, apart from larger ones (see "Small requests apart"). 0: none
-	// are, the default.
-	SmallApart uint64
 }
 
 // DefaultVMMHandle is the handle size when none is named. The driver's

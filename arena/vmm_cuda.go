@@ -211,7 +211,7 @@ func NewVMMWith(ordinal int, l VMMLayout) (*VMM, error) {
 	if C.gx_sleep_available() != 0 {
 		phys = cudaCopier{phys.(*cudaPhys)}
 	}
-	d.src, err = newVMMSource(phys, total, 0, l.SmallApart)
+	d.src, err = newVMMSource(phys, total, 0)
 	if err != nil {
 		return fail(err)
 	}

@@ -111,9 +111,8 @@ type segPay struct {
 // growth is a miss that step 1 could not serve, as grow carries it through
 // steps 2 to 4.
 type growth struct {
-	s     Stream
-	tag   Tag
-	small bool // the request's share is one of small requests kept apart
+	s   Stream
+	tag Tag
 	// f is where the request goes (step 2); newSeg says f lies in a
 	// segment still to be reserved.
 	f      fill
@@ -136,7 +135,7 @@ func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
 	// their event now (one per segment), which on a stream with nothing
 	// left to run completes at once.
 	e.fenceAll()
-	gr := &growth{s: key.s, tag: key.tag, small: key.small}
+	gr := &growth{s: key.s, tag: key.tag}
 	var ok bool
 	if gr.f, ok = e.bestFill(n, key); !ok {
 		gr.newSeg = true
@@ -340,7 +339,7 @@ func (e *vmmSegments) afford(gr *growth) error {
 // releases the spare handles.
 func (e *vmmSegments) mapGrowth(gr *growth) error {
 	if gr.newSeg {
-		g, err := e.newSegment(shareKey{gr.s, gr.tag, gr.small}, max(e.segVA, gr.f.need))
+		g, err := e.newSegment(shareKey{gr.s, gr.tag}, max(e.segVA, gr.f.need))
 		if err != nil {
 			e.unpay(gr.pays)
 			return err
@@ -439,7 +438,7 @@ func (e *vmmSegments) newSegment(key shareKey, size uint64) (*vmmSegment, error)
 		st = &segStream{}
 		e.streams[key] = st
 	}
-	g := &vmmSegment{stream: key.s, tag: key.tag, small: key.small, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
+	g := &vmmSegment{stream: key.s, tag: key.tag, order: int32(len(st.segs)), base: base, size: size, free: &st.free, first: noSpan, last: noSpan}
 	e.segs = append(e.segs, g)
 	st.segs = append(st.segs, g)
 	return g, nil

@@ -42,9 +42,7 @@ func growKVCache(t *testing.T, d *SimVMM, ptrs []uintptr, size uint64, smallEver
 // A KV cache grown after a prefill whose temporaries sat between its
 // tensors: each new tensor goes where a shorter one was freed or extends
 // the free end beside it, so growth leaves no free end per tensor, only a
-// few handles' worth in all, whatever the handle size. (Small allocations
-// that stay can pin the free ends beside these tensors, and hold far more;
-// this test makes none: see vmm_small_test.go.)
+// few handles' worth in all, whatever the handle size.
 func TestVMMGrowingTensorsPackTightly(t *testing.T) {
 	const prefillTemp = 300*mib + 5<<10
 	for _, handle := range []uint64{16 * mib, 4 * mib} {

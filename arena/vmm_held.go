@@ -22,8 +22,8 @@ type HeldSplit struct {
 	FreeWhole  uint64 `json:"free_whole"`
 	FreeSpans  int    `json:"free_spans"`
 	// FreeBesideSmall is the part of FreeShared in granules shared with a
-	// live span under smallLiveSpan: free ends a small block pins
-	// ("Small requests apart" in vmm.go).
+	// live span under smallLiveSpan: free ends a small block pins, so
+	// that a run says whether small blocks or large ones hold them.
 	FreeBesideSmall uint64 `json:"free_beside_small"`
 	// Pending is spans freed on another stream, waiting for its event;
 	// Draining, spans whose handles were lent (not in Held).

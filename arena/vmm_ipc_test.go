@@ -22,7 +22,7 @@ func ipcProcessGran(t *testing.T, k *FakeKernel, pid int32, dev int, gran uint64
 	if k != nil {
 		phys.Attach(k, pid, dev)
 	}
-	src, err := newVMMSource(phys, 1<<30, 0, 0)
+	src, err := newVMMSource(phys, 1<<30, 0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = src.close() })
 	return src, phys

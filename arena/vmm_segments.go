@@ -43,14 +43,11 @@ func (sp *segSpan) end() uintptr { return sp.base + uintptr(sp.size) }
 
 // vmmSegments is the segments placement.
 type vmmSegments struct {
-	drv  PhysDriver
-	gran uint64
-	cap  uint64 // most bytes held; 0: no cap but the device
-	// smallApart: requests of fewer bytes go to shares of their own
-	// (shareKey.small; "Small requests apart" in vmm.go). 0: none do.
-	smallApart uint64
-	segVA      uint64 // VA reserved per segment: the device's memory, rounded
-	mem        uint64 // the device's memory: more can never be held
+	drv   PhysDriver
+	gran  uint64
+	cap   uint64 // most bytes held; 0: no cap but the device
+	segVA uint64 // VA reserved per segment: the device's memory, rounded
+	mem   uint64 // the device's memory: more can never be held
 
 	segs []*vmmSegment // in creation order
 	// streams holds each share of the placement, by stream and memory tag
@@ -86,13 +83,11 @@ type vmmSegments struct {
 	host     offloadArea
 }
 
-// shareKey names a share of the placement: a stream, the memory tag of
-// what is placed for it (0: untagged), and whether it holds the requests
-// kept apart as small (vmmSegments.smallApart).
+// shareKey names a share of the placement: a stream, and the memory tag of
+// what is placed for it (0: untagged).
 type shareKey struct {
-	s     Stream
-	tag   Tag
-	small bool
+	s   Stream
+	tag Tag
 }
 
 // segStream is a stream's share of the placement for one memory tag, found
@@ -166,7 +161,7 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 	if e.sleeping[tag] {
 		return 0, fmt.Errorf("arena: VMM: allocation of %d bytes in memory tag %d: %w", size, tag, ErrTagAsleep)
 	}
-	key := shareKey{s: s, tag: tag, small: n < e.smallApart}
+	key := shareKey{s, tag}
 	if err := e.pollPending(); err != nil {
 		return 0, err
 	}

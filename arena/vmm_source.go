@@ -46,9 +46,8 @@ type vmmSource struct {
 const pieceAlign = 512
 
 // newVMMSource makes a source over phys for a device of mem bytes, whose
-// placement holds at most limit bytes (0: no cap but the device) and keeps
-// requests under smallApart bytes apart (VMMLayout.SmallApart).
-func newVMMSource(phys PhysDriver, mem, limit, smallApart uint64) (*vmmSource, error) {
+// placement holds at most limit bytes (0: no cap but the device).
+func newVMMSource(phys PhysDriver, mem, limit uint64) (*vmmSource, error) {
 	var share *sharePhys
 	under := phys
 	if s, ok := phys.(PhysSharer); ok {
@@ -61,7 +60,6 @@ func newVMMSource(phys PhysDriver, mem, limit, smallApart uint64) (*vmmSource, e
 	if err != nil {
 		return nil, err
 	}
-	eng.smallApart = smallApart
 	if c, ok := phys.(HostCopier); ok {
 		eng.copier = c
 	}

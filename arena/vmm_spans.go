@@ -28,7 +28,6 @@ type spanNode struct {
 type vmmSegment struct {
 	stream Stream
 	tag    Tag
-	small  bool // it holds small requests kept apart (shareKey.small)
 	// asleep: the segment's tag is asleep (vmm_sleep.go): it holds only
 	// live spans and no handle, but where a failed release left some.
 	asleep bool
@@ -61,7 +60,7 @@ type vmmSegment struct {
 func (g *vmmSegment) end() uintptr { return g.base + uintptr(g.size) }
 
 // key is the share g belongs to.
-func (g *vmmSegment) key() shareKey { return shareKey{g.stream, g.tag, g.small} }
+func (g *vmmSegment) key() shareKey { return shareKey{g.stream, g.tag} }
 
 // span is the span id names; the pointer lasts until the next insert.
 func (g *vmmSegment) span(id spanID) *segSpan { return &g.nodes[id].segSpan }

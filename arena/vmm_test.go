@@ -68,13 +68,7 @@ type physCell struct {
 }
 
 func newVMMHarness(t *testing.T, capacity, limit uint64) *vmmHarness {
-	return newVMMHarnessWith(t, capacity, limit, VMMLayout{Handle: simVMMGranule})
-}
-
-// newVMMHarnessWith is newVMMHarness on layout l, whose handles are the
-// simulated device's granule.
-func newVMMHarnessWith(t *testing.T, capacity, limit uint64, l VMMLayout) *vmmHarness {
-	d, err := NewSimVMMWith(0, capacity, l)
+	d, err := NewSimVMMWith(0, capacity, VMMLayout{Handle: simVMMGranule})
 	require.NoError(t, err)
 	d.SetManual(true)
 	d.SetCap(limit)
@@ -375,13 +369,7 @@ func TestVMMRandomOps(t *testing.T) {
 			if seed%2 == 0 {
 				limit = 160 * mib
 			}
-			// Every third seed keeps requests under 1 MiB apart
-			// (VMMLayout.SmallApart): two shares per stream and tag.
-			layout := VMMLayout{Handle: simVMMGranule}
-			if seed%3 == 0 {
-				layout.SmallApart = mib
-			}
-			h := newVMMHarnessWith(t, capacity, limit, layout)
+			h := newVMMHarness(t, capacity, limit)
 			streams := []Stream{1, 2, 3, anyStream}
 			sizes := []uint64{0, 512, 3000, 64 << 10, 300 << 10, mib, 2 * mib, 2*mib + 1, 6 * mib, 10 * mib, 31 * mib}
 			for step := 0; step < 800; step++ {

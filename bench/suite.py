@@ -141,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="every run records its allocations in OUTDIR/history/ (bench/workloads.py --record-history)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=CONF",
                    help="also run goalloc-vmm.LABEL: goalloc-vmm with CONF added to its GOALLOC_CONF (e.g. "
-                        "apart=vmm_small_apart:1M), interleaved with the others; may be given more than once")
+                        "h4=vmm_handle:4M), interleaved with the others; may be given more than once")
     p.add_argument("--goalloc-conf", default="",
                    help="GOALLOC_CONF for the goalloc configurations (default: none, goalloc's defaults); "
                         "no backend: goalloc-vmm adds backend:vmm to it")

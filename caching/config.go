@@ -105,7 +105,6 @@ var confKeys = map[string]string{
 	"front":             "true to let goalloc's C++ class for PyTorch reuse a freed block for the next request of its size and stream without calling Go, and pass frees to Go in batches",
 	"yield_every":       "how often a thread calling goalloc's C++ class for PyTorch yields to Go's scheduler, a duration below 10ms such as 9ms, or 0 for never (the default)",
 	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 16M (raised to the device's granularity where smaller)",
-	"vmm_small_apart":   "backend:vmm places requests smaller than this size (such as 1M) in segments of their own, so that small allocations that stay do not pin the free ends beside large ones; 0, the default, places all together",
 }
 
 // ConfigKeys lists the keys GOALLOC_CONF takes with what each means.
@@ -179,8 +178,6 @@ func ParseConfig(s string) (Config, error) {
 			} else if err == nil {
 				err = c.VMM.Check()
 			}
-		case "vmm_small_apart":
-			c.VMM.SmallApart, err = units.ParseBytes(v)
 		}
 		if err != nil {
 			return c, fmt.Errorf("GOALLOC_CONF: %s: %v (%s)", k, err, confKeys[k])
@@ -321,9 +318,6 @@ func (c Config) String() string {
 	// The VMM layout when it is not the default.
 	if c.VMM.Handle != 0 {
 		out += ",vmm_handle:" + strconv.FormatUint(c.VMM.Handle, 10)
-	}
-	if c.VMM.SmallApart != 0 {
-		out += ",vmm_small_apart:" + strconv.FormatUint(c.VMM.SmallApart, 10)
 	}
 	return out
 }

@@ -784,14 +784,14 @@ def test_variants_run_beside_goalloc_vmm():
     the others, run with CONF added to GOALLOC_CONF and backend:vmm; bad
     labels, a backend and a label given twice are refused."""
     args = suite.parse_args(["OUT", "--workloads", "serving", "--train-configs", "native,goalloc-vmm",
-                             "--goalloc-conf", "large_cache:0", "--variant", "apart=vmm_small_apart:1M",
+                             "--goalloc-conf", "large_cache:0", "--variant", "h2=vmm_handle:2M",
                              "--variant", "h4=vmm_handle:4M", "--repeats", "3"])
-    configs = ["native", "goalloc-vmm", "goalloc-vmm.apart", "goalloc-vmm.h4"]
+    configs = ["native", "goalloc-vmm", "goalloc-vmm.h2", "goalloc-vmm.h4"]
     assert args.train_configs == configs
     plan = suite.build_plan(args)
     assert sorted(r.config for r in plan) == sorted(configs * 3)
     assert len({tuple(r.config for r in plan if r.repeat == k) for k in range(3)}) == 3, "rotated by the repeat"
-    assert suite.child_env("goalloc-vmm.apart", args)["GOALLOC_CONF"] == "large_cache:0,vmm_small_apart:1M"
+    assert suite.child_env("goalloc-vmm.h2", args)["GOALLOC_CONF"] == "large_cache:0,vmm_handle:2M"
     assert suite.child_env("goalloc-vmm", args)["GOALLOC_CONF"] == "large_cache:0"
     assert workloads.goalloc_conf("vmm_handle:4M", "goalloc-vmm.h4") == "vmm_handle:4M,backend:vmm"
     assert workloads.is_goalloc("goalloc-vmm.h4") and workloads.base_config("goalloc-vmm.h4") == "goalloc-vmm"
@@ -811,16 +811,16 @@ def test_render_shows_a_variant_as_goallocs_own_row():
     the options name what it adds, and the goals compare it with nobody."""
     doc = suite_doc("0", 0, 1, ["llama"])
     vmm = next(r for r in doc["runs"] if r["config"] == "goalloc-vmm")
-    variant = json.loads(json.dumps(vmm)) | {"config": "goalloc-vmm.apart", "id": 99, "name": "099-llama-goalloc-vmm.apart-r0"}
+    variant = json.loads(json.dumps(vmm)) | {"config": "goalloc-vmm.h2", "id": 99, "name": "099-llama-goalloc-vmm.h2-r0"}
     variant["result"]["allocator"]["pool_reserved_max_read"] = 42 * GiB
     doc["runs"].append(variant)
     doc["plan"].append({k: variant[k] for k in ("id", "workload", "config", "repeat")})
-    doc["options"]["variants"] = {"goalloc-vmm.apart": "vmm_small_apart:1M"}
+    doc["options"]["variants"] = {"goalloc-vmm.h2": "vmm_handle:2M"}
     text = render.render(doc)
-    row = next(line for line in text.splitlines() if line.startswith("| goalloc-vmm.apart |"))
+    row = next(line for line in text.splitlines() if line.startswith("| goalloc-vmm.h2 |"))
     assert "42.00 GiB" in row and "physical memory mapped" in row, row
-    assert "goalloc-vmm.apart adds `vmm_small_apart:1M`" in text
-    assert "below goalloc-vmm.apart" not in text
+    assert "goalloc-vmm.h2 adds `vmm_handle:2M`" in text
+    assert "below goalloc-vmm.h2" not in text
     assert "goalloc-vmm (the better goalloc configuration)" in text
 
 

@@ -75,28 +75,3 @@ def test_a_cap_fills_to_the_handle_size():
     # (the README's limitation).
     out = json.loads(run_python(textwrap.dedent(CAP_FILL % "vmm_handle:16M")).stdout)
     assert out == {"got": [True, True, False, False], "whole": False}
-
-
-# vmm_small_apart through the package: a 256 KiB block after a 3 MiB one on
-# the same stream holds a granule of its own instead of the free end of the
-# large block's second granule.
-SMALL_APART = """
-import json, goalloc
-from goalloc import _lib
-L = _lib.lib()
-malloc = getattr(L, "goalloc_malloc", None) or L.my_malloc
-STREAM, MiB = 0x1000, 1 << 20
-goalloc.configure("backend:vmm,vmm_handle:2M,large_cache:0,quiet:true%s")
-big = malloc(3 * MiB, 0, STREAM)
-small = malloc(1 << 20 >> 2, 0, STREAM)
-print(json.dumps({"conf": goalloc.config()["conf"], "held": goalloc.fragmentation(0).pool_reserved_bytes}))
-"""
-
-
-def test_vmm_small_apart_reaches_the_device():
-    together = json.loads(run_python(textwrap.dedent(SMALL_APART % "")).stdout)
-    apart = json.loads(run_python(textwrap.dedent(SMALL_APART % ",vmm_small_apart:1M")).stdout)
-    assert "vmm_small_apart" not in together["conf"]
-    assert "vmm_small_apart:1048576" in apart["conf"]
-    assert together["held"] == 4 << 20  # the small block in the big one's free end
-    assert apart["held"] == 6 << 20  # a granule of its own
