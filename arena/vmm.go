@@ -185,11 +185,14 @@
 // measures this, span by span; the device keeps the split of the moment
 // held last rose to a new high, and the replay tool reports it at the peak.
 //
-// Serving is where such ends gather: at its peak, a free end beside most
-// tensors of a generate loop's KV cache, each about half a granule, and
-// not beside small blocks (HeldSplit's FreeBesideSmall). Smaller handles
-// (vmm_handle) shrink each end in proportion, for more driver calls where
-// memory grows and more handles to sleep, wake and share.
+// Serving is where such ends gather: a generate loop's prefill places its
+// KV cache's tensors between activations that die soon after, so at the
+// peak each tensor of the cache sits between two free ends
+// (FreeEndsBeside, vmm_held.go, groups the free ends by the live span
+// beside them). The placement cannot tell, when it places a request,
+// whether it stays; smaller handles (vmm_handle) shrink each end in
+// proportion, for more driver calls where memory grows and more handles to
+// sleep, wake and share.
 //
 // # VA and streams
 //

@@ -240,6 +240,9 @@ func (d *VMM) HeldSplit() HeldSplit { return d.src.heldSplit() }
 // its high-water mark.
 func (d *VMM) HeldSplitAtPeak() HeldSplit { return d.src.heldSplitAtPeak() }
 
+// FreeEndsBeside is HeldSplitter's (vmm_held.go): a walk over every span.
+func (d *VMM) FreeEndsBeside() []FreeEnds { return d.src.freeEndsBeside() }
+
 // Granularity is the driver's allocation granularity for this device.
 func (d *VMM) Granularity() uint64 { return d.src.gran }
 

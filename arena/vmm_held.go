@@ -4,6 +4,8 @@
 
 package arena
 
+import "sort"
+
 // HeldSplit is the physical memory a VMM device holds, by what its spans
 // are (vmm.go's glossary). Held is Live + FreeShared + FreeWhole +
 // Pending + Asleep: a draining span's granules are mapped at its old VA as
@@ -49,12 +51,20 @@ func (s HeldSplit) Parts() uint64 { return s.Live + s.FreeShared + s.FreeWhole +
 type HeldSplitter interface {
 	HeldSplit() HeldSplit
 	HeldSplitAtPeak() HeldSplit
+	FreeEndsBeside() []FreeEnds
 }
 
-// HeldSplit and HeldSplitAtPeak are HeldSplitter's methods; the first is a
-// walk over every span.
+// HeldSplit, HeldSplitAtPeak and FreeEndsBeside are HeldSplitter's
+// methods; the first and the last walk every span.
 func (d *SimVMM) HeldSplit() HeldSplit       { return d.src.heldSplit() }
 func (d *SimVMM) HeldSplitAtPeak() HeldSplit { return d.src.heldSplitAtPeak() }
+func (d *SimVMM) FreeEndsBeside() []FreeEnds { return d.src.freeEndsBeside() }
+
+func (v *vmmSource) freeEndsBeside() []FreeEnds {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.eng.freeEndsBeside()
+}
 
 func (v *vmmSource) heldSplit() HeldSplit {
 	v.mu.Lock()
@@ -103,25 +113,111 @@ func (e *vmmSegments) heldSplit() HeldSplit {
 	return out
 }
 
-// besideSmall is the bytes of the free span id of g, whose whole granules
-// are [lo, hi), in granules it shares with a live span under
-// smallLiveSpan. Its head, before lo, shares a granule with the span
-// before it, and with the one after it too when the span ends unaligned
-// inside that granule; its tail, from hi, with the span after it.
-func (e *vmmSegments) besideSmall(g *vmmSegment, id spanID, lo, hi uintptr) uint64 {
+// sharedEnd is the bytes at one end of a free span that lie in a granule
+// it shares with a neighbour: beside, and also (noSpan: none) the span
+// after it when the free span ends inside the granule of its head.
+type sharedEnd struct {
+	bytes        uint64
+	beside, also spanID
+}
+
+// endsOf is the shared ends of the free span id of g, whose whole granules
+// are [lo, hi): its head, before lo, shares a granule with the span before
+// it, and with the one after it too when the span ends unaligned inside
+// that granule; its tail, from hi, with the span after it.
+func (e *vmmSegments) endsOf(g *vmmSegment, id spanID, lo, hi uintptr) (head, tail sharedEnd) {
 	sp := g.span(id)
 	end := sp.end()
+	head, tail = sharedEnd{beside: g.prev(id), also: noSpan}, sharedEnd{beside: g.next(id), also: noSpan}
+	if headEnd := min(lo, end); headEnd > sp.base {
+		head.bytes = uint64(headEnd - sp.base)
+		if end < lo {
+			head.also = g.next(id)
+		}
+	}
+	if end > lo && hi < end {
+		tail.bytes = uint64(end - hi)
+	}
+	return head, tail
+}
+
+// besideSmall is the bytes of the free span id of g, whose whole granules
+// are [lo, hi), in granules it shares with a live span under
+// smallLiveSpan.
+func (e *vmmSegments) besideSmall(g *vmmSegment, id spanID, lo, hi uintptr) uint64 {
 	small := func(n spanID) bool {
 		return n != noSpan && g.span(n).state == spanLive && g.span(n).size < smallLiveSpan
 	}
+	head, tail := e.endsOf(g, id, lo, hi)
 	var out uint64
-	if headEnd := min(lo, end); headEnd > sp.base {
-		if small(g.prev(id)) || (end < lo && small(g.next(id))) {
-			out += uint64(headEnd - sp.base)
+	if small(head.beside) || small(head.also) {
+		out += head.bytes
+	}
+	if small(tail.beside) {
+		out += tail.bytes
+	}
+	return out
+}
+
+// FreeEnds is the free ends beside the live spans of one size: the bytes
+// of free spans in granules they share with live spans of LiveSize bytes,
+// and how many such live spans there are. A VMM device's FreeEndsBeside
+// lists them, the most bytes first: which live memory pins the free ends
+// (HeldSplit's FreeShared) that hold memory beyond live.
+type FreeEnds struct {
+	LiveSize  uint64 `json:"live_size"`
+	LiveSpans int    `json:"live_spans"`
+	Bytes     uint64 `json:"bytes"`
+}
+
+// freeEndsBeside walks every span for FreeEnds: an end shared with two
+// live spans (a free span inside one granule) counts beside the first.
+// Ends beside no live span (a pending one) are left out.
+func (e *vmmSegments) freeEndsBeside() []FreeEnds {
+	bySize := map[uint64]*FreeEnds{}
+	seen := map[segRef]bool{}
+	add := func(g *vmmSegment, end sharedEnd) {
+		n := end.beside
+		if n == noSpan || g.span(n).state != spanLive {
+			n = end.also
+		}
+		if end.bytes == 0 || n == noSpan || g.span(n).state != spanLive {
+			return
+		}
+		size := g.span(n).size
+		fe := bySize[size]
+		if fe == nil {
+			fe = &FreeEnds{LiveSize: size}
+			bySize[size] = fe
+		}
+		fe.Bytes += end.bytes
+		if ref := (segRef{g, n}); !seen[ref] {
+			seen[ref] = true
+			fe.LiveSpans++
 		}
 	}
-	if end > lo && hi < end && small(g.next(id)) {
-		out += uint64(end - hi)
+	for _, g := range e.segs {
+		if g.asleep {
+			continue
+		}
+		for id := g.first; id != noSpan; id = g.next(id) {
+			if sp := g.span(id); sp.state == spanFree {
+				lo, hi := e.whole(sp)
+				head, tail := e.endsOf(g, id, lo, hi)
+				add(g, head)
+				add(g, tail)
+			}
+		}
 	}
+	out := make([]FreeEnds, 0, len(bySize))
+	for _, fe := range bySize {
+		out = append(out, *fe)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Bytes != out[j].Bytes {
+			return out[i].Bytes > out[j].Bytes
+		}
+		return out[i].LiveSize < out[j].LiveSize
+	})
 	return out
 }

@@ -90,3 +90,45 @@ func TestHeldSplitFreeBesideSmall(t *testing.T) {
 	assert.Equal(t, got.FreeShared, got.FreeBesideSmall, "both share a granule with the small block")
 	assert.Equal(t, got.Held, got.Parts())
 }
+
+// FreeEndsBeside groups the free ends by the size of the live span they
+// lie beside: on 2 MiB handles, after blocks of 3, 3 and 3 MiB, the middle
+// one freed and 512 KiB placed in the last granule's free end, a 3 MiB
+// block has 1 MiB beside it (the freed block's head, in the first block's
+// granule) and the small block the rest of the last granule.
+func TestFreeEndsBeside(t *testing.T) {
+	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
+	require.NoError(t, err)
+	a, err := d.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	b, err := d.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	c, err := d.Alloc(3*mib, 1)
+	require.NoError(t, err)
+	require.Equal(t, []uintptr{a + 3*mib, a + 6*mib}, []uintptr{b, c})
+	assert.Equal(t, []FreeEnds{{LiveSize: 3 * mib, LiveSpans: 1, Bytes: mib}}, d.FreeEndsBeside(), "the end after the third block")
+
+	require.NoError(t, d.Free(b, 3*mib, 1))
+	assert.Equal(t, []FreeEnds{{LiveSize: 3 * mib, LiveSpans: 2, Bytes: 2 * mib}}, d.FreeEndsBeside(),
+		"the freed block's head beside the first, the end beside the third")
+
+	s, err := d.Alloc(512<<10, 1)
+	require.NoError(t, err)
+	require.Equal(t, a+9*mib, s, "the smallest free span that holds it")
+	got := d.FreeEndsBeside()
+	assert.Equal(t, []FreeEnds{{LiveSize: 3 * mib, LiveSpans: 1, Bytes: mib}, {LiveSize: 512 << 10, LiveSpans: 1, Bytes: 512 << 10}}, got)
+	assert.Equal(t, d.HeldSplit().FreeShared, got[0].Bytes+got[1].Bytes, "every shared end lies beside a live span")
+
+	// A live span between two free ones counts once, with both ends: 2 MiB
+	// at [3, 5) MiB after its neighbours of 3 MiB are freed.
+	d, err = NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
+	require.NoError(t, err)
+	var p [3]uintptr
+	for i, n := range []uintptr{3 * mib, 2 * mib, 3 * mib} {
+		p[i], err = d.Alloc(uint64(n), 1)
+		require.NoError(t, err)
+	}
+	require.NoError(t, d.Free(p[0], 3*mib, 1))
+	require.NoError(t, d.Free(p[2], 3*mib, 1))
+	assert.Equal(t, []FreeEnds{{LiveSize: 2 * mib, LiveSpans: 1, Bytes: 2 * mib}}, d.FreeEndsBeside())
+}

@@ -43,3 +43,20 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 		}
 	}
 }
+
+// What holds serving's memory beyond live, per handle (BENCHMARKS.md
+// quotes it): at the peak nearly all the free ends lie beside the KV
+// cache's 24 tensors (12 layers, keys and values) of 48,857,088 bytes.
+func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
+	tr, err := Open("../traces/serving-vmm.jsonl.gz")
+	require.NoError(t, err)
+	dev, err := arena.NewSimVMM(0, 140<<30)
+	require.NoError(t, err)
+	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
+	require.NoError(t, err)
+	require.NotNil(t, r.HeldAtPeak)
+	require.NotEmpty(t, r.FreeEndsAtPeak)
+	kv := r.FreeEndsAtPeak[0]
+	assert.Equal(t, arena.FreeEnds{LiveSize: 48_857_088, LiveSpans: 24, Bytes: 392_894_976}, kv)
+	assert.Greater(t, float64(kv.Bytes), 0.9*float64(r.HeldAtPeak.FreeShared), "the KV cache's ends are most of the free ends")
+}

@@ -72,6 +72,10 @@ type Result struct {
 	// span by span (arena.HeldSplit): where the peak's bytes beyond live
 	// lie. Absent for other devices.
 	HeldAtPeak *arena.HeldSplit `json:"held_at_peak,omitempty"`
+	// FreeEndsAtPeak is, at the same moment, which live spans the free
+	// ends (HeldAtPeak's FreeShared) lie beside, by their size, the most
+	// bytes first (arena.FreeEnds).
+	FreeEndsAtPeak []arena.FreeEnds `json:"free_ends_at_peak,omitempty"`
 
 	// DeviceAllocs and DeviceFrees count the calls that reached the device.
 	DeviceAllocs uint64 `json:"device_allocs"`
@@ -263,7 +267,7 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 		}
 	}
 	elapsed := time.Since(start) - fragCost - split.cost
-	res.HeldAtPeak = split.at
+	res.HeldAtPeak, res.FreeEndsAtPeak = split.at, split.ends
 
 	res.PeakLiveBytes = peakLive
 	res.FragmentationAtPeak = res.Fragmentation.Ratio
@@ -296,7 +300,7 @@ func (res *Result) takePeaks(a reference.Allocator, peakLive uint64) {
 		// A cudaMalloc-style policy's segments are mapped one by one: the
 		// device's own peak, and its split, are not its figure.
 		res.PeakReservedBytes = res.AllocatorPeakReservedBytes
-		res.HeldAtPeak = nil
+		res.HeldAtPeak, res.FreeEndsAtPeak = nil, nil
 	}
 	if pa, ok := a.(reference.PeakAllocator); ok {
 		res.AllocatorPeakAllocatedBytes = pa.PeakAllocated()
@@ -319,12 +323,14 @@ func (res *Result) takeSpeed(t *Trace, elapsed time.Duration) {
 }
 
 // peakSplit keeps what a VMM device held, span by span (arena.HeldSplit),
-// at each new peak of its reserved bytes: a walk over the spans, whose
-// time (cost) is not the policy's speed.
+// and which live spans its free ends lie beside, at each new peak of its
+// reserved bytes: walks over the spans, whose time (cost) is not the
+// policy's speed.
 type peakSplit struct {
 	dev  arena.HeldSplitter // nil: a device that says nothing of it
 	high uint64
 	at   *arena.HeldSplit
+	ends []arena.FreeEnds
 	cost time.Duration
 }
 
@@ -334,7 +340,7 @@ func (p *peakSplit) see(reserved uint64) {
 	}
 	t0 := time.Now()
 	s := p.dev.HeldSplit()
-	p.at, p.high = &s, reserved
+	p.at, p.ends, p.high = &s, p.dev.FreeEndsBeside(), reserved
 	p.cost += time.Since(t0)
 }
 

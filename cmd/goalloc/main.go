@@ -625,6 +625,17 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 				units.FormatBytes(h.Held), units.FormatBytes(h.Live), units.FormatBytes(h.FreeShared), h.FreeSpans,
 				units.FormatBytes(h.FreeBesideSmall), units.FormatBytes(h.FreeWhole), units.FormatBytes(h.Pending),
 				units.FormatBytes(h.Draining))
+			if ends := r.FreeEndsAtPeak; len(ends) > 0 {
+				fmt.Fprintf(w, "%s: the free ends lie beside live spans of", r.Policy)
+				for i, fe := range ends[:min(len(ends), 3)] {
+					fmt.Fprintf(w, "%s %s (%d: %s)", map[bool]string{true: ";", false: ""}[i > 0],
+						units.FormatBytes(fe.LiveSize), fe.LiveSpans, units.FormatBytes(fe.Bytes))
+				}
+				if len(ends) > 3 {
+					fmt.Fprintf(w, "; %d sizes more", len(ends)-3)
+				}
+				fmt.Fprintln(w)
+			}
 		}
 		if r.OOMs > 0 {
 			fmt.Fprintf(w, "%s: %d allocations failed for lack of memory; the first at %s\n", r.Policy, r.OOMs, r.OOMError)
