@@ -7,19 +7,27 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// blocksOn2MiB is a simulated device of 2 MiB handles with blocks of
+// sizes placed on stream 1, in order, and their addresses.
+func blocksOn2MiB(t *testing.T, sizes ...uint64) (*SimVMM, []uintptr) {
+	t.Helper()
+	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
+	require.NoError(t, err)
+	ptrs := make([]uintptr, len(sizes))
+	for i, n := range sizes {
+		ptrs[i], err = d.Alloc(n, 1)
+		require.NoError(t, err)
+	}
+	return d, ptrs
+}
+
 // What the device holds splits into live spans, free spans' shared and
 // whole granules, and pending spans, which add up to held: blocks of 3, 3
 // and 1 MiB on 2 MiB handles, then the middle one freed on its stream and
 // the last one on another.
 func TestHeldSplitAddsUpToHeld(t *testing.T) {
-	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
-	require.NoError(t, err)
-	a, err := d.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	b, err := d.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	c, err := d.Alloc(1*mib, 1)
-	require.NoError(t, err)
+	d, p := blocksOn2MiB(t, 3*mib, 3*mib, 1*mib)
+	a, b, c := p[0], p[1], p[2]
 	require.Equal(t, uint64(3*mib), uint64(b-a))
 	assert.Equal(t, HeldSplit{Held: 8 * mib, Live: 7 * mib, FreeShared: 1 * mib, FreeSpans: 1}, d.HeldSplit(),
 		"7 MiB live on four handles: the last one's free end")
@@ -97,15 +105,9 @@ func TestHeldSplitFreeBesideSmall(t *testing.T) {
 // block has 1 MiB beside it (the freed block's head, in the first block's
 // granule) and the small block the rest of the last granule.
 func TestFreeEndsBeside(t *testing.T) {
-	d, err := NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
-	require.NoError(t, err)
-	a, err := d.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	b, err := d.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	c, err := d.Alloc(3*mib, 1)
-	require.NoError(t, err)
-	require.Equal(t, []uintptr{a + 3*mib, a + 6*mib}, []uintptr{b, c})
+	d, p := blocksOn2MiB(t, 3*mib, 3*mib, 3*mib)
+	a, b := p[0], p[1]
+	require.Equal(t, []uintptr{a + 3*mib, a + 6*mib}, p[1:])
 	assert.Equal(t, []FreeEnds{{LiveSize: 3 * mib, LiveSpans: 1, Bytes: mib}}, d.FreeEndsBeside(), "the end after the third block")
 
 	require.NoError(t, d.Free(b, 3*mib, 1))
@@ -121,13 +123,7 @@ func TestFreeEndsBeside(t *testing.T) {
 
 	// A live span between two free ones counts once, with both ends: 2 MiB
 	// at [3, 5) MiB after its neighbours of 3 MiB are freed.
-	d, err = NewSimVMMWith(0, 1<<30, VMMLayout{Handle: simVMMGranule})
-	require.NoError(t, err)
-	var p [3]uintptr
-	for i, n := range []uintptr{3 * mib, 2 * mib, 3 * mib} {
-		p[i], err = d.Alloc(uint64(n), 1)
-		require.NoError(t, err)
-	}
+	d, p = blocksOn2MiB(t, 3*mib, 2*mib, 3*mib)
 	require.NoError(t, d.Free(p[0], 3*mib, 1))
 	require.NoError(t, d.Free(p[2], 3*mib, 1))
 	assert.Equal(t, []FreeEnds{{LiveSize: 2 * mib, LiveSpans: 1, Bytes: 2 * mib}}, d.FreeEndsBeside())
