@@ -116,7 +116,7 @@
 //     they hold beyond the request, less than a granule, is a free span
 //     that the next request of s starts in.
 //  3. Before mapping, the new granules are paid for by free memory, s's
-//     own first: its free spans (of its segments and tag) whose last use
+//     own first: its free spans (of its stream and tag) whose last use
 //     has completed give up their whole granules from the tail, unmapped,
 //     their handles mapped at the new place; then those whose last use
 //     may still run (on a GPU the host runs ahead, so this step's earlier
