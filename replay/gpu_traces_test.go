@@ -17,8 +17,8 @@ import (
 // Checkpointed FSDP runs two streams (FSDP's all-gathers on their own), so
 // it holds the rule that another stream's frees still in use serve a miss
 // after a wait: without it the replay 10 ms behind misses the GPU's figure.
-// Serving and the RL rollout leave free ends of handles beside live
-// tensors that grow a token at a time, so they hold the handle-level waste.
+// Serving and the RL rollout keep KV caches placed among activations that
+// die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
 var gpuTraces = []string{"checkpoint-vmm", "moe-vmm", "rollout-vmm", "serving-vmm"}
 

@@ -1329,5 +1329,22 @@ def test_slim_trace_keeps_what_the_replay_acts_on() -> None:
         ("alloc", 1, 512, 0, 0), ("alloc", 2, 1024, 7, 2), ("free_completed", 1, 512, 0, 4),
         ("alloc", 1, 512, 0, 9), ("free_completed", 2, 1024, 7, 10)]
     bad = io.StringIO(json.dumps(lines[0]) + "\n" + json.dumps(lines[5]) + "\n")
-    with pytest.raises(ValueError, match="no alloc before it"):
+    with pytest.raises(ValueError, match="line 2: free_completed of address 5000, which no alloc before it"):
         list(slim_trace.slim_lines(bad))
+    for text, says in [("[1]\n", "line 1: not a trace's header"),
+                       ('{"w": 1}\n{"a": "alloc", "addr": 1}\n', "line 2: not a trace event .KeyError"),
+                       ('{"w": 1}\n{"a": "alloc", "addr": "x", "t": 0}\n', "line 2: addr and t must be integers"),
+                       ('{"w": 1}\nnot json\n', "line 2: not a trace event .JSONDecodeError")]:
+        with pytest.raises(ValueError, match=says):
+            list(slim_trace.slim_lines(io.StringIO(text)))
+
+
+def test_slim_trace_command_refuses_a_bad_trace_and_writes_nothing(tmp_path: Path) -> None:
+    import gzip
+    src, dst = tmp_path / "bad.jsonl.gz", tmp_path / "out.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        f.write('{"w": 1}\n{"a": "free_completed", "addr": 7, "size": 512, "stream": 0, "t": 3}\n')
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "slim_trace.py"), str(src), str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and f"slim_trace: {src}: line 2: free_completed of address 7" in r.stderr, r.stderr
+    assert not dst.exists()

@@ -626,15 +626,15 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 				units.FormatBytes(h.FreeBesideSmall), units.FormatBytes(h.FreeWhole), units.FormatBytes(h.Pending),
 				units.FormatBytes(h.Draining))
 			if ends := r.FreeEndsAtPeak; len(ends) > 0 {
-				fmt.Fprintf(w, "%s: the free ends lie beside live spans of", r.Policy)
-				for i, fe := range ends[:min(len(ends), 3)] {
-					fmt.Fprintf(w, "%s %s (%d: %s)", map[bool]string{true: ";", false: ""}[i > 0],
-						units.FormatBytes(fe.LiveSize), fe.LiveSpans, units.FormatBytes(fe.Bytes))
+				var groups []string
+				for _, fe := range ends[:min(len(ends), 3)] {
+					groups = append(groups, fmt.Sprintf("%s (%d: %s)",
+						units.FormatBytes(fe.LiveSize), fe.LiveSpans, units.FormatBytes(fe.Bytes)))
 				}
 				if len(ends) > 3 {
-					fmt.Fprintf(w, "; %d sizes more", len(ends)-3)
+					groups = append(groups, fmt.Sprintf("%d sizes more", len(ends)-3))
 				}
-				fmt.Fprintln(w)
+				fmt.Fprintf(w, "%s: the free ends lie beside live spans of %s\n", r.Policy, strings.Join(groups, "; "))
 			}
 		}
 		if r.OOMs > 0 {
