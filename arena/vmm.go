@@ -106,7 +106,16 @@
 // the newer one covers both). A request of S bytes (rounded to 512) on
 // stream s is placed in s's segment:
 //
-//  1. The smallest free span of at least S bytes is split: no driver call.
+//  1. The smallest free span of s's own of at least S bytes is split: no
+//     driver call. Else, once every segment's unrecorded frees have an
+//     event (a fence each, see "Events"), the smallest free span of at
+//     least S bytes of another stream (of the same tag) whose last use has
+//     completed is split where it lies: no map either, only its event
+//     asked. Nothing runs on it any more, so it may serve any stream; its
+//     free, on a stream other than its segment's, is pending like any
+//     other. Without this half, memory freed on one stream and asked for
+//     on another (FSDP's all-gather and compute streams) moved between
+//     their segments a granule at a time, an unmap and a map each.
 //  2. Else a hole is filled: the free span before a hole is extended into
 //     it, or the free span after it extended back, or both joined through
 //     it, mapping only the missing granules (expandable segments' trick);
@@ -150,9 +159,11 @@
 //
 // # What a miss costs
 //
-// A miss served by step 1 makes no driver call, and neither does a free
-// on the segment's own stream but one in fenceEvery (see "Events"); step
-// 1 is a binary search in the stream's index of free spans (freeIndex).
+// A miss served by step 1 from s's own memory makes no driver call, and
+// neither does a free on the segment's own stream but one in fenceEvery
+// (see "Events"); it is a binary search in the stream's index of free
+// spans (freeIndex). Its second half searches each other share's index
+// once and asks the events of the spans it passes (one per fence).
 // A segment's spans are a list in address order (spanNode), each named by
 // its node (spanID), so splitting a span or coalescing it with its
 // neighbours moves no other span, and whatever refers to a span holds its

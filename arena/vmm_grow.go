@@ -131,10 +131,8 @@ type growth struct {
 // step that fails leaves the state consistent and gives back what the
 // steps before it took.
 func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
-	// Free memory pays only once known complete: unrecorded spans get
-	// their event now (one per segment), which on a stream with nothing
-	// left to run completes at once.
-	e.fenceAll()
+	// AllocTagged has fenced every segment: free memory pays only once
+	// known complete.
 	gr := &growth{s: key.s, tag: key.tag}
 	var ok bool
 	if gr.f, ok = e.bestFill(n, key); !ok {

@@ -5,6 +5,7 @@ package arena
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/goalloc/goalloc/internal/addrmap"
 )
@@ -174,7 +175,84 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 			return e.take(st, st.free[j], n), nil
 		}
 	}
+	// Free memory serves another stream only once known complete:
+	// unrecorded spans get their event now (one per segment), which on a
+	// stream with nothing left to run completes at once.
+	e.fenceAll()
+	if va, ok, err := e.takeComplete(n, key); err != nil || ok {
+		return va, err
+	}
 	return e.grow(n, key)
+}
+
+// takeComplete is step 1's second half: the smallest free span of at
+// least n bytes, of another stream's share of the request's tag, whose
+// last use has completed, split as take splits the request's own. No
+// work uses it any more, so it serves the request where it lies, with no
+// driver call but the queries of its event: it stays in its segment, and
+// its free, on a stream other than the segment's, is pending like any
+// other (Free). Memory taken outside a capture (anyStream) keeps to
+// segments of its own.
+func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error) {
+	if key.s == anyStream {
+		return 0, false, nil
+	}
+	var best *segStream
+	var bestKey freeKey
+	// Each share is searched once, in the order of its first segment
+	// with a free span, so the choice, and the events asked, do not
+	// depend on a map's order.
+	var searched [8]*freeIndex
+	nsearched := 0
+	for _, g := range e.segs {
+		if g.nfree == 0 || g.asleep || g.tag != key.tag || g.stream == key.s ||
+			slices.Contains(searched[:min(nsearched, len(searched))], g.free) {
+			continue
+		}
+		if nsearched < len(searched) {
+			searched[nsearched] = g.free
+		}
+		nsearched++
+		st := e.streams[shareKey{g.stream, g.tag}]
+		k, ok, err := e.firstComplete(st, n, bestKey.size, best != nil)
+		if err != nil {
+			return 0, false, err
+		}
+		if ok && (best == nil || k.size < bestKey.size || k.size == bestKey.size && k.base < bestKey.base) {
+			best, bestKey = st, k
+		}
+	}
+	if best == nil {
+		return 0, false, nil
+	}
+	return e.take(best, bestKey, n), true, nil
+}
+
+// firstComplete is the first of st's free spans of at least n bytes, in
+// step 1's order, whose last use has completed; none larger than limit
+// when bounded. The spans a fence covered share its event, which is asked
+// once.
+func (e *vmmSegments) firstComplete(st *segStream, n, limit uint64, bounded bool) (freeKey, bool, error) {
+	var notDone Event
+	for j := st.free.search(freeKey{size: n}); j < len(st.free); j++ {
+		k := st.free[j]
+		if bounded && k.size > limit {
+			break
+		}
+		sp := st.segs[k.order].span(k.id)
+		if sp.event != 0 && sp.event == notDone {
+			continue
+		}
+		done, err := e.spanDone(sp)
+		if err != nil {
+			return freeKey{}, false, err
+		}
+		if done {
+			return k, true, nil
+		}
+		notDone = sp.event
+	}
+	return freeKey{}, false, nil
 }
 
 // share is the share key names, or nil before its first segment.

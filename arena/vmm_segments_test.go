@@ -204,27 +204,75 @@ func TestSegmentsCrossStreamFreeWaitsForItsEvent(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
-// Another stream's completed free span gives up its granules, unmapped
-// and mapped again where the request needs them, with no create and no
-// release.
+// Another stream's completed free span, too small for the request, gives
+// up its granules, unmapped and mapped again where the request needs them,
+// with no release.
 func TestSegmentsUnmapFreeMemoryToPayForGrowth(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 0)
-	p, err := e.Alloc(8*mib, 1)
-	require.NoError(t, err)
-	_, err = e.Alloc(8*mib, 2)
+	p := allocAll(t, e, 1, 8*mib, 1*mib)[0]
+	_, err := e.Alloc(8*mib, 2)
 	require.NoError(t, err)
 	sim.Launch(1)
 	require.NoError(t, e.Free(p, 1, false))
 	sim.Complete(1)
-	_, err = e.Alloc(6*mib, 2)
+	require.EqualValues(t, 18*mib, e.Held())
+	_, err = e.Alloc(10*mib, 2)
 	require.NoError(t, err)
-	assert.EqualValues(t, 16*mib, e.Held(), "paid with stream 1's free memory")
-	assert.Equal(t, 8, phys.Calls["cuMemCreate"])
-	assert.Equal(t, 3, phys.Calls["cuMemUnmap"], "three granules moved")
+	assert.EqualValues(t, 20*mib, e.Held(), "paid with stream 1's four free granules, one created")
+	assert.Equal(t, 10, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 4, phys.Calls["cuMemUnmap"], "four granules moved")
 	assert.Zero(t, phys.Calls["cuMemRelease"])
 	assert.Zero(t, phys.Calls["cuStreamWaitEvent"], "a complete free needs no wait")
-	assert.Equal(t, [][3]uint64{{0, 2, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]), "from the tail of the free span")
-	assert.EqualValues(t, 16*mib, phys.Used())
+	assert.Equal(t, [][3]uint64{{8, 1, spanLive}, {9, 1, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
+	assert.EqualValues(t, 20*mib, phys.Used())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Another stream's completed free span large enough for the request serves
+// it where it lies, the smallest such: nothing is mapped, unmapped or
+// created. Its free on the request's stream waits for that stream's event,
+// as any free on another stream than the segment's does, and then the span
+// is its segment's stream's again. A span still in use, or of another
+// memory tag, is not taken.
+func TestSegmentsTakeAnotherStreamsCompleteSpan(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	spans := allocAll(t, e, 1, 8*mib, 1*mib, 6*mib, 1*mib, 5*mib, 1*mib)
+	g := e.streams[shareKey{s: 1}].segs[0]
+	inSegment := func(p uintptr) bool { return p >= g.base && p < g.base+uintptr(g.size) }
+	sim.Launch(1)
+	for _, i := range []int{0, 2, 4} {
+		require.NoError(t, e.Free(spans[i], 1, false))
+	}
+	p, err := e.Alloc(5*mib+512, 2)
+	require.NoError(t, err)
+	assert.False(t, inSegment(p), "stream 1's frees still run")
+	require.NoError(t, e.CheckInvariants())
+
+	sim.Complete(1)
+	require.NoError(t, e.pollDraining()) // what stream 1 lent to p drains first
+	moves := func() int { return phys.Calls["cuMemMap"] + phys.Calls["cuMemUnmap"] + phys.Calls["cuMemCreate"] }
+	held, before := e.Held(), moves()
+	q, err := e.Alloc(5*mib+512, 2)
+	require.NoError(t, err)
+	assert.Equal(t, spans[2], q, "the smallest that fits: 6 MiB, not 8")
+	assert.Equal(t, held, e.Held())
+	assert.Equal(t, before, moves(), "no map, unmap or create")
+	require.NoError(t, e.CheckInvariants())
+
+	r, err := e.AllocTagged(5*mib, 3, 1)
+	require.NoError(t, err)
+	assert.False(t, inSegment(r), "memory of two tags never shares a handle")
+	require.NoError(t, e.CheckInvariants())
+
+	sim.Launch(2)
+	require.NoError(t, e.Free(q, 2, false))
+	x, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.NotEqual(t, q, x, "stream 2 may still use it")
+	sim.Complete(2)
+	y, err := e.Alloc(6*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, q, y, "stream 1's again once stream 2 is done")
 	require.NoError(t, e.CheckInvariants())
 }
 
@@ -495,7 +543,8 @@ func allocAll(t *testing.T, e *vmmSegments, s Stream, sizes ...uint64) []uintptr
 
 // A free span that shares granules with its neighbours pays with the
 // granules it covers alone: each one unmapped cuts it, its ends staying
-// free in the shared granules.
+// free in the shared granules. (The requests are of another memory tag, so
+// the span pays rather than serving them where it lies.)
 func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
 	e, phys, _ := segmentsOnly(t, 1<<30, 8*mib)
 	b := allocAll(t, e, 1, 3*mib, 4*mib, 1*mib)[1]
@@ -504,14 +553,14 @@ func TestSegmentsPayWithTheWholeGranulesOfASpan(t *testing.T) {
 	require.EqualValues(t, 8*mib, e.Held())
 	require.NoError(t, e.Free(b, 1, true))
 	// [3, 7) covers the granule [4, 6) alone; [3, 4) and [6, 7) share.
-	q, err := e.Alloc(2*mib, 2)
+	q, err := e.AllocTagged(2*mib, 2, 1)
 	require.NoError(t, err, "paid with the one whole granule, under the cap")
 	assert.EqualValues(t, 8*mib, e.Held())
 	assert.Equal(t, 4, phys.Calls["cuMemCreate"])
 	assert.Equal(t, 1, phys.Calls["cuMemUnmap"])
 	assert.Equal(t, [][3]uint64{{0, 3, spanLive}, {3, 1, spanFree}, {6, 1, spanFree}, {7, 1, spanLive}}, spanStates(g))
 	require.NoError(t, e.CheckInvariants())
-	_, err = e.Alloc(2*mib, 2)
+	_, err = e.AllocTagged(2*mib, 2, 1)
 	require.ErrorIs(t, err, ErrOutOfMemory, "the pieces left share their granules: they cannot pay")
 	require.NoError(t, e.Free(q, 2, true))
 	require.NoError(t, e.CheckInvariants())
