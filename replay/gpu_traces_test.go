@@ -15,8 +15,10 @@ import (
 // it within 1%, with the device in step with the host and running 10 ms
 // behind it: a change to the placement that moves the figure shows here.
 // Checkpointed FSDP runs two streams (FSDP's all-gathers on their own), so
-// it holds the rule that another stream's frees still in use serve a miss
-// after a wait: without it the replay 10 ms behind misses the GPU's figure.
+// it holds the rules by which one stream's frees serve another's misses, a
+// complete free span where it lies and one still in use after a wait
+// (steps 1 and 3 in arena/vmm.go): without both the replay 10 ms behind
+// misses the GPU's figure by 12%.
 // Serving and the RL rollout keep KV caches placed among activations that
 // die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
