@@ -73,6 +73,9 @@ type vmmSegments struct {
 	// last lets go (dropEvent). Invariant: it matches the spans.
 	holders addrmap.Map[int32] // by Event
 	seq     uint64
+	// searched is takeComplete's scratch: the shares' free indexes it has
+	// searched, empty between calls.
+	searched []*freeIndex
 
 	held, heldHigh, live, mapped uint64
 
@@ -199,27 +202,24 @@ func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error
 	}
 	var best *segStream
 	var bestKey freeKey
-	// Each share is searched once, in the order of its first segment
-	// with a free span, so the choice, and the events asked, do not
-	// depend on a map's order.
-	var searched [8]*freeIndex
-	nsearched := 0
+	limit := ^uint64(0)
+	// Each share is searched once, in the order of its first segment with
+	// a free span, so neither the choice nor the events asked depend on a
+	// map's order.
+	seen := e.searched[:0]
+	defer func() { clear(seen); e.searched = seen[:0] }()
 	for _, g := range e.segs {
-		if g.nfree == 0 || g.asleep || g.tag != key.tag || g.stream == key.s ||
-			slices.Contains(searched[:min(nsearched, len(searched))], g.free) {
+		if g.nfree == 0 || g.asleep || g.tag != key.tag || g.stream == key.s || slices.Contains(seen, g.free) {
 			continue
 		}
-		if nsearched < len(searched) {
-			searched[nsearched] = g.free
-		}
-		nsearched++
+		seen = append(seen, g.free)
 		st := e.streams[shareKey{g.stream, g.tag}]
-		k, ok, err := e.firstComplete(st, n, bestKey.size, best != nil)
+		k, ok, err := e.firstComplete(st, n, limit)
 		if err != nil {
 			return 0, false, err
 		}
 		if ok && (best == nil || k.size < bestKey.size || k.size == bestKey.size && k.base < bestKey.base) {
-			best, bestKey = st, k
+			best, bestKey, limit = st, k, k.size
 		}
 	}
 	if best == nil {
@@ -228,17 +228,13 @@ func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error
 	return e.take(best, bestKey, n), true, nil
 }
 
-// firstComplete is the first of st's free spans of at least n bytes, in
-// step 1's order, whose last use has completed; none larger than limit
-// when bounded. The spans a fence covered share its event, which is asked
-// once.
-func (e *vmmSegments) firstComplete(st *segStream, n, limit uint64, bounded bool) (freeKey, bool, error) {
+// firstComplete is the first of st's free spans of at least n bytes and at
+// most limit, in step 1's order, whose last use has completed. The spans a
+// fence covered share its event, which is asked once.
+func (e *vmmSegments) firstComplete(st *segStream, n, limit uint64) (freeKey, bool, error) {
 	var notDone Event
-	for j := st.free.search(freeKey{size: n}); j < len(st.free); j++ {
+	for j := st.free.search(freeKey{size: n}); j < len(st.free) && st.free[j].size <= limit; j++ {
 		k := st.free[j]
-		if bounded && k.size > limit {
-			break
-		}
 		sp := st.segs[k.order].span(k.id)
 		if sp.event != 0 && sp.event == notDone {
 			continue

@@ -236,6 +236,7 @@ func TestSegmentsUnmapFreeMemoryToPayForGrowth(t *testing.T) {
 // memory tag, is not taken.
 func TestSegmentsTakeAnotherStreamsCompleteSpan(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	other := allocAll(t, e, 3, 7*mib, 1*mib) // stream 3's segment comes first
 	spans := allocAll(t, e, 1, 8*mib, 1*mib, 6*mib, 1*mib, 5*mib, 1*mib)
 	g := e.streams[shareKey{s: 1}].segs[0]
 	inSegment := func(p uintptr) bool { return p >= g.base && p < g.base+uintptr(g.size) }
@@ -250,11 +251,12 @@ func TestSegmentsTakeAnotherStreamsCompleteSpan(t *testing.T) {
 
 	sim.Complete(1)
 	require.NoError(t, e.pollDraining()) // what stream 1 lent to p drains first
+	require.NoError(t, e.Free(other[0], 3, true))
 	moves := func() int { return phys.Calls["cuMemMap"] + phys.Calls["cuMemUnmap"] + phys.Calls["cuMemCreate"] }
 	held, before := e.Held(), moves()
 	q, err := e.Alloc(5*mib+512, 2)
 	require.NoError(t, err)
-	assert.Equal(t, spans[2], q, "the smallest that fits: 6 MiB, not 8")
+	assert.Equal(t, spans[2], q, "the smallest that fits of any stream: stream 1's 6 MiB, not its 8 or stream 3's 7")
 	assert.Equal(t, held, e.Held())
 	assert.Equal(t, before, moves(), "no map, unmap or create")
 	require.NoError(t, e.CheckInvariants())
