@@ -104,7 +104,7 @@
 // its ends beyond them share a granule with its neighbours. Adjacent free
 // spans are coalesced (their events were recorded on the same stream, so
 // the newer one covers both). A request of S bytes (rounded to 512) on
-// stream s is placed in s's segment:
+// stream s is placed in s's segments, or in another stream's free span:
 //
 //  1. The smallest free span of s's own of at least S bytes is split: no
 //     driver call. Else, once every segment's unrecorded frees have an
@@ -113,9 +113,11 @@
 //     completed is split where it lies: no map either, only its event
 //     asked. Nothing runs on it any more, so it may serve any stream; its
 //     free, on a stream other than its segment's, is pending like any
-//     other. Without this half, memory freed on one stream and asked for
-//     on another (FSDP's all-gather and compute streams) moved between
-//     their segments a granule at a time, an unmap and a map each.
+//     other. The other stream loses that span, as it would lose the
+//     granules if they paid for s's growth (step 3), but whole and with no
+//     call: without this half, memory freed on one stream and asked for on
+//     another (FSDP's all-gather and compute streams) moved between their
+//     segments a granule at a time, an unmap and a map each.
 //  2. Else a hole is filled: the free span before a hole is extended into
 //     it, or the free span after it extended back, or both joined through
 //     it, mapping only the missing granules (expandable segments' trick);
