@@ -18,7 +18,7 @@ import (
 // it holds the rules by which one stream's frees serve another's misses, a
 // complete free span where it lies and one still in use after a wait
 // (steps 1 and 3 in arena/vmm.go): without both the replay 10 ms behind
-// misses the GPU's figure by 12%.
+// misses the GPU's figure.
 // Serving and the RL rollout keep KV caches placed among activations that
 // die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
