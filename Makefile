@@ -12,10 +12,11 @@ CGOFILES := $(wildcard export/*.h export/*.c export/*.cpp) python/goalloc/csrc/g
 
 all: lib tool
 
-## lib: build/libgoalloc.so and its header (no CUDA toolkit needed: libcuda is dlopen'd)
+## lib: build/libgoalloc.so and its header (no CUDA toolkit needed: libcuda is dlopen'd),
+## stamped with the commit it was built from where git is (the suite records it)
 lib: $(BUILD)/libgoalloc.so
 $(BUILD)/libgoalloc.so: $(GOFILES) $(CGOFILES)
-	$(GO) build -buildmode=c-shared -o $@ ./export
+	$(GO) build -buildvcs=auto -buildmode=c-shared -o $@ ./export
 
 ## tool: build/goalloc, the trace replay command, with goalloc's version
 ## (goalloc.__version__, the one place it is written) for `goalloc --version`

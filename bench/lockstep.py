@@ -283,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "options": {k: v for k, v in vars(sargs).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
-        "git_commit": suite.git_commit(), "pairs": [],
+        "git_commit": suite.git_commit(), "goalloc_library": suite.library_build(sargs.goalloc_library), "pairs": [],
     }
     if not args.smoke_cpu:
         doc["nvidia_smi"] = suite.nvidia_smi()

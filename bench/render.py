@@ -246,9 +246,23 @@ def environment(doc: dict[str, Any]) -> list[str]:
         + (f"; GOALLOC_CONF `{opts['goalloc_conf']}`" if opts.get("goalloc_conf") else "; goalloc's default configuration")
         + "".join(f"; {name} adds `{conf}`" for name, conf in (opts.get("variants") or {}).items()),
         f"- runs: {status_counts(doc.get('runs', []))}"
-        + (f"; repository commit {doc['git_commit']}" if doc.get("git_commit") else ""),
+        + (f"; repository commit {doc['git_commit']}" if doc.get("git_commit") else "")
+        + library_built(doc),
     ]
     return lines
+
+
+def library_built(doc: dict[str, Any]) -> str:
+    """What the input says of the goalloc library its runs loaded: the commit Go stamped it with,
+    when it differs from the repository's or was built with changes not committed."""
+    lib = doc.get("goalloc_library")
+    if not isinstance(lib, dict) or not lib.get("revision"):
+        return ""
+    rev, repo = str(lib["revision"]), str(doc.get("git_commit") or "")
+    dirty = lib.get("modified") == "true"
+    if rev == repo and not dirty:
+        return ""
+    return f"; goalloc's library built at {rev[:12]}" + (" with changes not committed" if dirty else "")
 
 
 def train_aggs(doc: dict[str, Any], workload: str, config: str) -> dict[str, Agg]:
@@ -532,7 +546,7 @@ def section_lockstep(doc: dict[str, Any]) -> list[str]:
         ok = len([p for p in pairs if p.get("status") == "ok"])
         lines += [f"Lockstep input {i}: `{ls.get('path', '?')}`", "", f"- command: `{ls.get('command', '?')}`",
                   f"- date: {ls.get('started', '?')}; CPUs {','.join(map(str, host.get('cpus_allowed') or [])) or '?'} of "
-                  f"{host.get('cpus', '?')}; repository commit {ls.get('git_commit', '?')}",
+                  f"{host.get('cpus', '?')}; repository commit {ls.get('git_commit', '?')}{library_built(ls)}",
                   f"- options: workload {ls.get('workload')}; repeats {opts.get('first_repeat', '?')}–"
                   f"{(opts.get('first_repeat') or 0) + (opts.get('repeats') or 0) - 1}; "
                   f"{ok} compared, {len(pairs) - ok} not", ""]

@@ -25,6 +25,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -394,6 +395,25 @@ def nvidia_smi() -> dict[str, Any]:
     return out | dict(zip(fields.split(","), (v.strip() for v in first.split(","))))
 
 
+def library_build(path: str) -> dict[str, Any]:
+    """The commit goalloc's library was built from, as Go stamps it (`make lib` builds with
+    -buildvcs=auto): vcs.revision and vcs.modified, read from the file's bytes. The repository's
+    commit (git_commit) says what the tree was when the suite ran; a library carried from elsewhere
+    may be older, or built from a tree with changes not committed."""
+    out: dict[str, Any] = {"path": path}
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        return out | {"error": f"{type(e).__name__}: {e}"}
+    for key in ("revision", "modified"):
+        m = re.search(rb"vcs\." + key.encode() + rb"=([0-9a-zA-Z]+)", data)
+        if m:
+            out[key] = m.group(1).decode()
+    if "revision" not in out:
+        out["error"] = "no vcs.revision in the library (built outside a git checkout, or with -buildvcs=false)"
+    return out
+
+
 def git_commit() -> Optional[str]:
     try:
         p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
@@ -435,7 +455,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "options": {k: v for k, v in vars(args).items() if k not in ("outdir", "command", "dry_run")},
         "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
                  "suite_python": sys.version.split()[0], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
-        "git_commit": git_commit(), "plan": [asdict(r) | {"name": r.name} for r in plan], "runs": runs}
+        "git_commit": git_commit(), "goalloc_library": library_build(args.goalloc_library),
+        "plan": [asdict(r) | {"name": r.name} for r in plan], "runs": runs}
 
     def save() -> None:
         doc["elapsed_s"] = round(time.monotonic() - start, 1)

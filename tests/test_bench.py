@@ -704,6 +704,27 @@ def test_aggregation_medians_and_ratios():
     assert render.memory_of_record("native", {"allocator": {"pool_reserved_max_read": 5, "reserved_peak": 4}}) == 4
 
 
+def test_library_build_read_from_the_library(tmp_path):
+    # Go stamps a library built in a git checkout (make lib: -buildvcs=auto) with its commit; the
+    # suite records it beside the repository's, which a carried library may not match.
+    lib = tmp_path / "libgoalloc.so"
+    lib.write_bytes(b"\x7fELF..." + b"build\tvcs=git\nbuild\tvcs.revision=0123abcd\nbuild\tvcs.modified=true\n" + b"\0" * 64)
+    assert suite.library_build(str(lib)) == {"path": str(lib), "revision": "0123abcd", "modified": "true"}
+    lib.write_bytes(b"\x7fELF no stamp")
+    assert "no vcs.revision" in suite.library_build(str(lib))["error"]
+    assert "FileNotFoundError" in suite.library_build(str(tmp_path / "missing.so"))["error"]
+
+
+def test_render_says_when_the_library_is_not_the_repositorys_commit():
+    doc = fake_doc()
+    doc["goalloc_library"] = {"path": "build/libgoalloc.so", "revision": "abc123", "modified": "false"}
+    assert "library built" not in render.render(doc)  # the same commit: nothing to say
+    doc["goalloc_library"] = {"path": "build/libgoalloc.so", "revision": "fedcba9876543210", "modified": "false"}
+    assert "repository commit abc123; goalloc's library built at fedcba987654" in render.render(doc)
+    doc["goalloc_library"] = {"path": "build/libgoalloc.so", "revision": "abc123", "modified": "true"}
+    assert "goalloc's library built at abc123 with changes not committed" in render.render(doc)
+
+
 def test_render_tables_and_goals():
     doc = fake_doc()
     text = render.render(doc)
