@@ -202,6 +202,23 @@ def test_a_run_of_some_classes_keeps_the_others(suite: tuple[Path, dict[str, str
     assert res["runs"][1]["classes"] == ["TestCuda"]
 
 
+def test_a_merge_across_two_revisions_of_the_file_is_refused(suite: tuple[Path, dict[str, str]],
+                                                              tmp_path: Path) -> None:
+    """Outcomes of PyTorch's file at one revision are not merged into those
+    of another: the merged file would name one revision and hold both."""
+    test_file, env = suite
+    out = tmp_path / "both.json"
+    earlier = {"revision": "aaa", "native": {"TestCuda::test_a_ok1": "passed"}}
+    out.write_text(json.dumps(earlier))
+    p = run(test_file, env, out, "--allocator", "goalloc", "--merge", str(out), "--revision", "bbb", "-k", "ok1")
+    assert p.returncode == 2 and "at aaa, not bbb" in p.stderr, p.stdout + p.stderr
+    assert json.loads(out.read_text()) == earlier, "nothing written"
+    p = run(test_file, env, out, "--allocator", "goalloc", "--merge", str(out), "--revision", "aaa", "-k", "ok1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert res["revision"] == "aaa" and res["goalloc"] == {"TestCuda::test_a_ok1": "passed"}
+
+
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "nope.py"), "--allocator", "native"],
                        capture_output=True, text=True)

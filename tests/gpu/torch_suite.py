@@ -23,8 +23,10 @@ where that differs.
 The results file (--out) holds {"torch", "revision", "native": {test:
 outcome}, "goalloc": {test: outcome}, "exceptions": {test: reason}, ...};
 --merge takes the other allocator's outcomes from an earlier file, since
-both rarely fit one GPU call, and this allocator's of the classes not run. It prints how many of the tests that pass
-under PyTorch's allocator pass under goalloc, and which do not.
+both rarely fit one GPU call, and this allocator's of the classes not run;
+the file must come from the same revision of PyTorch's file (--revision),
+else the run is refused. It prints how many of the tests that pass under
+PyTorch's allocator pass under goalloc, and which do not.
 """
 
 from __future__ import annotations
@@ -277,9 +279,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     old: dict[str, Any] = {}
     if args.merge and args.merge.is_file():
         old = json.loads(args.merge.read_text())
+        # Outcomes of two versions of PyTorch's file are not one table: a
+        # test may differ between them, or exist in one only.
+        if args.revision and old.get("revision") and old["revision"] != args.revision:
+            ap.error(f"{args.merge} holds outcomes of PyTorch's file at {old['revision']}, not {args.revision}: "
+                     "merging them would mix two versions of the tests (write this run to another --out, "
+                     "without --merge)")
         for k, v in old.items():
-            if k != args.allocator and not k.startswith(args.allocator + "_"):
+            if k != args.allocator and not k.startswith(args.allocator + "_") and k != "revision":
                 result[k] = v
+        result["revision"] = args.revision or old.get("revision", "")
     elif args.select != "all":
         ap.error("--select missing or unpassed needs a --merge file")
     got = run_allocator(args, deadline, old.get(args.allocator, {}), old.get("native", {}))
