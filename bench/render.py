@@ -96,12 +96,26 @@ def by_repeat(doc: dict[str, Any], workload: str, config: str,
     return out
 
 
+def suites_differ(doc: dict[str, Any], workload: str, config: str, base: str = "native") -> bool:
+    """Whether a repeat of config and the same repeat of base come from
+    different suites (a merged document's "suite" of a run): such runs were
+    not interleaved, hours may lie between them, and their speeds compare
+    two states of the machine, not two allocators. Memory compares all the
+    same: a repeat's shapes are the same in every suite."""
+    a = {r.get("repeat"): r.get("suite", 0) for r in runs_of(doc, workload, config)}
+    b = {r.get("repeat"): r.get("suite", 0) for r in runs_of(doc, workload, base)}
+    return any(a[k] != b[k] for k in a if k in b)
+
+
 def paired_speed_ratios(doc: dict[str, Any], workload: str, config: str, base: str = "native") -> list[float]:
     """config's throughput over base's repeat by repeat (the same shapes), in
-    repeat order; repeats missing either are left out."""
+    repeat order; repeats missing either, or run in different suites, are
+    left out."""
     a = by_repeat(doc, workload, config, lambda _, r: r.get("units_per_s"))
     b = by_repeat(doc, workload, base, lambda _, r: r.get("units_per_s"))
-    both = sorted((k for k in a if k in b and b[k]), key=lambda k: k if isinstance(k, int) else -1)
+    suite = {(r.get("config"), r.get("repeat")): r.get("suite", 0) for r in runs_of(doc, workload)}
+    both = sorted((k for k in a if k in b and b[k] and suite[(config, k)] == suite[(base, k)]),
+                  key=lambda k: k if isinstance(k, int) else -1)
     return [a[k] / b[k] for k in both]
 
 
@@ -296,16 +310,20 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
              "peak over idle' by the driver's count (`mem_get_info`, sampled); peak live: allocated bytes.", ""]
     aggs = {c: train_aggs(doc, workload, c) for c in configs}
     base = aggs.get("native")
+    apart = [c for c in configs if suites_differ(doc, workload, c)]
     rows = []
     for c, a in aggs.items():
         rows.append([c, fmt_spread(a["speed"], lambda v: fmt(v, 0)),
-                     fmt_x(ratio(a["speed"].median, base["speed"].median if base else None)),
+                     "—" if c in apart else fmt_x(ratio(a["speed"].median, base["speed"].median if base else None)),
                      fmt_bytes(a["memory"].median), fmt_x(ratio(a["memory"].median, a["live"].median)),
                      fmt_x(ratio(a["memory"].median, base["memory"].median if base else None)),
                      fmt_bytes(a["device"].median), fmt_bytes(a["live"].median),
                      MEMORY_BASIS.get(base_config(c), "torch max reserved")])
     lines += table(["config", unit, "× native", "peak device memory", "÷ peak live", "× native",
                     "device peak over idle", "peak live", "basis"], rows)
+    if apart:
+        lines += ["", f"—: no throughput ratio for {', '.join(apart)}: native's runs of the same repeats come from "
+                      "other suites, not interleaved with these."]
     miss = miss_latency_table(doc, workload, [c for c in configs if is_goalloc(c)])
     return lines + ([""] + miss if miss else [])
 
@@ -432,11 +450,13 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
         f"goalloc {fmt_bytes(ga)} vs async (torch's cudaMallocAsync) {fmt_bytes(asy)}{note}: {ra:.3f}× ({pct(ra)}).")
     n = train_aggs(doc, workload, "native")
     name = f"{label} throughput ≥ {GOAL_THROUGHPUT_VS_NATIVE:.2f} × native"
-    rs = ratio(g["speed"].median, n["speed"].median) if g else None
+    apart = g is not None and suites_differ(doc, workload, best)
+    rs = ratio(g["speed"].median, n["speed"].median) if g and not apart else None
     # Runs in lockstep decide where they were made: they share the host's state.
     lock = lockstep_goal(doc, workload, best or DEFAULT_GOALLOC)
     if (g is None or rs is None) and lock is None:
-        add(name, None, "No figures for goalloc or native.")
+        add(name, None, f"No ratio: {best}'s runs and native's of the same repeats come from different suites, "
+                        "not interleaved, and none ran in lockstep." if apart else "No figures for goalloc or native.")
         return
     decided = lock[0] if lock else rs
     assert decided is not None
@@ -456,9 +476,11 @@ def train_goals(doc: dict[str, Any], workload: str, label: str, unit: str,
                     f"(median {Agg(paired).median:.3f}×)")
         for c, a in cands.items():
             rc = ratio(a["speed"].median, n["speed"].median)
-            if c != best and rc is not None:
+            if c != best and rc is not None and not suites_differ(doc, workload, c):
                 how += f"; {c} {rc:.3f}×"
         parts.append(how)
+    elif apart:
+        parts.append(f"the suites' runs of {best} and native come from different suites: no ratio")
     add(name, ok, "; ".join(parts) + ".")
 
 
@@ -622,14 +644,18 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
           warn: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
     """Several bench.json as one: every input's runs and plan, a run two
     inputs have taken from the later (and warn says so), each input's
-    environment under "inputs". One input is returned as it is."""
+    environment under "inputs". One input is returned as it is, but for the
+    suite of each run of a merged one (suite_in)."""
     if len(docs) == 1:
-        return docs[0]
+        d = docs[0]
+        return d | {"runs": [r | {"suite": suite_in(d, r)} for r in d.get("runs", [])]} if d.get("inputs") else d
     runs: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
     plan: dict[tuple[Any, ...], dict[str, Any]] = {}
     replaced = 0
+    first = 0  # the index, in the merged inputs, of this document's first
     for i, (doc, path) in enumerate(zip(docs, paths)):
         for r in doc.get("runs", []):
+            r = r | {"suite": first + suite_in(doc, r)}
             k = run_key(r)
             if k in runs:
                 j, old = runs[k]
@@ -638,18 +664,35 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
                      f"({r.get('status')}): keeping {path}'s")
             runs[k] = (i, r)
         plan.update((run_key(p), p) for p in doc.get("plan", []))
-    # A merged or kept document brings its own inputs, so that a kept file
-    # given again with new suites still names every suite's command.
+        first += len(doc.get("inputs") or [doc])
+    # A merged or kept document brings its own inputs, lockstep runs and
+    # history, so that a kept file given again with new suites still names
+    # every suite's command and decides with its lockstep runs.
     inputs = [x for d, p in zip(docs, paths)
               for x in (d["inputs"] if d.get("inputs") else
                         [{k: v for k, v in d.items() if k not in ("runs", "plan")}
                          | {"path": p, "runs": d.get("runs", []), "plan": d.get("plan", [])}])]
     return {"schema": 1, "inputs": inputs, "replaced": replaced, "runs": [r for _, r in runs.values()],
-            "plan": list(plan.values())}
+            "plan": list(plan.values()), "lockstep": [ls for d in docs for ls in d.get("lockstep") or []],
+            "kept_from": [k for d in docs for k in [dig(d, "produced_by", "kept")] if k]}
+
+
+def suite_in(doc: dict[str, Any], run: dict[str, Any]) -> int:
+    """The index, among doc's inputs, of the suite run came from: 0 for a
+    suite's own bench.json; in a merged document, the run's "suite", or
+    for a document kept before runs had one, the last input that names the
+    run (a later input's run replaced an earlier one's)."""
+    inputs = doc.get("inputs")
+    if not inputs:
+        return 0
+    if isinstance(run.get("suite"), int):
+        return run["suite"]
+    named = [i for i, d in enumerate(inputs) if any(x.get("name") == run.get("name") for x in d.get("runs", []))]
+    return named[-1] if named else 0
 
 
 # What keep() leaves of a run: the fields the sections above read.
-KEEP_RUN = ("id", "name", "workload", "config", "repeat", "trace", "status", "reason", "command", "wall_s")
+KEEP_RUN = ("id", "name", "workload", "config", "repeat", "trace", "status", "reason", "command", "wall_s", "suite")
 KEEP_RESULT = ("unit", "warmup", "steps", "planned_shapes", "timed_seconds", "timed_units", "units_per_s",
                "median_step_s", "losses_finite")
 KEEP_ALLOCATOR = ("pool_reserved_max_read", "reserved_peak", "allocated_peak", "requested_peak", "device_alloc_ns",
@@ -698,14 +741,16 @@ def keep(doc: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     what render() reads: the same tables from a fraction of the size."""
     plan_keys = ("workload", "config", "repeat", "trace")
     inputs = doc.get("inputs") or [doc]
+    history = doc["kept_from"] if "kept_from" in doc else [k for k in [dig(doc, "produced_by", "kept")] if k]
     out: dict[str, Any] = {
         "about": "bench/render.py --keep: the runs of the inputs below (each with the command that produced it), "
                  "pruned to what bench/render.py reads; it renders the same tables alone.",
         "produced_by": {"suites": [d.get("command") for d in inputs],
                         "lockstep": [ls.get("command") for ls in doc.get("lockstep", [])],
-                        "kept": "python3 bench/render.py " + " ".join(argv)},
+                        "kept": "; then ".join([*history, "python3 bench/render.py " + " ".join(argv)])},
     }
-    out |= {k: v for k, v in doc.items() if k not in ("runs", "plan", "inputs", "lockstep", "argv", "outdir")}
+    out |= {k: v for k, v in doc.items()
+            if k not in ("runs", "plan", "inputs", "lockstep", "argv", "outdir", "kept_from", "produced_by")}
     out["runs"] = [pick(r, KEEP_RUN) | {"result": keep_result(r.get("result"))}
                    for r in doc.get("runs", [])]
     out["plan"] = [pick(p, plan_keys) for p in doc.get("plan", [])]

@@ -1272,6 +1272,65 @@ def test_keep_again_with_a_new_suite_names_every_suite(tmp_path: Path):
     assert None not in suites
 
 
+def test_keep_again_carries_the_lockstep_runs_and_the_history(tmp_path: Path):
+    """A kept file given again with a further suite keeps its lockstep runs,
+    which still decide the throughput goal, and says how it was made before."""
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(suite_doc("0", 0, 2, ["llama"])))
+    b.write_text(json.dumps(suite_doc("1", 2, 1, ["llama"])))
+    c.write_text(json.dumps(suite_doc("2", 3, 1, ["llama"])))
+    ls = tmp_path / "ls.json"
+    ls.write_text(json.dumps(lockstep_doc(["native", "goalloc-vmm"], [0.95, 0.96, 0.97])))
+    kept, again = tmp_path / "kept.json", tmp_path / "again.json"
+    assert run_py(str(BENCH / "render.py"), str(a), str(b), "--lockstep", str(ls), "--keep", str(kept)).returncode == 0
+    p = run_py(str(BENCH / "render.py"), str(kept), str(c), "--keep", str(again))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(again.read_text())
+    assert len(doc["lockstep"]) == 1 and len(doc["produced_by"]["lockstep"]) == 1
+    assert "In lockstep with native, goalloc-vmm 0.960×" in p.stdout
+    first = json.loads(kept.read_text())["produced_by"]["kept"]
+    assert doc["produced_by"]["kept"].startswith(first + "; then python3 bench/render.py "), doc["produced_by"]["kept"]
+
+
+def test_speed_is_not_compared_across_suites(tmp_path: Path):
+    """goalloc's runs of a repeat in one suite and native's in another were
+    not interleaved: no throughput ratio, in the table or the goal; memory
+    is compared all the same, and a lockstep run still decides."""
+    torch_side = suite_doc("0", 0, 3, ["llama"])
+    torch_side["runs"] = [r for r in torch_side["runs"] if not r["config"].startswith("goalloc")]
+    goalloc_side = suite_doc("1", 0, 3, ["llama"])
+    goalloc_side["runs"] = [r for r in goalloc_side["runs"] if r["config"].startswith("goalloc")]
+    doc = render.merge([torch_side, goalloc_side], ["T/bench.json", "G/bench.json"])
+    text = render.render(doc)
+    assert "| goalloc-vmm | 19,800 (19,800–19,800, n=3) | — | 41.00 GiB | 1.025× | 0.854× |" in text
+    assert "| expandable | 20,000 (20,000–20,000, n=3) | 1.000× |" in text
+    assert "—: no throughput ratio for goalloc, goalloc-vmm: native's runs of the same repeats come from other suites" \
+        in text
+    by = {g["goal"]: g for g in render.goals(doc)[1]}
+    thr = by["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
+    assert thr["met"] is None and "different suites" in thr["text"], thr
+    assert render.paired_speed_ratios(doc, "llama", "goalloc-vmm") == []
+    assert by["LLaMA 672M (GQA) peak memory below native"]["met"] is True
+    # Kept, the runs keep their suite; kept before runs had one, the inputs' run names give it.
+    kept = json.loads(json.dumps(render.keep(doc, ["T/bench.json", "G/bench.json"])))
+    text = text.replace("T/bench.json", "bench.json").replace("G/bench.json", "bench.json")
+    assert render.render(render.merge([kept], ["kept.json"])) == text
+    for r in kept["runs"]:
+        del r["suite"]
+    assert render.render(render.merge([kept], ["kept.json"])) == text
+    # One repeat of both in the same suite: its ratio is the one given.
+    goalloc_side["runs"] += [r for r in torch_side["runs"] if r["config"] == "native" and r["repeat"] == 2]
+    doc = render.merge([torch_side, goalloc_side], ["T/bench.json", "G/bench.json"])
+    assert render.paired_speed_ratios(doc, "llama", "goalloc-vmm") == [0.99]
+    # Lockstep decides where the suites cannot.
+    doc["lockstep"] = [lockstep_doc(["native", "goalloc-vmm"], [0.99, 1.0, 1.01])]
+    goalloc_side["runs"] = [r for r in goalloc_side["runs"] if r["config"] != "native"]
+    doc = render.merge([torch_side, goalloc_side], ["T/bench.json", "G/bench.json"]) | {"lockstep": doc["lockstep"]}
+    thr = {g["goal"]: g for g in render.goals(doc)[1]}["LLaMA 672M (GQA) throughput ≥ 0.98 × native"]
+    assert thr["met"] is True and thr["text"].startswith("In lockstep with native, goalloc-vmm 1.000×")
+    assert "come from different suites: no ratio" in thr["text"]
+
+
 def test_allocator_split_names_what_holds_the_memory():
     """goalloc's split has its own blocks apart from what it holds from the
     driver; PyTorch's has held and allocated."""
