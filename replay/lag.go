@@ -28,10 +28,15 @@ type laggingDevice interface {
 // checked against the GPU for the VMM device (replay/gpu_traces_test.go);
 // the simulated stream-ordered pool (backend:async, arena/simpool.go) does
 // not model the driver's reuse of another stream's frees behind an added
-// dependency, so its figures behind the host run high.
+// dependency, so its figures behind the host run high. A stream may have
+// a lag of its own (Options.StreamLag): one stream far behind the others,
+// as FSDP's all-gather stream can be, leaves its frees in the others'
+// segments pending far longer.
 type deviceLag struct {
 	dev laggingDevice
 	lag int64
+	// streamLag is the lag of the streams that have their own.
+	streamLag map[arena.Stream]int64
 	// queued holds, per stream, the positions of its unfinished work and
 	// when the host put each there, oldest first.
 	queued map[arena.Stream][]lagMark
@@ -42,11 +47,18 @@ type lagMark struct {
 	t   int64
 }
 
-func newDeviceLag(dev arena.Device, t *Trace, lagMicros int64) (*deviceLag, error) {
+func newDeviceLag(dev arena.Device, t *Trace, lagMicros int64, streamLag map[arena.Stream]int64) (*deviceLag, error) {
 	if lagMicros < 0 {
 		return nil, fmt.Errorf("a device lag of %d µs: a lag is 0 or more", lagMicros)
 	}
-	if lagMicros == 0 {
+	lags := lagMicros
+	for s, v := range streamLag {
+		if v < 0 {
+			return nil, fmt.Errorf("a lag of %d µs for stream %d: a lag is 0 or more", v, s)
+		}
+		lags += v
+	}
+	if lags == 0 {
 		return nil, nil
 	}
 	ld, ok := dev.(laggingDevice)
@@ -57,15 +69,19 @@ func newDeviceLag(dev arena.Device, t *Trace, lagMicros int64) (*deviceLag, erro
 		return nil, fmt.Errorf("a device lag needs the trace's times (\"t\"), which %s lacks", t.Path)
 	}
 	ld.SetManual(true)
-	return &deviceLag{dev: ld, lag: lagMicros, queued: map[arena.Stream][]lagMark{}}, nil
+	return &deviceLag{dev: ld, lag: lagMicros, streamLag: streamLag, queued: map[arena.Stream][]lagMark{}}, nil
 }
 
 // before finishes the work the device has run by the time the host makes
 // the call at t.
 func (l *deviceLag) before(t int64) {
 	for s, q := range l.queued {
+		lag, own := l.streamLag[s]
+		if !own {
+			lag = l.lag
+		}
 		n := 0
-		for n < len(q) && q[n].t+l.lag <= t {
+		for n < len(q) && q[n].t+lag <= t {
 			n++
 		}
 		if n > 0 {

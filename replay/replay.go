@@ -19,6 +19,11 @@ type Options struct {
 	// DeviceLag is how far, in microseconds of the trace's clock, the
 	// simulated device runs behind the host (deviceLag); 0: none.
 	DeviceLag int64
+	// StreamLag is, for the streams it names (the trace's numbers), a lag
+	// of their own in place of DeviceLag: one stream may run far behind
+	// the others (FSDP's all-gathers, queued behind the compute stream's
+	// events).
+	StreamLag map[arena.Stream]int64
 }
 
 // Result is what one replay of one trace on one policy measured.
@@ -31,6 +36,8 @@ type Result struct {
 	// DeviceLagMicros is Options.DeviceLag: how far the simulated device
 	// ran behind the trace's clock.
 	DeviceLagMicros int64 `json:"device_lag_us,omitempty"`
+	// StreamLagMicros is Options.StreamLag.
+	StreamLagMicros map[arena.Stream]int64 `json:"stream_lag_us,omitempty"`
 
 	// Events is the number of event lines in the trace; Replayed those
 	// acted on (alloc and free_completed).
@@ -186,8 +193,8 @@ func Replay(t *Trace, dev arena.Device, opt Options) (res *Result, err error) {
 	if name == "goalloc" {
 		res.Conf = opt.Conf
 	}
-	res.DeviceLagMicros = opt.DeviceLag
-	lag, err := newDeviceLag(dev, t, opt.DeviceLag)
+	res.DeviceLagMicros, res.StreamLagMicros = opt.DeviceLag, opt.StreamLag
+	lag, err := newDeviceLag(dev, t, opt.DeviceLag, opt.StreamLag)
 	if err != nil {
 		dev.Close()
 		return nil, err

@@ -23,6 +23,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -84,6 +85,8 @@ Flags:
   --device-lag D       run the simulated device D (e.g. 10ms) of the trace's clock behind the
                        calls, as a GPU runs behind its host: frees complete that much later
                        (checked against the GPU on backend:vmm; backend:async's pool runs high)
+  --stream-lag S=D     stream S of the trace D behind the host instead (repeatable), e.g.
+                       a stream far behind the others: FSDP's all-gathers wait for compute
   --max-input-bytes BYTES
                        the largest trace read, after gunzip (default %s); a larger one is refused
   --max-line-bytes BYTES
@@ -150,8 +153,10 @@ type replayFlags struct {
 	html      string
 	simMemory uint64
 	allowOOM  bool
-	// deviceLag is --device-lag, in microseconds (replay.Options.DeviceLag).
+	// deviceLag is --device-lag, in microseconds (replay.Options.DeviceLag);
+	// streamLag the --stream-lag ones (replay.Options.StreamLag).
 	deviceLag int64
+	streamLag map[arena.Stream]int64
 	// deviceIndex picks a snapshot's device; -1 the first with events.
 	deviceIndex int
 	// maxInputBytes and maxLineBytes bound what is read of the trace
@@ -224,6 +229,7 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 	fs.BoolVar(&f.allowOOM, "allow-oom", false, "")
 	fs.IntVar(&f.deviceIndex, "device-index", -1, "")
 	deviceLag := fs.Duration("device-lag", 0, "")
+	fs.Func("stream-lag", "", f.addStreamLag)
 	simMemory := fs.String("sim-memory", "", "")
 	maxInput := fs.String("max-input-bytes", "", "")
 	maxLine := fs.String("max-line-bytes", "", "")
@@ -289,6 +295,8 @@ func parseReplayFlags(args []string) (*replayFlags, error) {
 		return nil, usagef("--device-lag %v: a lag is 0 or more", *deviceLag)
 	case *deviceLag > 0 && f.device != arena.KindSim:
 		return nil, usagef("--device-lag delays the simulated device; a GPU runs at its own pace")
+	case len(f.streamLag) > 0 && f.device != arena.KindSim:
+		return nil, usagef("--stream-lag delays the simulated device; a GPU runs at its own pace")
 	}
 	f.deviceLag = deviceLag.Microseconds()
 
@@ -453,7 +461,7 @@ func replayTrace(f *replayFlags, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		opt := replay.Options{Policy: name, DeviceLag: f.deviceLag}
+		opt := replay.Options{Policy: name, DeviceLag: f.deviceLag, StreamLag: f.streamLag}
 		if name == "goalloc" {
 			opt.Conf = f.conf
 		}
@@ -583,6 +591,9 @@ func printTable(w io.Writer, f *replayFlags, tr *replay.Trace, results []*replay
 		if f.deviceLag > 0 {
 			fmt.Fprintf(w, ", %v behind the host", time.Duration(f.deviceLag)*time.Microsecond)
 		}
+		for _, st := range slices.Sorted(maps.Keys(f.streamLag)) {
+			fmt.Fprintf(w, ", stream %d %v behind", st, time.Duration(f.streamLag[st])*time.Microsecond)
+		}
 		fmt.Fprintln(w)
 	} else {
 		fmt.Fprintf(w, "device   cuda, GPU 0\n")
@@ -671,4 +682,23 @@ func (t *table) write(w io.Writer) {
 		}
 		fmt.Fprintln(w, b.String())
 	}
+}
+
+// addStreamLag takes one --stream-lag S=D: the trace's stream S runs D of
+// its clock behind the host.
+func (f *replayFlags) addStreamLag(v string) error {
+	name, dur, ok := strings.Cut(v, "=")
+	st, err := strconv.ParseUint(name, 10, 64)
+	if !ok || err != nil {
+		return fmt.Errorf("%q: want STREAM=DURATION, the trace's stream number and a lag such as 200ms", v)
+	}
+	d, err := time.ParseDuration(dur)
+	if err != nil || d < 0 {
+		return fmt.Errorf("%q: a lag is a duration of 0 or more, such as 200ms", v)
+	}
+	if f.streamLag == nil {
+		f.streamLag = map[arena.Stream]int64{}
+	}
+	f.streamLag[arena.Stream(st)] = d.Microseconds()
+	return nil
 }

@@ -224,6 +224,10 @@ func TestReplayErrors(t *testing.T) {
 		{[]string{"replay", "--device-lag", "-1ms"}, 2, "--device-lag -1ms: a lag is 0 or more"},
 		{[]string{"replay", "--device-lag", "soon"}, 2, "device-lag"},
 		{[]string{"replay", "--device", "cuda", "--device-lag", "1ms"}, 2, "--device-lag delays the simulated device"},
+		{[]string{"replay", "--stream-lag", "7"}, 2, `"7": want STREAM=DURATION`},
+		{[]string{"replay", "--stream-lag", "x=1ms"}, 2, `"x=1ms": want STREAM=DURATION`},
+		{[]string{"replay", "--stream-lag", "7=-1ms"}, 2, `"7=-1ms": a lag is a duration of 0 or more`},
+		{[]string{"replay", "--device", "cuda", "--stream-lag", "7=1ms"}, 2, "--stream-lag delays the simulated device"},
 		{[]string{"replay", "a.jsonl", "b.jsonl"}, 2, "one trace at a time, got 2: a.jsonl b.jsonl"},
 		{[]string{"frobnicate"}, 2, `goalloc: unknown command "frobnicate"`},
 		{nil, 2, "Usage:"},
@@ -528,6 +532,13 @@ func TestDeviceLag(t *testing.T) {
 	code, out, errOut = goalloc(t, "replay", trace, "--device-lag", "10ms", "--json")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, `"device_lag_us": 10000`)
+	code, out, errOut = goalloc(t, "replay", trace, "--device-lag", "10ms", "--stream-lag", "7=200ms",
+		"--stream-lag", "3=1ms")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "device   sim, 80.00 GiB, 10ms behind the host, stream 3 1ms behind, stream 7 200ms behind")
+	code, out, errOut = goalloc(t, "replay", trace, "--stream-lag", "7=200ms", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"stream_lag_us": {`)
 }
 
 // On vmm the report's last lines say what the device held at its peak and
