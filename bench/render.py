@@ -652,7 +652,7 @@ def merge(docs: list[dict[str, Any]], paths: list[str],
     runs: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
     plan: dict[tuple[Any, ...], dict[str, Any]] = {}
     replaced = 0
-    first = 0  # the index, in the merged inputs, of this document's first
+    first = 0  # the index, among the merged inputs, of this document's first input
     for i, (doc, path) in enumerate(zip(docs, paths)):
         for r in doc.get("runs", []):
             r = r | {"suite": first + suite_in(doc, r)}

@@ -85,8 +85,8 @@ Flags:
   --device-lag D       run the simulated device D (e.g. 10ms) of the trace's clock behind the
                        calls, as a GPU runs behind its host: frees complete that much later
                        (checked against the GPU on backend:vmm; backend:async's pool runs high)
-  --stream-lag S=D     stream S of the trace D behind the host instead (repeatable), e.g.
-                       a stream far behind the others: FSDP's all-gathers wait for compute
+  --stream-lag S=D     run the trace's stream S D behind the host instead of --device-lag
+                       (repeatable): one stream far behind the others, as FSDP's all-gathers may be
   --max-input-bytes BYTES
                        the largest trace read, after gunzip (default %s); a larger one is refused
   --max-line-bytes BYTES
