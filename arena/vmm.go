@@ -93,8 +93,7 @@
 //	         after its free, which says when its last use has completed (0:
 //	         it has), or none yet (see "Events").
 //	pending  given back on another stream: nobody may use it until the
-//	         event recorded there at the free completes, or the segment's
-//	         stream waits for that event (step 3); then it is free.
+//	         event recorded there at the free completes; then it is free.
 //	draining a free span whose handles paid for a later request of the
 //	         segment's stream (step 3) while its last use could still run:
 //	         still mapped, its VA handed to nobody, until the event of its
@@ -110,15 +109,16 @@
 //  1. The smallest free span of s's own of at least S bytes is split: no
 //     driver call. Else, once every segment's unrecorded frees have an
 //     event (a fence each, see "Events"), the smallest free span of at
-//     least S bytes of another stream (of the same tag) whose last use has
-//     completed is split where it lies: no map either, only its event
-//     asked. Nothing runs on it any more, so it may serve any stream; its
-//     free, on a stream other than its segment's, is pending like any
-//     other. The other stream loses that span, as it would lose the
-//     granules if they paid for s's growth (step 3), but whole and with no
-//     call: without this half, memory freed on one stream and asked for on
-//     another (FSDP's all-gather and compute streams) moved between their
-//     segments a granule at a time, an unmap and a map each.
+//     least S bytes of another stream (of the same tag; not anyStream's,
+//     see "VA and streams") whose last use has completed is split where
+//     it lies: no map either, only its event asked. Nothing runs on it any
+//     more, so it may serve any stream; its free, on a stream other than
+//     its segment's, is pending like any other. The other stream loses
+//     that span, as it would lose the granules if they paid for s's
+//     growth (step 3), but whole and with no call: without this half,
+//     memory freed on one stream and asked for on another (FSDP's
+//     all-gather and compute streams) moved between their segments a
+//     granule at a time, an unmap and a map each.
 //  2. Else a hole is filled: the free span before a hole is extended into
 //     it, or the free span after it extended back, or both joined through
 //     it, mapping only the missing granules (expandable segments' trick);
@@ -126,7 +126,9 @@
 //     segment is a hole). The choice maps the fewest granules, the lowest
 //     address on a tie. Access is set once over the new granules. What
 //     they hold beyond the request, less than a granule, is a free span
-//     that the next request of s starts in.
+//     that the next request of s starts in: complete, unless a handle of
+//     the new granules was lent (step 3), whose last use at its old place
+//     only s is ordered after; then it is as after a free on s.
 //  3. Before mapping, the new granules are paid for by free memory, s's
 //     own first: its free spans (of its stream and tag) whose last use
 //     has completed give up their whole granules from the tail, unmapped,
@@ -147,13 +149,7 @@
 //     that would otherwise create memory pays. Own memory goes first
 //     because a stream whose complete memory is taken while its own frees
 //     still run can only create more: FSDP's all-gather stream did so for
-//     every layer while the compute stream's frees sat free. If memory
-//     must still be created while s's segments hold pending spans, s
-//     waits for the events of their frees instead, they become its free
-//     spans, and the request starts again at step 1: FSDP's all-gather
-//     stream, whose work waits for the compute stream's, may run far
-//     behind it, and the compute stream's segments held its frees pending
-//     while the compute stream created memory beside them. Only what
+//     every layer while the compute stream's frees sat free. Only what
 //     nothing free can pay for is created, so held memory grows only when
 //     nothing held is free. A span whose last use may still run is never
 //     unmapped.
@@ -231,7 +227,9 @@
 // memory of a stream that is gone stays mapped until growth elsewhere
 // takes it or a Trim releases it, as any free memory does; then its
 // segment goes. Memory taken outside a capture (AllocUncaptured) is
-// anyStream's, in segments of its own.
+// anyStream's, in segments of its own, whose spans no other stream takes
+// where they lie (step 1): any stream may have used them, and no one
+// stream's order covers that.
 //
 // # Events
 //

@@ -129,10 +129,8 @@ type growth struct {
 
 // grow is steps 2-4: map what is missing, paid for with free memory. A
 // step that fails leaves the state consistent and gives back what the
-// steps before it took. With adopt, memory that would be created sends
-// the request back to step 1 (errAdopted) once the pending spans of its
-// own segments are its free spans (adoptPending).
-func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) {
+// steps before it took.
+func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
 	// AllocTagged has fenced every segment: free memory pays only once
 	// known complete.
 	gr := &growth{s: key.s, tag: key.tag}
@@ -143,11 +141,6 @@ func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) 
 	}
 	if err := e.payOrLend(gr); err != nil {
 		return 0, err
-	}
-	if adopt && gr.paid < gr.f.need && e.adoptable(key) {
-		e.unpay(gr.pays)
-		e.adoptPending(key)
-		return 0, errAdopted
 	}
 	if err := e.afford(gr); err != nil {
 		e.unpay(gr.pays)
@@ -453,12 +446,14 @@ func (e *vmmSegments) newSegment(key shareKey, size uint64) (*vmmSegment, error)
 // drain, the region's spans become one live span of n bytes, and a
 // segment that paid with its last granules gives its VA back.
 func (e *vmmSegments) commit(f fill, n uint64, pays []segPay) uintptr {
+	lent := false
 	for _, p := range pays {
 		if p.drain {
 			e.drain(p)
+			lent = true
 		}
 	}
-	e.placeLive(f, n)
+	e.placeLive(f, n, lent)
 	for _, p := range pays {
 		// The request is served: a segment the driver would not free
 		// stays, empty, for the next Trim to try again.
@@ -468,8 +463,13 @@ func (e *vmmSegments) commit(f fill, n uint64, pays []segPay) uintptr {
 }
 
 // placeLive makes f's region one live span of n bytes: the free spans it
-// joins go into it, and what the new granules hold beyond it is free.
-func (e *vmmSegments) placeLive(f fill, n uint64) {
+// joins go into it, and what the new granules hold beyond it is free. With
+// lent, some new granule's handle was lent by a span whose last use may
+// still run (step 3): only s's own work is ordered after that use, so the
+// rest is free as after a free on s (unrecorded: an event recorded on s
+// from now on covers it), not complete, lest another stream take it where
+// it lies (takeComplete) while that use runs.
+func (e *vmmSegments) placeLive(f fill, n uint64, lent bool) {
 	g := f.g
 	live := segSpan{base: f.start, size: n, state: spanLive}
 	// next: the span the live one goes before.
@@ -498,10 +498,16 @@ func (e *vmmSegments) placeLive(f fill, n uint64) {
 	}
 	at := g.insert(next, live)
 	if end, mapped := f.start+uintptr(n), f.run+uintptr(f.need); end < mapped {
-		// The new granules' rest: free, complete, joined to a free span
-		// after it.
+		// The new granules' rest: free, joined to a free span after it;
+		// complete unless a handle was lent.
 		rest := g.insert(g.next(at), segSpan{base: end, size: uint64(mapped - end)})
-		e.setFree(g, rest, 0, 0)
+		if lent {
+			e.seq++
+			e.setFree(g, rest, unrecorded, e.seq)
+			g.unfenced++
+		} else {
+			e.setFree(g, rest, 0, 0)
+		}
 	}
 	e.byBase.Put(f.start, segRef{g, at})
 	e.live += n

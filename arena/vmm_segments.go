@@ -4,7 +4,6 @@
 package arena
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 
@@ -186,66 +185,7 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 	if va, ok, err := e.takeComplete(n, key); err != nil || ok {
 		return va, err
 	}
-	va, err := e.grow(n, key, true)
-	if !errors.Is(err, errAdopted) {
-		return va, err
-	}
-	// s's segments have their pending spans back as free spans: the
-	// placement starts again, with nothing left to adopt.
-	if st := e.share(key); st != nil {
-		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
-			return e.take(st, st.free[j], n), nil
-		}
-	}
-	return e.grow(n, key, false)
-}
-
-// errAdopted is grow's word that, rather than create memory, it gave the
-// pending spans of the request's own segments back to its stream
-// (adoptPending): the placement starts again.
-var errAdopted = errors.New("arena: VMM: pending spans adopted; place again")
-
-// adoptable says whether a segment of key's share holds a pending span:
-// memory another stream freed there, whose event key's stream could wait
-// for.
-func (e *vmmSegments) adoptable(key shareKey) bool {
-	if key.s == anyStream {
-		return false
-	}
-	for _, r := range e.pending {
-		if r.g.stream == key.s && r.g.tag == key.tag && !r.g.asleep {
-			return true
-		}
-	}
-	return false
-}
-
-// adoptPending makes the pending spans of key's share free spans of its
-// stream once the stream waits for the event of each one's free
-// (StreamWaitEvent): its later work is then ordered after that free, as
-// after its own frees. A span whose wait is refused (a capture underway)
-// stays pending. Step 3's last resort: a miss would otherwise create
-// memory while another stream's frees in the segments hold it, frees the
-// GPU may reach long after the host (FSDP's all-gather stream, queued
-// behind the compute stream's events).
-func (e *vmmSegments) adoptPending(key shareKey) {
-	e.pending = slices.DeleteFunc(e.pending, func(r segRef) bool {
-		g := r.g
-		if g.stream != key.s || g.tag != key.tag || g.asleep {
-			return false
-		}
-		sp := g.span(r.id)
-		if err := e.drv.StreamWaitEvent(key.s, sp.event); err != nil {
-			return false
-		}
-		e.dropEvent(sp.event)
-		// Unrecorded, as after a free on s: an event recorded on s from
-		// now on covers it.
-		e.seq++
-		e.setFree(g, r.id, unrecorded, e.seq)
-		g.unfenced++
-		return true
-	})
+	return e.grow(n, key)
 }
 
 // takeComplete is step 1's second half: the smallest free span of at
@@ -255,7 +195,8 @@ func (e *vmmSegments) adoptPending(key shareKey) {
 // driver call but the queries of its event: it stays in its segment, and
 // its free, on a stream other than the segment's, is pending like any
 // other (Free). Memory taken outside a capture (anyStream) keeps to
-// segments of its own.
+// segments of its own, and no other stream takes a span of those: their
+// spans are any stream's, so no one stream's order covers them.
 func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error) {
 	if key.s == anyStream {
 		return 0, false, nil
@@ -269,7 +210,7 @@ func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error
 	seen := e.searched[:0]
 	defer func() { clear(seen); e.searched = seen[:0] }()
 	for _, g := range e.segs {
-		if g.nfree == 0 || g.asleep || g.tag != key.tag || g.stream == key.s || slices.Contains(seen, g.free) {
+		if g.nfree == 0 || g.asleep || g.tag != key.tag || g.stream == key.s || g.stream == anyStream || slices.Contains(seen, g.free) {
 			continue
 		}
 		seen = append(seen, g.free)

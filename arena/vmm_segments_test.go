@@ -183,63 +183,48 @@ func TestSegmentsFillJoinsFreeSpansThroughAHole(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
-// A span freed on another stream than its segment's is pending: no other
-// stream takes it, and its segment's stream takes it back once the event
-// recorded at the free completes, or, rather than create memory, after
-// waiting for that event (cuStreamWaitEvent): its later work is then
-// ordered after the free.
+// A span freed on another stream than its segment's is nobody's until the
+// event recorded there completes; then its own stream takes it back.
 func TestSegmentsCrossStreamFreeWaitsForItsEvent(t *testing.T) {
-	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	e, _, sim := segmentsOnly(t, 1<<30, 0)
 	p, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
 	sim.Launch(2)
 	require.NoError(t, e.Free(p, 2, false))
-	q, err := e.Alloc(8*mib, 3)
+	q, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
 	assert.NotEqual(t, p, q, "stream 2 may still use it")
 	assert.EqualValues(t, 16*mib, e.Held())
 	require.NoError(t, e.CheckInvariants())
-
-	creates := phys.Calls["cuMemCreate"]
+	sim.Complete(2)
 	r, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
-	assert.Equal(t, p, r, "its own segment's stream waits rather than create")
-	assert.EqualValues(t, 16*mib, e.Held())
-	assert.Equal(t, creates, phys.Calls["cuMemCreate"])
-	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"])
-	require.NoError(t, e.CheckInvariants())
-
-	// Complete before the request: taken back with no wait.
-	sim.Launch(2)
-	require.NoError(t, e.Free(r, 2, false))
-	sim.Complete(2)
-	x, err := e.Alloc(8*mib, 1)
-	require.NoError(t, err)
-	assert.Equal(t, p, x, "once stream 2 is done it is free again")
-	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"])
+	assert.Equal(t, p, r, "once stream 2 is done it is free again")
 	assert.EqualValues(t, 16*mib, e.Held())
 	require.NoError(t, e.CheckInvariants())
 }
 
-// A miss that frees nothing to pay with waits for the pending spans of its
-// own segments only: another stream's segments keep theirs, and a stream
-// with free memory to pay with creates nothing and waits for nothing.
-func TestSegmentsAdoptOnlyWhatWouldBeCreated(t *testing.T) {
+// Another stream's completed free span, too small for the request, gives
+// up its granules, unmapped and mapped again where the request needs them,
+// with no release.
+func TestSegmentsUnmapFreeMemoryToPayForGrowth(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 0)
-	a := allocAll(t, e, 1, 8*mib, 8*mib)
-	b := allocAll(t, e, 3, 8*mib)
-	sim.Launch(2)
-	require.NoError(t, e.Free(a[0], 2, false)) // pending in stream 1's segment
-	require.NoError(t, e.Free(b[0], 2, false)) // pending in stream 3's
-	require.NoError(t, e.Free(a[1], 1, true))  // stream 1's own, complete
-	y, err := e.Alloc(8*mib, 1)
+	p := allocAll(t, e, 1, 8*mib, 1*mib)[0]
+	_, err := e.Alloc(8*mib, 2)
 	require.NoError(t, err)
-	assert.Equal(t, a[1], y, "its own free span first")
-	z, err := e.Alloc(8*mib, 1)
+	sim.Launch(1)
+	require.NoError(t, e.Free(p, 1, false))
+	sim.Complete(1)
+	require.EqualValues(t, 18*mib, e.Held())
+	_, err = e.Alloc(10*mib, 2)
 	require.NoError(t, err)
-	assert.Equal(t, a[0], z, "then its segment's pending span, after a wait")
-	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"], "one wait: stream 3's pending span is not stream 1's to take")
-	assert.EqualValues(t, 24*mib, e.Held())
+	assert.EqualValues(t, 20*mib, e.Held(), "paid with stream 1's four free granules, one created")
+	assert.Equal(t, 10, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 4, phys.Calls["cuMemUnmap"], "four granules moved")
+	assert.Zero(t, phys.Calls["cuMemRelease"])
+	assert.Zero(t, phys.Calls["cuStreamWaitEvent"], "a complete free needs no wait")
+	assert.Equal(t, [][3]uint64{{8, 1, spanLive}, {9, 1, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
+	assert.EqualValues(t, 20*mib, phys.Used())
 	require.NoError(t, e.CheckInvariants())
 }
 
@@ -290,6 +275,46 @@ func TestSegmentsTakeAnotherStreamsCompleteSpan(t *testing.T) {
 	y, err := e.Alloc(6*mib, 1)
 	require.NoError(t, err)
 	assert.Equal(t, q, y, "stream 1's again once stream 2 is done")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// What new granules hold beyond a request is complete only when no handle
+// of theirs was lent: a lent handle's last use, at its old place, may still
+// run, and only the request's stream is ordered after it. Another stream
+// takes that rest only once the lender's work completes.
+func TestSegmentsRestOfLentGranulesWaitsForTheLender(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	spans := allocAll(t, e, 1, 8*mib, 2*mib, 8*mib, 2*mib)
+	sim.Launch(1)
+	for _, i := range []int{0, 2} {
+		require.NoError(t, e.Free(spans[i], 1, false))
+	}
+	p, err := e.Alloc(11*mib, 1)
+	require.NoError(t, err)
+	require.Positive(t, phys.Calls["cuMemMap"], "grown")
+	require.NoError(t, e.CheckInvariants())
+	rest := p + 11*mib
+	q, err := e.Alloc(512<<10, 2)
+	require.NoError(t, err)
+	assert.NotEqual(t, rest, q, "the rest's handle was lent by stream 1's free, still in use")
+	require.NoError(t, e.CheckInvariants())
+	sim.Complete(1)
+	r, err := e.Alloc(512<<10, 3)
+	require.NoError(t, err)
+	assert.Equal(t, rest, r, "once stream 1 is done, the smallest complete span of any stream")
+	require.NoError(t, e.CheckInvariants())
+}
+
+// Memory taken outside a capture (anyStream) may have been used by any
+// stream: no other stream takes a span of its segments where it lies.
+func TestSegmentsNoStreamTakesAnyStreamsSpans(t *testing.T) {
+	e, _, _ := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(4*mib, anyStream)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 2, true))
+	q, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q)
 	require.NoError(t, e.CheckInvariants())
 }
 

@@ -361,7 +361,21 @@ func TestVMMRandomOps(t *testing.T) {
 		assert.True(t, sleeps > 0 && wakes > 0 && asleepFrees > 0, "the steps slept, woke and freed sleeping blocks")
 		assert.Positive(t, crossLends, "another stream's frees still in use served a request")
 	}()
+	var list []int64
 	for seed := int64(1); seed <= seeds; seed++ {
+		list = append(list, seed)
+	}
+	// Seeds that found memory handed to a stream while another stream's
+	// work could still use it (the rest of lent granules taken as
+	// complete; a span of a segment of anyStream's taken by another
+	// stream; 36 in an earlier placement, cause not established): run
+	// every time.
+	for _, seed := range []int64{28, 36, 49, 52, 74, 141} {
+		if seed > seeds {
+			list = append(list, seed)
+		}
+	}
+	for _, seed := range list {
 		t.Run(fmt.Sprint(seed), func(t *testing.T) {
 			rng := rand.New(rand.NewSource(seed))
 			capacity := uint64(256 * mib)
