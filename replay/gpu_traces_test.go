@@ -64,12 +64,13 @@ func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
 }
 
 // FSDP's all-gather stream may run far behind the compute stream (its
-// copies wait for the compute stream's events): on the H200 one run of
-// three held 1.13x its live peak with 2.4 GiB pending at the peak, spans
-// of the compute stream's segments that the all-gather stream had taken
-// and freed, waiting for its events. The replay reproduces it with that
-// stream 200 ms behind (--stream-lag), and not with every stream 10 ms
-// behind: a change to the placement that answers it shows here.
+// copies wait for the compute stream's events). Spans of the compute
+// stream's segments that the all-gather stream took and freed are then
+// pending until it catches up, and the compute stream creates memory
+// beside them: the GPU run BENCHMARKS.md describes. With that stream
+// 200 ms behind (--stream-lag) the replay holds them pending at its peak,
+// and not with every stream 10 ms behind; a change to the placement that
+// answers it shows here.
 func TestAllGatherStreamFarBehind(t *testing.T) {
 	tr, err := Open("../traces/checkpoint-vmm.jsonl.gz")
 	require.NoError(t, err)

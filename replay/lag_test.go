@@ -68,6 +68,14 @@ func TestReplayDeviceLagRefuses(t *testing.T) {
 	require.NoError(t, err)
 	_, err = Replay(timeless, dev, Options{DeviceLag: -1})
 	require.ErrorContains(t, err, "a lag is 0 or more")
+
+	// A stream's own lag is refused the same way.
+	dev, err = arena.NewSimVMM(0, 1<<30)
+	require.NoError(t, err)
+	_, err = Replay(timeless, dev, Options{StreamLag: map[arena.Stream]int64{7: -1}})
+	require.ErrorContains(t, err, "a lag of -1 µs for stream 7: a lag is 0 or more")
+	_, err = Replay(timeless, fakeGPU{arena.NewSim(0, 0)}, Options{StreamLag: map[arena.Stream]int64{7: 1000}})
+	require.ErrorContains(t, err, "a device lag needs the simulated device")
 }
 
 // fakeGPU is a device whose streams cannot be held back.
