@@ -139,6 +139,34 @@ func (d *Sim) Enqueued(s Stream) uint64 {
 	return d.stream(s).enqueued
 }
 
+// OrderedAfter says whether the work s runs from now on comes after
+// stream x's work through position pos (Enqueued's): x has completed it,
+// or s waits (StreamWaitEvent, directly or through the waits of the
+// streams it waits for) for an event recorded on x at or after pos. The
+// tests' check of stream order: memory x used up to pos may serve s.
+func (d *Sim) OrderedAfter(s, x Stream, pos uint64) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.stream(x).completed >= pos || d.waitsFor(s, ^uint64(0), x, pos, 0)
+}
+
+// waitsFor says whether s's work through position through waits for x's
+// work through pos; it follows waits at most 8 streams deep.
+func (d *Sim) waitsFor(s Stream, through uint64, x Stream, pos uint64, depth int) bool {
+	if s == x && through >= pos {
+		return true
+	}
+	if depth > 8 {
+		return false
+	}
+	for _, w := range d.stream(s).waits {
+		if w.pos <= through && d.waitsFor(w.stream, w.seq, x, pos, depth+1) {
+			return true
+		}
+	}
+	return false
+}
+
 // CompleteThrough finishes the work enqueued on s up to position pos
 // (Enqueued's), as a device running behind the host does.
 func (d *Sim) CompleteThrough(s Stream, pos uint64) {

@@ -93,7 +93,8 @@
 //	         after its free, which says when its last use has completed (0:
 //	         it has), or none yet (see "Events").
 //	pending  given back on another stream: nobody may use it until the
-//	         event recorded there at the free completes; then it is free.
+//	         event recorded there at the free completes, or the segment's
+//	         stream waits for that event (step 3); then it is free.
 //	draining a free span whose handles paid for a later request of the
 //	         segment's stream (step 3) while its last use could still run:
 //	         still mapped, its VA handed to nobody, until the event of its
@@ -149,7 +150,13 @@
 //     that would otherwise create memory pays. Own memory goes first
 //     because a stream whose complete memory is taken while its own frees
 //     still run can only create more: FSDP's all-gather stream did so for
-//     every layer while the compute stream's frees sat free. Only what
+//     every layer while the compute stream's frees sat free. If memory
+//     must still be created while s's segments hold pending spans, s
+//     waits for the events of their frees instead, they become its free
+//     spans, and the request starts again at step 1: FSDP's all-gather
+//     stream, whose work waits for the compute stream's, may run far
+//     behind it, and the compute stream's segments held its frees pending
+//     while the compute stream created memory beside them. Only what
 //     nothing free can pay for is created, so held memory grows only when
 //     nothing held is free. A span whose last use may still run is never
 //     unmapped.

@@ -129,8 +129,10 @@ type growth struct {
 
 // grow is steps 2-4: map what is missing, paid for with free memory. A
 // step that fails leaves the state consistent and gives back what the
-// steps before it took.
-func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
+// steps before it took. With adopt, memory that would be created sends
+// the request back to step 1 (errAdopted) once the pending spans of its
+// own segments are its free spans (adoptPending).
+func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) {
 	// AllocTagged has fenced every segment: free memory pays only once
 	// known complete.
 	gr := &growth{s: key.s, tag: key.tag}
@@ -141,6 +143,11 @@ func (e *vmmSegments) grow(n uint64, key shareKey) (uintptr, error) {
 	}
 	if err := e.payOrLend(gr); err != nil {
 		return 0, err
+	}
+	if adopt && gr.paid < gr.f.need && e.adoptable(key) {
+		e.unpay(gr.pays)
+		e.adoptPending(key)
+		return 0, errAdopted
 	}
 	if err := e.afford(gr); err != nil {
 		e.unpay(gr.pays)

@@ -4,6 +4,7 @@
 package arena
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 
@@ -185,7 +186,66 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 	if va, ok, err := e.takeComplete(n, key); err != nil || ok {
 		return va, err
 	}
-	return e.grow(n, key)
+	va, err := e.grow(n, key, true)
+	if !errors.Is(err, errAdopted) {
+		return va, err
+	}
+	// s's segments have their pending spans back as free spans: the
+	// placement starts again, with nothing left to adopt.
+	if st := e.share(key); st != nil {
+		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
+			return e.take(st, st.free[j], n), nil
+		}
+	}
+	return e.grow(n, key, false)
+}
+
+// errAdopted is grow's word that, rather than create memory, it gave the
+// pending spans of the request's own segments back to its stream
+// (adoptPending): the placement starts again.
+var errAdopted = errors.New("arena: VMM: pending spans adopted; place again")
+
+// adoptable says whether a segment of key's share holds a pending span:
+// memory another stream freed there, whose event key's stream could wait
+// for.
+func (e *vmmSegments) adoptable(key shareKey) bool {
+	if key.s == anyStream {
+		return false
+	}
+	for _, r := range e.pending {
+		if r.g.stream == key.s && r.g.tag == key.tag && !r.g.asleep {
+			return true
+		}
+	}
+	return false
+}
+
+// adoptPending makes the pending spans of key's share free spans of its
+// stream once the stream waits for the event of each one's free
+// (StreamWaitEvent): its later work is then ordered after that free, as
+// after its own frees. A span whose wait is refused (a capture underway)
+// stays pending. Step 3's last resort: a miss would otherwise create
+// memory while another stream's frees in the segments hold it, frees the
+// GPU may reach long after the host (FSDP's all-gather stream, queued
+// behind the compute stream's events).
+func (e *vmmSegments) adoptPending(key shareKey) {
+	e.pending = slices.DeleteFunc(e.pending, func(r segRef) bool {
+		g := r.g
+		if g.stream != key.s || g.tag != key.tag || g.asleep {
+			return false
+		}
+		sp := g.span(r.id)
+		if err := e.drv.StreamWaitEvent(key.s, sp.event); err != nil {
+			return false
+		}
+		e.dropEvent(sp.event)
+		// Unrecorded, as after a free on s: an event recorded on s from
+		// now on covers it.
+		e.seq++
+		e.setFree(g, r.id, unrecorded, e.seq)
+		g.unfenced++
+		return true
+	})
 }
 
 // takeComplete is step 1's second half: the smallest free span of at

@@ -1,6 +1,7 @@
 package arena
 
 import (
+	"errors"
 	"math/rand"
 	"testing"
 
@@ -183,24 +184,87 @@ func TestSegmentsFillJoinsFreeSpansThroughAHole(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
-// A span freed on another stream than its segment's is nobody's until the
-// event recorded there completes; then its own stream takes it back.
+// A span freed on another stream than its segment's is pending: no other
+// stream takes it, and its segment's stream takes it back once the event
+// recorded at the free completes, or, rather than create memory, after
+// waiting for that event (cuStreamWaitEvent): its later work is then
+// ordered after the free.
 func TestSegmentsCrossStreamFreeWaitsForItsEvent(t *testing.T) {
-	e, _, sim := segmentsOnly(t, 1<<30, 0)
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
 	p, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
 	sim.Launch(2)
 	require.NoError(t, e.Free(p, 2, false))
+	q, err := e.Alloc(8*mib, 3)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, q, "stream 2 may still use it")
+	assert.EqualValues(t, 16*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+
+	creates := phys.Calls["cuMemCreate"]
+	r, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, r, "its own segment's stream waits rather than create")
+	assert.True(t, sim.OrderedAfter(1, 2, sim.Enqueued(2)), "stream 1 now waits for stream 2's free")
+	assert.EqualValues(t, 16*mib, e.Held())
+	assert.Equal(t, creates, phys.Calls["cuMemCreate"])
+	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"])
+	require.NoError(t, e.CheckInvariants())
+
+	// Complete before the request: taken back with no wait.
+	sim.Launch(2)
+	require.NoError(t, e.Free(r, 2, false))
+	sim.Complete(2)
+	x, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p, x, "once stream 2 is done it is free again")
+	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"])
+	assert.EqualValues(t, 16*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// A miss that frees nothing to pay with waits for the pending spans of its
+// own segments only: another stream's segments keep theirs, and a stream
+// with free memory to pay with creates nothing and waits for nothing.
+func TestSegmentsAdoptOnlyWhatWouldBeCreated(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	a := allocAll(t, e, 1, 8*mib, 8*mib)
+	b := allocAll(t, e, 3, 8*mib)
+	sim.Launch(2)
+	require.NoError(t, e.Free(a[0], 2, false)) // pending in stream 1's segment
+	require.NoError(t, e.Free(b[0], 2, false)) // pending in stream 3's
+	require.NoError(t, e.Free(a[1], 1, true))  // stream 1's own, complete
+	y, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, a[1], y, "its own free span first")
+	assert.Zero(t, phys.Calls["cuStreamWaitEvent"])
+	z, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, a[0], z, "then its segment's pending span, after a wait")
+	assert.Equal(t, 1, phys.Calls["cuStreamWaitEvent"], "one wait: stream 3's pending span is not stream 1's to take")
+	assert.EqualValues(t, 24*mib, e.Held())
+	require.NoError(t, e.CheckInvariants())
+}
+
+// During a capture the wait is refused: the pending span stays pending and
+// the request creates memory instead.
+func TestSegmentsNoAdoptionWhileCapturing(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(2)
+	require.NoError(t, e.Free(p, 2, false))
+	phys.FailStreamWait = func(Stream, Event) error { return errors.New("capturing") }
 	q, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
 	assert.NotEqual(t, p, q, "stream 2 may still use it")
 	assert.EqualValues(t, 16*mib, e.Held())
 	require.NoError(t, e.CheckInvariants())
+	phys.FailStreamWait = nil
 	sim.Complete(2)
 	r, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
-	assert.Equal(t, p, r, "once stream 2 is done it is free again")
-	assert.EqualValues(t, 16*mib, e.Held())
+	assert.Equal(t, p, r, "free again once stream 2 is done")
 	require.NoError(t, e.CheckInvariants())
 }
 

@@ -102,33 +102,10 @@ func (h *vmmHarness) completed(u use) bool {
 }
 
 // orderedBefore says use u comes before whatever stream s runs from now
-// on: it has completed, or it is s's own (anyStream's work is no stream's),
-// or s waits for an event of a stream whose work up to it is ordered after
-// u (StreamWaitEvent, followed from stream to stream).
+// on: it is s's own (anyStream's work is no stream's), or the simulated
+// device orders s after it (Sim.OrderedAfter).
 func (h *vmmHarness) orderedBefore(u use, s Stream) bool {
-	if h.completed(u) || (u.s == s && s != anyStream) {
-		return true
-	}
-	h.d.mu.Lock()
-	defer h.d.mu.Unlock()
-	return h.waitsFor(u, s, ^uint64(0), 0)
-}
-
-// waitsFor says s's work up to pos waits, directly or through other
-// streams' waits, for u's stream to reach u.
-func (h *vmmHarness) waitsFor(u use, s Stream, pos uint64, depth int) bool {
-	if s == u.s && pos >= u.seq {
-		return true
-	}
-	if depth > 8 {
-		return false
-	}
-	for _, w := range h.d.stream(s).waits {
-		if w.pos <= pos && h.waitsFor(u, w.stream, w.seq, depth+1) {
-			return true
-		}
-	}
-	return false
+	return (u.s == s && s != anyStream) || h.d.OrderedAfter(s, u.s, u.seq)
 }
 
 func (h *vmmHarness) position(s Stream) uint64 {

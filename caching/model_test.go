@@ -21,7 +21,8 @@ import (
 //     which recomputes every internal figure, passes);
 //   - reserved never grows above the cap;
 //   - no memory reaches a stream while another stream that used it has not
-//     completed the work queued before its free.
+//     completed the work queued before its free, unless the allocator made
+//     the stream wait for that work (cuStreamWaitEvent).
 type model struct {
 	t     testing.TB
 	sim   *arena.Sim
@@ -55,11 +56,13 @@ type liveBlock struct {
 }
 
 // freedRange is memory the user freed, with the position each stream that
-// used it had reached at the free: until a stream completes that position,
-// only that stream may get the memory again.
+// used it had reached at the free (busy: the model's count; device: the
+// simulated device's): until a stream completes that position, only that
+// stream, or one the allocator made wait for it, may get the memory again.
 type freedRange struct {
 	addr, size uint64
 	busy       map[arena.Stream]uint64
+	device     map[arena.Stream]uint64
 }
 
 func newModel(t testing.TB, seed uint64, cfg Config, capacity uint64) *model {
@@ -148,7 +151,7 @@ func (m *model) accept(p uintptr, size uint64, s arena.Stream) {
 	for _, f := range m.freed {
 		if uint64(p) < f.addr+f.size && f.addr < uint64(p)+n {
 			for x, at := range f.busy {
-				if x != s && m.done[x] < at {
+				if x != s && m.done[x] < at && !m.sim.OrderedAfter(s, x, f.device[x]) {
 					m.t.Fatalf("op %d: malloc(%d) on stream %#x returned %#x, still in use by stream %#x (at %d, completed %d)", m.ops, size, s, p, x, at, m.done[x])
 				}
 			}
@@ -186,9 +189,9 @@ func (m *model) free(p uintptr) {
 			m.recentFrees = m.recentFrees[1:]
 		}
 	}
-	f := freedRange{addr: uint64(p), size: max(b.size, 1), busy: map[arena.Stream]uint64{}}
+	f := freedRange{addr: uint64(p), size: max(b.size, 1), busy: map[arena.Stream]uint64{}, device: map[arena.Stream]uint64{}}
 	for _, s := range append([]arena.Stream{b.stream}, b.recorded...) {
-		f.busy[s] = m.pos[s]
+		f.busy[s], f.device[s] = m.pos[s], m.sim.Enqueued(s)
 	}
 	m.freed = append(m.freed, f)
 }
