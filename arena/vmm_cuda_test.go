@@ -183,6 +183,68 @@ func TestVMMCUDALendAcrossStreams(t *testing.T) {
 	}
 }
 
+// Memory of stream 1's segment freed on busy stream 2 is pending; a miss
+// of stream 1 that would otherwise create memory waits for that free on
+// the device (cuStreamWaitEvent) and takes the memory back where it lies,
+// so its work on it runs after stream 2's, and nothing is created.
+func TestVMMCUDAAdoptsPendingFrees(t *testing.T) {
+	needCUDA(t, 1)
+	d := openVMM(t, 0)
+	const n = 1 << 30
+	s1, err := d.newStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.destroyStream(s1) })
+	s2, err := d.newStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.destroyStream(s2) })
+	p, err := d.Alloc(n, s1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 200; i++ {
+		if err := d.memset(p, byte(i), n, s2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Free(p, n, s2); err != nil {
+		t.Fatal(err)
+	}
+	c0, _, _, _, _ := d.engineCounts()
+	waits0 := d.src.profile.calls[callStreamWait].n.Load()
+	q, err := d.Alloc(n, s1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c1, _, _, _, _ := d.engineCounts()
+	waits := d.src.profile.calls[callStreamWait].n.Load() - waits0
+	if q != p || c1 != c0 {
+		t.Fatalf("stream 1 got %#x (its %#x freed on busy stream 2), %d handles created", q, p, c1-c0)
+	}
+	if waits == 0 {
+		t.Logf("stream 2 finished its fills before the miss: the wait was not exercised")
+	}
+	// Stream 1's fill is queued after its wait, so after stream 2's 200
+	// fills of the same memory: it is what stays.
+	if err := d.memset(q, 7, n, s1); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.streamSync(s1); err != nil {
+		t.Fatal(err)
+	}
+	expectBytes(t, d, q, 1<<20, 7, "stream 1's fill, after stream 2's")
+	expectBytes(t, d, q+n-1<<20, 1<<20, 7, "the end of stream 1's fill")
+	if u, _ := d.PoolUsage(); u.ReservedCurrent != n {
+		t.Errorf("reserved %d, want %d", u.ReservedCurrent, n)
+	}
+	if err := d.Free(q, n, s1); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // Every mapping is opened to each peer that can access the device: a copy
 // from device 0's memory by device 1 works.
 func TestVMMCUDAPeerAccess(t *testing.T) {
