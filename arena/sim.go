@@ -141,9 +141,9 @@ func (d *Sim) Enqueued(s Stream) uint64 {
 
 // OrderedAfter says whether the work s runs from now on comes after
 // stream x's work through position pos (Enqueued's): x has completed it,
-// or s waits (StreamWaitEvent, directly or through the waits of the
-// streams it waits for) for an event recorded on x at or after pos. The
-// tests' check of stream order: memory x used up to pos may serve s.
+// s is x, or s waits (StreamWaitEvent, directly or through the waits of
+// the streams it waits for) for an event recorded on x at or after pos.
+// The tests' check of stream order: memory x used up to pos may serve s.
 func (d *Sim) OrderedAfter(s, x Stream, pos uint64) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()

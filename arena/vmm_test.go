@@ -102,10 +102,13 @@ func (h *vmmHarness) completed(u use) bool {
 }
 
 // orderedBefore says use u comes before whatever stream s runs from now
-// on: it is s's own (anyStream's work is no stream's), or the simulated
-// device orders s after it (Sim.OrderedAfter).
+// on: the simulated device orders s after it (Sim.OrderedAfter), but
+// anyStream's work is no stream's, so only its completion orders it.
 func (h *vmmHarness) orderedBefore(u use, s Stream) bool {
-	return (u.s == s && s != anyStream) || h.d.OrderedAfter(s, u.s, u.seq)
+	if u.s == anyStream && s == anyStream {
+		return h.completed(u)
+	}
+	return h.d.OrderedAfter(s, u.s, u.seq)
 }
 
 func (h *vmmHarness) position(s Stream) uint64 {
