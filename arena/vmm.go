@@ -145,7 +145,10 @@
 //     whatever their tag; last, other streams' free spans of the same tag
 //     still in use lend, once s waits for the event of their free
 //     (StreamWaitEvent), as a stream-ordered pool reuses another stream's
-//     frees by adding a dependency: that wait holds s's later work back
+//     frees by adding a dependency (the pieces left free there are
+//     unrecorded, as after a free on their segment's stream, since only an
+//     event of that stream covers the frees they coalesce with later):
+//     that wait holds s's later work back
 //     until the other stream has run up to the free, which only a miss
 //     that would otherwise create memory pays. Own memory goes first
 //     because a stream whose complete memory is taken while its own frees
@@ -262,8 +265,10 @@
 // (capturegate.go) refuses every record and answers every query "not
 // done". Coalesced spans keep the newer of their events, by seq, as
 // before: an unrecorded span is newer than every event recorded on its
-// segment's stream before its free, and older than every one after.
-// Events are recycled (spare events), since creating one is a driver call.
+// segment's stream before its free, and older than every one after. This
+// rests on every free span's event being recorded on its segment's stream
+// (the random-ops test checks it): of two events of one stream the newer
+// covers both, of two streams neither. Events are recycled (spare events), since creating one is a driver call.
 //
 // # Invariants
 //

@@ -104,7 +104,8 @@ type segPay struct {
 	bytes uint64
 	drain bool
 	// A drain leaves up to two free pieces of the span, before and after
-	// the draining granules; each takes an event recorded now.
+	// the draining granules; each takes an event recorded now on the
+	// span's stream, or, lent to another stream, is unrecorded.
 	events [2]Event
 }
 
@@ -257,7 +258,14 @@ func (e *vmmSegments) lend(gr *growth, later []segRef) error {
 				continue
 			}
 		}
-		if err := e.recordPieces(&p, gr.s); err != nil {
+		if c.g.stream != gr.s {
+			// The pieces left free stay their segment's stream's: their
+			// last use is that stream's work, queued before the free, which
+			// its next fence covers. An event recorded on s would not cover
+			// that stream's frees that the pieces coalesce with later (the
+			// newer event is kept, see merge).
+			p.events = [2]Event{unrecorded, unrecorded}
+		} else if err := e.recordPieces(&p, gr.s); err != nil {
 			if errors.Is(err, ErrCaptureUnderway) {
 				return nil
 			}
@@ -272,11 +280,10 @@ func (e *vmmSegments) lend(gr *growth, later []segRef) error {
 	return nil
 }
 
-// recordPieces gives each piece of p's span left free around the lent
-// tail (before it, and the span's end in a granule it shares) an event
-// recorded now on s, the request's stream, after the free's (after s's
-// wait for it, for another stream's span). On an error the events it took go
-// back to the spare ones.
+// recordPieces gives each piece of p's span, of s's own, left free around
+// the lent tail (before it, and the span's end in a granule it shares) an
+// event recorded now on s, after the free's. On an error the events it
+// took go back to the spare ones.
 func (e *vmmSegments) recordPieces(p *segPay, s Stream) error {
 	sp := p.g.span(p.id)
 	_, hi := e.whole(sp)
@@ -308,7 +315,7 @@ func (e *vmmSegments) recordPieces(p *segPay, s Stream) error {
 func (e *vmmSegments) unpay(pays []segPay) {
 	for _, p := range pays {
 		for _, ev := range p.events {
-			if ev != 0 {
+			if ev != 0 && ev != unrecorded {
 				e.events = append(e.events, ev)
 			}
 		}
@@ -534,6 +541,9 @@ func (e *vmmSegments) drain(p segPay) {
 	if tail.base > sp.base {
 		e.seq++
 		pieces[np] = segSpan{base: sp.base, size: uint64(tail.base - sp.base), state: spanFree, event: p.events[k], seq: e.seq}
+		if p.events[k] == unrecorded {
+			g.unfenced++
+		}
 		np, k, at = np+1, k+1, 1
 	}
 	pieces[np] = tail
@@ -541,6 +551,9 @@ func (e *vmmSegments) drain(p segPay) {
 	if hi < sp.end() {
 		e.seq++
 		pieces[np] = segSpan{base: hi, size: uint64(sp.end() - hi), state: spanFree, event: p.events[k], seq: e.seq}
+		if p.events[k] == unrecorded {
+			g.unfenced++
+		}
 		np++
 	}
 	e.unindex(g, p.id)

@@ -119,3 +119,44 @@ func TestSegmentsLendAcrossStreamsRefusedWait(t *testing.T) {
 	assert.Equal(t, [][3]uint64{{0, 8, spanFree}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
 	require.NoError(t, e.CheckInvariants())
 }
+
+// Coalescing keeps the newer of two free spans' events, which covers both
+// only when both were recorded on the segment's stream. So the pieces of
+// another stream's span left free around what it lends are unrecorded, as
+// after a free on their own stream, not given an event of the borrower's:
+// here such an event would cover stream 1's work only up to the free the
+// borrower waited for, and once a, freed later, coalesced with the piece,
+// a's memory would look complete to stream 3 while stream 1 still used it.
+func TestSegmentsLentPiecesStayTheirStreams(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	a, err := e.Alloc(1*mib, 1)
+	require.NoError(t, err)
+	b, err := e.Alloc(1*mib, 1)
+	require.NoError(t, err)
+	c, err := e.Alloc(9*mib, 1)
+	require.NoError(t, err)
+	sim.Launch(1)
+	require.NoError(t, e.Free(c, 1, false))
+	e.fenceAll() // c's free gets its event, as any stream's miss makes it
+	lent := sim.Enqueued(1)
+	sim.Launch(1) // stream 1's last use of a, after that event
+	require.NoError(t, e.Free(a, 1, false))
+	useA := sim.Enqueued(1)
+
+	_, err = e.Alloc(2*mib, 2) // lends c's tail once it waits for c's event
+	require.NoError(t, err)
+	require.Equal(t, 1, phys.Calls["cuStreamWaitEvent"])
+	sim.Launch(3)
+	require.NoError(t, e.Free(b, 3, false))
+	sim.Complete(3)
+	require.NoError(t, e.pollPending()) // b is free: a, b and c's piece coalesce
+	sim.CompleteThrough(1, lent)        // c's free is done, a's last use is not
+	sim.Complete(2)
+
+	q, err := e.Alloc(1*mib, 3)
+	require.NoError(t, err)
+	if q >= a && q < a+2*mib {
+		assert.True(t, sim.OrderedAfter(3, 1, useA), "stream 3 got a's memory at %#x before stream 1's last use of it", q)
+	}
+	require.NoError(t, e.CheckInvariants())
+}
