@@ -164,10 +164,14 @@
 //     nothing held is free. A span whose last use may still run is never
 //     unmapped.
 //  4. When the cap cannot be met even after that, or held would pass the
-//     device's memory, Alloc fails with ErrOutOfMemory before any driver
-//     call. When the device says no (cuMemCreate), what was unmapped to
-//     pay is released, which leaves a consistent state; the layer above
-//     synchronises (completing every free) and asks again.
+//     device's memory, a fill that extended free spans (step 2) gives way
+//     to new granules alone, which those spans' whole granules may then
+//     pay for: more maps, but every complete granule that no live span
+//     touches can then pay. If that too would pass the cap or the device, Alloc
+//     fails with ErrOutOfMemory before any driver call. When the device
+//     says no (cuMemCreate), what was unmapped to pay is released, which
+//     leaves a consistent state; the layer above synchronises (completing
+//     every free) and asks again.
 //
 // A segment with no hole large enough (fragmentation) gets a sibling: the
 // stream reserves another segment.

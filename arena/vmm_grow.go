@@ -24,9 +24,9 @@ type fill struct {
 }
 
 // bestFill finds the fill of n bytes in the segments of the share key that
-// maps the fewest granules (the lowest address on a tie); ok false when no
-// hole fits.
-func (e *vmmSegments) bestFill(n uint64, key shareKey) (best fill, ok bool) {
+// maps the fewest granules (the lowest address on a tie), of new granules
+// alone if fresh; ok false when no hole fits.
+func (e *vmmSegments) bestFill(n uint64, key shareKey, fresh bool) (best fill, ok bool) {
 	consider := func(f fill) {
 		if !ok || f.need < best.need || (f.need == best.need && f.start < best.start) {
 			best, ok = f, true
@@ -41,7 +41,7 @@ func (e *vmmSegments) bestFill(n uint64, key shareKey) (best fill, ok bool) {
 		// ends: before every span, and after the last.
 		prev, next := noSpan, g.first
 		for {
-			e.holeFills(g, prev, next, n, consider)
+			e.holeFills(g, prev, next, n, fresh, consider)
 			if next == noSpan {
 				break
 			}
@@ -54,8 +54,9 @@ func (e *vmmSegments) bestFill(n uint64, key shareKey) (best fill, ok bool) {
 // holeFills offers consider each fill of n bytes around the hole of g
 // between spans prev and next (noSpan: the segment's ends), if there is a
 // hole there: the free span before it extended into it, the free span
-// after it extended back, both joined through it, or new granules alone.
-func (e *vmmSegments) holeFills(g *vmmSegment, prev, next spanID, n uint64, consider func(fill)) {
+// after it extended back, both joined through it, or new granules alone
+// (only these if fresh).
+func (e *vmmSegments) holeFills(g *vmmSegment, prev, next spanID, n uint64, fresh bool, consider func(fill)) {
 	holeBase, holeEnd := g.base, g.end()
 	if prev != noSpan {
 		holeBase = g.span(prev).end()
@@ -68,10 +69,10 @@ func (e *vmmSegments) holeFills(g *vmmSegment, prev, next spanID, n uint64, cons
 		return
 	}
 	var l, r uint64
-	if prev != noSpan && g.span(prev).state == spanFree {
+	if prev != noSpan && g.span(prev).state == spanFree && !fresh {
 		l = g.span(prev).size
 	}
-	if next != noSpan && g.span(next).state == spanFree {
+	if next != noSpan && g.span(next).state == spanFree && !fresh {
 		r = g.span(next).size
 	}
 	// Step 1 failed: l < n and r < n. A hole's ends are on granules, so
@@ -136,13 +137,8 @@ type growth struct {
 func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) {
 	// AllocTagged has fenced every segment: free memory pays only once
 	// known complete.
-	gr := &growth{s: key.s, tag: key.tag}
-	var ok bool
-	if gr.f, ok = e.bestFill(n, key); !ok {
-		gr.newSeg = true
-		gr.f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
-	}
-	if err := e.payOrLend(gr); err != nil {
+	gr, err := e.plan(n, key, false)
+	if err != nil {
 		return 0, err
 	}
 	if adopt && gr.paid < gr.f.need && e.adoptable(key) {
@@ -152,7 +148,21 @@ func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) 
 	}
 	if err := e.afford(gr); err != nil {
 		e.unpay(gr.pays)
-		return 0, err
+		if !errors.Is(err, ErrOutOfMemory) || (gr.f.left == noSpan && gr.f.right == noSpan) {
+			return 0, err
+		}
+		// The free spans the fill extends cannot pay for its own new
+		// granules, and the cap or the device refuses to create them: new
+		// granules alone, which every free span's whole granules may pay
+		// for: more maps, but every complete granule that no live span
+		// touches can then pay.
+		if gr, err = e.plan(n, key, true); err != nil {
+			return 0, err
+		}
+		if err := e.afford(gr); err != nil {
+			e.unpay(gr.pays)
+			return 0, err
+		}
 	}
 	// From here on the driver is called; each failure leaves the state
 	// consistent and gives back what was unmapped to pay.
@@ -160,6 +170,21 @@ func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) 
 		return 0, err
 	}
 	return e.commit(gr.f, n, gr.pays), nil
+}
+
+// plan is steps 2 and 3: where n bytes go (new granules alone if fresh)
+// and what pays for them.
+func (e *vmmSegments) plan(n uint64, key shareKey, fresh bool) (*growth, error) {
+	gr := &growth{s: key.s, tag: key.tag}
+	var ok bool
+	if gr.f, ok = e.bestFill(n, key, fresh); !ok {
+		gr.newSeg = true
+		gr.f = fill{need: e.roundGranule(n), left: noSpan, right: noSpan}
+	}
+	if err := e.payOrLend(gr); err != nil {
+		return nil, err
+	}
+	return gr, nil
 }
 
 // payOrLend is step 3: free memory pays for f's new granules, the

@@ -917,3 +917,32 @@ func TestSegmentsDropASiblingBetweenOthers(t *testing.T) {
 	}
 	assert.Positive(t, middle, "no sibling was dropped between others")
 }
+
+// Under a cap, a fill that extends free spans through a hole, its new
+// granules paid by nothing else, gives way to new granules alone, which
+// those spans' whole granules pay for: what is not live always serves.
+func TestSegmentsFreshGranulesWhenAFillCannotBePaid(t *testing.T) {
+	e, phys, _ := segmentsOnly(t, 1<<30, 0)
+	a, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	h, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	b, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	_, err = e.Alloc(1*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(h, 1, true))
+	require.NoError(t, e.Trim(0)) // a hole where h was
+	require.NoError(t, e.Free(a, 1, true))
+	require.NoError(t, e.Free(b, 1, true))
+	require.EqualValues(t, 10*mib, e.Held())
+	// 1 MiB live in one granule: 9 MiB more, five granules, fit under 12.
+	e.SetCap(12 * mib)
+	creates := phys.Calls["cuMemCreate"]
+	p, err := e.Alloc(9*mib, 1)
+	require.NoError(t, err, "a's and b's granules pay for new ones")
+	assert.EqualValues(t, 12*mib, e.Held())
+	assert.Equal(t, creates+1, phys.Calls["cuMemCreate"], "one granule created")
+	assert.NotEqual(t, a, p)
+	require.NoError(t, e.CheckInvariants())
+}

@@ -350,9 +350,12 @@ func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
 // TestVMMRandomOps drives the placement through random steps, checking
 // every invariant, the cookies and stream order after each.
 func TestVMMRandomOps(t *testing.T) {
-	seeds := int64(12)
+	seeds, steps := int64(12), 800
 	if n, err := strconv.Atoi(os.Getenv("GOALLOC_VMM_SEEDS")); err == nil && n > 0 {
 		seeds = int64(n) // more seeds, for a hunt: GOALLOC_VMM_SEEDS=500 go test -run TestVMMRandomOps ./arena
+	}
+	if n, err := strconv.Atoi(os.Getenv("GOALLOC_VMM_STEPS")); err == nil && n > 0 {
+		steps = n // longer runs, for a hunt: GOALLOC_VMM_STEPS=2500
 	}
 	var sleeps, wakes, wakeOOMs, asleepFrees, crossLends int
 	defer func() {
@@ -387,7 +390,7 @@ func TestVMMRandomOps(t *testing.T) {
 			h := newVMMHarness(t, capacity, limit)
 			streams := []Stream{1, 2, 3, anyStream}
 			sizes := []uint64{0, 512, 3000, 64 << 10, 300 << 10, mib, 2 * mib, 2*mib + 1, 6 * mib, 10 * mib, 31 * mib}
-			for step := 0; step < 800; step++ {
+			for step := 0; step < steps; step++ {
 				switch r := rng.Intn(20); {
 				case r < 10:
 					h.randomAlloc(rng, streams, sizes, capacity, limit)
