@@ -541,9 +541,7 @@ func (e *vmmSegments) placeLive(f fill, n uint64, lent bool) {
 		// complete unless a handle was lent.
 		rest := g.insert(g.next(at), segSpan{base: end, size: uint64(mapped - end)})
 		if lent {
-			e.seq++
-			e.setFree(g, rest, unrecorded, e.seq)
-			g.unfenced++
+			e.freeUnrecorded(g, rest)
 		} else {
 			e.setFree(g, rest, 0, 0)
 		}

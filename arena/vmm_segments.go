@@ -173,11 +173,8 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 	if err := e.pollDraining(); err != nil {
 		return 0, err
 	}
-	// Step 1: the first free span of at least n bytes in step 1's order.
-	if st := e.share(key); st != nil {
-		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
-			return e.take(st, st.free[j], n), nil
-		}
+	if va, ok := e.takeOwn(n, key); ok {
+		return va, nil
 	}
 	// Free memory serves another stream only once known complete:
 	// unrecorded spans get their event now (one per segment), which on a
@@ -192,12 +189,30 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 	}
 	// s's segments have their pending spans back as free spans: the
 	// placement starts again, with nothing left to adopt.
-	if st := e.share(key); st != nil {
-		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
-			return e.take(st, st.free[j], n), nil
-		}
+	if va, ok := e.takeOwn(n, key); ok {
+		return va, nil
 	}
 	return e.grow(n, key, false)
+}
+
+// takeOwn is step 1's first half: the first free span of key's share of
+// at least n bytes, in step 1's order, split with no driver call.
+func (e *vmmSegments) takeOwn(n uint64, key shareKey) (uintptr, bool) {
+	if st := e.share(key); st != nil {
+		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
+			return e.take(st, st.free[j], n), true
+		}
+	}
+	return 0, false
+}
+
+// freeUnrecorded makes span id of g free as after a free on g's stream:
+// that stream may reuse it at once, and the segment's next fence (an event
+// recorded on that stream) covers its last use.
+func (e *vmmSegments) freeUnrecorded(g *vmmSegment, id spanID) {
+	e.seq++
+	e.setFree(g, id, unrecorded, e.seq)
+	g.unfenced++
 }
 
 // errAdopted is grow's word that, rather than create memory, it gave the
@@ -239,11 +254,8 @@ func (e *vmmSegments) adoptPending(key shareKey) {
 			return false
 		}
 		e.dropEvent(sp.event)
-		// Unrecorded, as after a free on s: an event recorded on s from
-		// now on covers it.
-		e.seq++
-		e.setFree(g, r.id, unrecorded, e.seq)
-		g.unfenced++
+		// As after a free on s: an event recorded on s from now on covers it.
+		e.freeUnrecorded(g, r.id)
 		return true
 	})
 }
@@ -382,9 +394,7 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 	}
 	if own {
 		// Free for s at once, its event recorded later (unrecorded).
-		e.seq++
-		e.setFree(g, r.id, unrecorded, e.seq)
-		if g.unfenced++; g.unfenced >= fenceEvery {
+		if e.freeUnrecorded(g, r.id); g.unfenced >= fenceEvery {
 			e.fence(g, true)
 		}
 		return nil
