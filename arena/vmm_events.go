@@ -40,6 +40,19 @@ func (e *vmmSegments) dropEvent(ev Event) {
 	e.events = append(e.events, ev)
 }
 
+// holdEvent counts one more span holding ev, a span's event now shared
+// with a piece split from it (0 and unrecorded are no events).
+func (e *vmmSegments) holdEvent(ev Event) {
+	if ev == 0 || ev == unrecorded {
+		return
+	}
+	n, ok := e.holders.Get(uintptr(ev))
+	if !ok {
+		n = 1
+	}
+	e.holders.Put(uintptr(ev), n+1)
+}
+
 // spanDone says whether the last use of the free span sp has completed,
 // polling its event; sp lets go of an event that completed. An unrecorded
 // span is not known to have completed (fence records its event).

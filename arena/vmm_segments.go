@@ -337,10 +337,26 @@ func (e *vmmSegments) share(key shareKey) *segStream {
 }
 
 // take places n bytes at the head of the free span k of the stream st
-// (step 1): the rest stays free, with the event of its last use.
+// (step 1): the rest stays free, with the event of its last use. A
+// request of a granule or more, in a span with a granule to spare, starts
+// on the span's first granule boundary instead (granuleStart).
 func (e *vmmSegments) take(st *segStream, k freeKey, n uint64) uintptr {
 	g := st.segs[k.order]
 	sp := g.span(k.id)
+	if at := e.granuleStart(k.base, sp.size, n); at != k.base {
+		// The span's head, before the boundary, stays free apart, with
+		// the same event (one more holder).
+		e.unindex(g, k.id)
+		head := *sp
+		head.size = uint64(at - k.base)
+		sp.base, sp.size = at, sp.size-head.size
+		e.holdEvent(sp.event)
+		h := g.insert(k.id, head)
+		e.index(g, h)
+		e.index(g, k.id)
+		sp = g.span(k.id) // insert may move the nodes
+		k = freeKey{size: sp.size, base: at, order: g.order, id: k.id}
+	}
 	if sp.size > n {
 		// The rest keeps the span's place in the index, moved to its size.
 		rest := segSpan{base: k.base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
@@ -355,6 +371,32 @@ func (e *vmmSegments) take(st *segStream, k freeKey, n uint64) uintptr {
 	e.byBase.Put(k.base, segRef{g, k.id})
 	e.live += n
 	return k.base
+}
+
+// granuleStart is where take puts n bytes in the free span [base,
+// base+size): on the span's first granule boundary when n is a granule or
+// more, the span has a granule to spare (so the request fits after the
+// boundary) and the request touches one granule fewer there; else at base.
+// A span's granules are held as long as any live byte touches them, so a
+// request that outlives its neighbours holds every granule it touches:
+// started at base, a tensor of 2.9 granules may touch 4, and when the
+// memory around it is freed, the ends of the outer two stay held. Serving's
+// KV cache is such: its tensors, grown a token at a time, each placed in
+// the free memory its predecessor and the step's activations left, sat
+// between two free ends. The head left before the boundary is less than a
+// granule, free for smaller requests; a span with less than a granule to
+// spare is not split twice.
+func (e *vmmSegments) granuleStart(base uintptr, size, n uint64) uintptr {
+	if n < e.gran || size < n+e.gran {
+		return base
+	}
+	g := uintptr(e.gran)
+	at := (base + g - 1) &^ (g - 1)
+	touched := func(p uintptr) uintptr { return (p+uintptr(n)+g-1)/g - p/g }
+	if touched(at) < touched(base) {
+		return at
+	}
+	return base
 }
 
 // Free gives back the live span at va, ordered on s. On the segment's own

@@ -946,3 +946,51 @@ func TestSegmentsFreshGranulesWhenAFillCannotBePaid(t *testing.T) {
 	assert.NotEqual(t, a, p)
 	require.NoError(t, e.CheckInvariants())
 }
+
+// A request of a granule or more, taken from a free span with a granule to
+// spare, starts on the span's first granule boundary when it touches one
+// granule fewer there: a tensor that outlives its neighbours then holds
+// only the granules its size needs. The head stays free with the span's
+// event; smaller requests, and spans with less to spare, start at the head.
+func TestSegmentsLargeRequestStartsOnAGranule(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p := allocAll(t, e, 1, 1*mib, 10*mib, 1*mib)
+	g := e.streams[shareKey{s: 1}].segs[0]
+	sim.Launch(1)
+	require.NoError(t, e.Free(p[1], 1, false))
+	e.fence(g, true) // the free span gets an event, which both pieces will hold
+	ev := g.span(g.spanAt(p[1])).event
+	require.NotZero(t, ev)
+	require.NotEqual(t, unrecorded, ev)
+	before := calls(phys)
+
+	// 4 MiB at offset 1 MiB touches granules 0-2; at 2 MiB, granules 1-2.
+	d, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p[0]+2*mib, d, "starts on the granule boundary")
+	assert.Equal(t, [][3]uint64{{0, 1, spanLive}, {1, 1, spanFree}, {2, 4, spanLive}, {6, 5, spanFree}, {11, 1, spanLive}}, spanStates(g))
+	assert.Equal(t, ev, g.span(g.spanAt(p[0]+1*mib)).event, "the head keeps the span's event")
+	assert.Equal(t, ev, g.span(g.spanAt(p[0]+6*mib)).event, "and so does the rest")
+	n, _ := e.holders.Get(uintptr(ev))
+	assert.EqualValues(t, 2, n)
+	assert.Equal(t, before, calls(phys), "no driver call")
+	require.NoError(t, e.CheckInvariants())
+
+	// Less than a granule: at the head of the smallest span that fits.
+	s, err := e.Alloc(512<<10, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p[0]+1*mib, s)
+	// A span without a granule to spare: at its head. The rest is 5 MiB at
+	// 6 MiB; 4 MiB there touches granules 3-4 either way, and 4 MiB + 2
+	// MiB > 5 MiB.
+	f, err := e.Alloc(4*mib, 1)
+	require.NoError(t, err)
+	assert.Equal(t, p[0]+6*mib, f)
+	require.NoError(t, e.CheckInvariants())
+
+	for _, q := range []uintptr{d, s, f} {
+		require.NoError(t, e.Free(q, 1, false))
+		require.NoError(t, e.CheckInvariants())
+	}
+	assert.Equal(t, [][3]uint64{{0, 1, spanLive}, {1, 10, spanFree}, {11, 1, spanLive}}, spanStates(g), "the pieces coalesce again")
+}
