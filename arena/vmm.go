@@ -108,7 +108,9 @@
 // stream s is placed in s's segments, or in another stream's free span:
 //
 //  1. The smallest free span of s's own of at least S bytes is split: no
-//     driver call. Else, once every segment's unrecorded frees have an
+//     driver call. A request of a granule or more starts on the span's
+//     first granule boundary where it touches a granule fewer there and
+//     the span has a granule to spare (see "What it wastes"). Else, once every segment's unrecorded frees have an
 //     event (a fence each, see "Events"), the smallest free span of at
 //     least S bytes of another stream (of the same tag; not anyStream's,
 //     see "VA and streams") whose last use has completed is split where
@@ -215,14 +217,21 @@
 // measures this, span by span; the device keeps the split of the moment
 // held last rose to a new high, and the replay tool reports it at the peak.
 //
-// Serving is where such ends gather: a generate loop's prefill places its
-// KV cache's tensors between activations that die soon after, so at the
-// peak each tensor of the cache sits between two free ends
-// (FreeEndsBeside, vmm_held.go, groups the free ends by the live span
-// beside them). The placement cannot tell, when it places a request,
-// whether it stays; smaller handles (vmm_handle) shrink each end in
-// proportion, for more driver calls where memory grows and more handles to
-// sleep, wake and share.
+// Serving is where such ends gathered: a generate loop places its KV
+// cache's tensors between activations that die soon after, so at the peak
+// each tensor of the cache sits between two free ends (FreeEndsBeside,
+// vmm_held.go, groups the free ends by the live span beside them). The
+// placement cannot tell, when it places a request, whether it stays, but a
+// live span holds every granule it touches: a tensor of 2.9 granules
+// started at a free span's head touches 4 where 3 would do. So step 1
+// starts a request of a granule or more on a granule boundary when that
+// saves a granule and the span has one to spare (granuleStart); the head
+// before the boundary, under a granule, stays free for smaller requests.
+// What remains are the ends of spans under a granule and of those placed
+// by step 2, which maps the fewest granules wherever that puts them;
+// smaller handles (vmm_handle) shrink each end in proportion, for more
+// driver calls where memory grows and more handles to sleep, wake and
+// share.
 //
 // # VA and streams
 //
