@@ -42,7 +42,10 @@ func growKVCache(t *testing.T, d *SimVMM, ptrs []uintptr, size uint64, smallEver
 // A KV cache grown after a prefill whose temporaries sat between its
 // tensors: each new tensor goes where a shorter one was freed or extends
 // the free end beside it, so growth leaves no free end per tensor, only a
-// few handles' worth in all, whatever the handle size.
+// few handles' worth in all, whatever the handle size. (Since requests of
+// a granule or more start on a granule boundary where that saves one, a
+// few heads under a granule stay free beside them too: with 4 MiB handles
+// 19 MiB in 9 free spans, where 12 MiB in 4 were left before.)
 func TestVMMGrowingTensorsPackTightly(t *testing.T) {
 	const prefillTemp = 300*mib + 5<<10
 	for _, handle := range []uint64{16 * mib, 4 * mib} {
@@ -63,7 +66,7 @@ func TestVMMGrowingTensorsPackTightly(t *testing.T) {
 		require.Equal(t, at.Held, at.Parts())
 		t.Logf("%d MiB handles: %d MiB live at the peak, %d MiB beyond in %d free spans",
 			handle/mib, at.Live/mib, (at.Held-at.Live)/mib, at.FreeSpans)
-		assert.LessOrEqual(t, at.Held-at.Live, 4*handle, "%d MiB handles: a few handles' free ends in all", handle/mib)
+		assert.LessOrEqual(t, at.Held-at.Live, 5*handle, "%d MiB handles: a few handles' free ends in all", handle/mib)
 		assert.LessOrEqual(t, at.Live, uint64(kvTensors+1)*size+prefillTemp, "the peak's live spans")
 		require.NoError(t, d.CheckInvariants())
 	}
