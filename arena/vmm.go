@@ -110,8 +110,9 @@
 //  1. The smallest free span of s's own of at least S bytes is split: no
 //     driver call. A request of a granule or more starts on the span's
 //     first granule boundary where it touches a granule fewer there and
-//     the span has a granule to spare (see "What it wastes"). Else, once every segment's unrecorded frees have an
-//     event (a fence each, see "Events"), the smallest free span of at
+//     the span has a granule to spare (see "What it wastes"). Else, once
+//     every segment's unrecorded frees have an event (a fence each, see
+//     "Events"), the smallest free span of at
 //     least S bytes of another stream (of the same tag; not anyStream's,
 //     see "VA and streams") whose last use has completed is split where
 //     it lies: no map either, only its event asked. Nothing runs on it any

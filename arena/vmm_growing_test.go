@@ -42,10 +42,9 @@ func growKVCache(t *testing.T, d *SimVMM, ptrs []uintptr, size uint64, smallEver
 // A KV cache grown after a prefill whose temporaries sat between its
 // tensors: each new tensor goes where a shorter one was freed or extends
 // the free end beside it, so growth leaves no free end per tensor, only a
-// few handles' worth in all, whatever the handle size. (Since requests of
-// a granule or more start on a granule boundary where that saves one, a
-// few heads under a granule stay free beside them too: with 4 MiB handles
-// 19 MiB in 9 free spans, where 12 MiB in 4 were left before.)
+// few handles' worth in all, whatever the handle size. (Requests of a
+// granule or more start on a granule boundary where that saves one, so a
+// few heads under a granule stay free beside them too.)
 func TestVMMGrowingTensorsPackTightly(t *testing.T) {
 	const prefillTemp = 300*mib + 5<<10
 	for _, handle := range []uint64{16 * mib, 4 * mib} {

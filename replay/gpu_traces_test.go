@@ -48,11 +48,10 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 
 // What holds serving's memory beyond live, per handle (BENCHMARKS.md
 // quotes it). The KV cache's 24 tensors of 48,857,088 bytes (2.9 granules)
-// outlive the activations around them; started at a free span's head,
-// each touched 4 granules and, at the peak, sat between two free ends
-// (392,894,976 bytes beside 24 of them, 91% of all free ends). Started on
-// a granule (granuleStart, arena/vmm_segments.go), most now touch the 3
-// their size needs.
+// outlive the activations around them; started at a free span's head, one
+// touches 4 granules and, at the peak, sits between two free ends. Started
+// on a granule (granuleStart, arena/vmm_segments.go), most touch the 3
+// their size needs, so little of a handle is left beside each.
 func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
 	tr, err := Open("../traces/serving-vmm.jsonl.gz")
 	require.NoError(t, err)
