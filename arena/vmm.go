@@ -92,9 +92,10 @@
 //	         pool's own rule). It carries an event recorded on that stream
 //	         after its free, which says when its last use has completed (0:
 //	         it has), or none yet (see "Events").
-//	pending  given back on another stream: nobody may use it until the
-//	         event recorded there at the free completes, or the segment's
-//	         stream waits for that event (step 3); then it is free.
+//	pending  given back on another stream: nobody else may use it until
+//	         the event recorded there at the free completes, or the
+//	         segment's stream waits for that event (step 3); then it is
+//	         free. The stream of the free may take it back (step 3).
 //	draining a free span whose handles paid for a later request of the
 //	         segment's stream (step 3) while its last use could still run:
 //	         still mapped, its VA handed to nobody, until the event of its
@@ -157,12 +158,19 @@
 //     because a stream whose complete memory is taken while its own frees
 //     still run can only create more: FSDP's all-gather stream did so for
 //     every layer while the compute stream's frees sat free. If memory
-//     must still be created while s's segments hold pending spans, s
-//     waits for the events of their frees instead, they become its free
-//     spans, and the request starts again at step 1: FSDP's all-gather
-//     stream, whose work waits for the compute stream's, may run far
-//     behind it, and the compute stream's segments held its frees pending
-//     while the compute stream created memory beside them. Only what
+//     must still be created, a pending span that s itself freed (one it
+//     took from another stream's segment in step 1) of at least S bytes
+//     serves the request instead, the smallest: s's later work is
+//     ordered after its own free, so it needs no wait; FSDP's logits,
+//     placed in another stream's segment, freed and asked for again
+//     every step, were otherwise created again beside their pending
+//     predecessor while the GPU ran behind. Else, while s's
+//     segments hold pending spans, s waits for the events of their
+//     frees, they become its free spans, and the request starts again
+//     at step 1: FSDP's all-gather stream, whose work waits for the
+//     compute stream's, may run far behind it, and the compute stream's
+//     segments held its frees pending while the compute stream created
+//     memory beside them. Only what
 //     nothing free can pay for is created, so held memory grows only when
 //     nothing held is free. A span whose last use may still run is never
 //     unmapped.

@@ -141,10 +141,16 @@ func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) 
 	if err != nil {
 		return 0, err
 	}
-	if adopt && gr.paid < gr.f.need && e.adoptable(key) {
-		e.unpay(gr.pays)
-		e.adoptPending(key)
-		return 0, errAdopted
+	if adopt && gr.paid < gr.f.need {
+		if va, ok := e.takeOwnPending(n, key); ok {
+			e.unpay(gr.pays)
+			return va, nil
+		}
+		if e.adoptable(key) {
+			e.unpay(gr.pays)
+			e.adoptPending(key)
+			return 0, errAdopted
+		}
 	}
 	if err := e.afford(gr); err != nil {
 		e.unpay(gr.pays)

@@ -39,6 +39,9 @@ type segSpan struct {
 	// older): when it was recorded, or, unrecorded, when the span was
 	// freed; 0 with event 0.
 	seq uint64
+	// freedOn is a pending span's stream of the free, never its segment's:
+	// that stream may take it again at once (takeOwnPending).
+	freedOn Stream
 }
 
 func (sp *segSpan) end() uintptr { return sp.base + uintptr(sp.size) }
@@ -260,6 +263,50 @@ func (e *vmmSegments) adoptPending(key shareKey) {
 	})
 }
 
+// takeOwnPending places n bytes in the smallest pending span of at least
+// n bytes that key's stream freed (in another stream's segment of key's
+// tag, which it took with takeComplete): the stream's later work is
+// ordered after its own free, so it may use the span again at once, as a
+// free span of its own; only other streams wait for the free's event. The
+// rest of the span stays pending with that event. Step 3's last resort
+// before creating memory: without it, a stream that took another's
+// complete span and freed it created as much again beside it while the GPU
+// ran behind (FSDP's logits, freed and asked for again every step).
+func (e *vmmSegments) takeOwnPending(n uint64, key shareKey) (uintptr, bool) {
+	if key.s == anyStream {
+		return 0, false
+	}
+	best := -1
+	var bestSize uint64
+	for i, r := range e.pending {
+		sp := r.g.span(r.id)
+		if sp.freedOn == key.s && r.g.tag == key.tag && !r.g.asleep && sp.size >= n && (best < 0 || sp.size < bestSize) {
+			best, bestSize = i, sp.size
+		}
+	}
+	if best < 0 {
+		return 0, false
+	}
+	r := e.pending[best]
+	g := r.g
+	sp := g.span(r.id)
+	base, ev := sp.base, sp.event
+	if sp.size > n {
+		// The rest keeps the span's place in the list (it is as old) and
+		// its event, the only holder still.
+		rest := segSpan{base: base + uintptr(n), size: sp.size - n, state: spanPending, event: ev, freedOn: key.s}
+		*sp = segSpan{base: base, size: n, state: spanLive}
+		e.pending[best] = segRef{g, g.insert(g.next(r.id), rest)}
+	} else {
+		*sp = segSpan{base: base, size: n, state: spanLive}
+		e.dropEvent(ev)
+		e.pending = slices.Delete(e.pending, best, best+1)
+	}
+	e.byBase.Put(base, r)
+	e.live += n
+	return base, true
+}
+
 // takeComplete is step 1's second half: the smallest free span of at
 // least n bytes, of another stream's share of the request's tag, whose
 // last use has completed, split as take splits the request's own. No
@@ -441,7 +488,7 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 		}
 		return nil
 	}
-	sp.state, sp.event = spanPending, ev
+	sp.state, sp.event, sp.freedOn = spanPending, ev, s
 	e.pending = append(e.pending, r)
 	return nil
 }

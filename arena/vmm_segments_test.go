@@ -246,6 +246,42 @@ func TestSegmentsAdoptOnlyWhatWouldBeCreated(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
+// A stream that took another's complete span and freed it takes it back
+// at once, rather than create memory beside it: its later work is ordered
+// after its own free. Only the rest stays pending, and no other stream
+// takes that.
+func TestSegmentsStreamTakesBackItsOwnPendingFree(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 1, true))
+	q, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	require.Equal(t, p, q, "stream 1's complete span serves stream 2 where it lies")
+	sim.Launch(2)
+	require.NoError(t, e.Free(q, 2, false)) // pending in stream 1's segment
+	creates := phys.Calls["cuMemCreate"]
+	r, err := e.Alloc(6*mib, 2)
+	require.NoError(t, err)
+	assert.Equal(t, p, r, "stream 2 takes its own free back before the GPU reaches it")
+	assert.Equal(t, creates, phys.Calls["cuMemCreate"])
+	assert.Zero(t, phys.Calls["cuStreamWaitEvent"], "its own free needs no wait")
+	assert.EqualValues(t, 8*mib, e.Held())
+	g := e.streams[shareKey{s: 1}].segs[0]
+	assert.Equal(t, [][3]uint64{{0, 6, spanLive}, {6, 2, spanPending}}, spanStates(g))
+	require.NoError(t, e.CheckInvariants())
+
+	x, err := e.Alloc(2*mib, 3)
+	require.NoError(t, err)
+	assert.NotEqual(t, p+6*mib, x, "the rest is stream 2's free, not stream 3's")
+	assert.EqualValues(t, 10*mib, e.Held())
+	sim.Complete(2)
+	y, err := e.Alloc(2*mib, 3)
+	require.NoError(t, err)
+	assert.Equal(t, p+6*mib, y, "free for any stream once complete")
+	require.NoError(t, e.CheckInvariants())
+}
+
 // During a capture the wait is refused: the pending span stays pending and
 // the request creates memory instead.
 func TestSegmentsNoAdoptionWhileCapturing(t *testing.T) {
