@@ -289,6 +289,7 @@ func (e *vmmSegments) takeOwnPending(n uint64, key shareKey) (uintptr, bool) {
 	}
 	r := e.pending[best]
 	g := r.g
+	g.addGuest(key.s)
 	sp := g.span(r.id)
 	base, ev := sp.base, sp.event
 	if sp.size > n {
@@ -345,6 +346,7 @@ func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error
 	if best == nil {
 		return 0, false, nil
 	}
+	best.segs[bestKey.order].addGuest(key.s)
 	return e.take(best, bestKey, n), true, nil
 }
 

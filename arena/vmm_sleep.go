@@ -36,8 +36,10 @@
 //     that can copy (HostCopier).
 //  2. Fences: every segment with unrecorded free spans gets its event
 //     (fenceAll); then an event is recorded on each stream of the tags'
-//     segments and on each stream the caller names (other users of live
-//     blocks: record_stream), after all the work queued there so far.
+//     segments, on each other stream a segment's spans served (its
+//     guests: step 1 places a request in another stream's free span), and
+//     on each stream the caller names (other users of live blocks:
+//     record_stream), after all the work queued there so far.
 //  3. Offload: the live spans of the tags to offload, in address order, are
 //     copied to the offload area (offloadArea, vmm_offload.go): pinned host
 //     memory prepared at the first sleep that needs it and kept for the
@@ -207,7 +209,7 @@ func (e *vmmSegments) Sleep(req SleepRequest) (SleepReport, error) {
 	segs := e.segmentsOf(req.Tags, false)
 	var streams []Stream
 	for _, g := range segs {
-		streams = append(streams, g.stream)
+		streams = append(append(streams, g.stream), g.guests...)
 	}
 	fences, err := e.recordNow(append(streams, req.Streams...))
 	if err != nil {

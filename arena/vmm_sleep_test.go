@@ -234,6 +234,31 @@ func TestSleepReleasesOnlyAfterTheEventsComplete(t *testing.T) {
 	assert.NoError(t, err, "the tag is awake")
 }
 
+// A span of a segment that step 1 placed for another stream (its complete
+// free span, taken where it lies) is that stream's to use: the sleep waits
+// for its work too before it copies and unmaps.
+func TestSleepWaitsForTheStreamsASegmentServed(t *testing.T) {
+	e, phys, sim := sleepPlacement(t, 1<<30, 0)
+	p := allocTagged(t, e, 4*mib, 1, 5)
+	require.NoError(t, e.Free(p, 1, true))
+	q := allocTagged(t, e, 4*mib, 2, 5)
+	require.Equal(t, p, q, "stream 1's complete span serves stream 2 where it lies")
+	sim.Launch(2) // stream 2's work on it
+	work, _ := sim.NewEvent()
+	require.NoError(t, sim.RecordEvent(work, 2))
+	phys.OnUnmap = func(va uintptr, size uint64) error {
+		if done, _ := sim.EventDone(work); !done {
+			return fmt.Errorf("unmap of %#x before stream 2's work on it completed", va)
+		}
+		return nil
+	}
+	_, err := e.Sleep(SleepRequest{Tags: []Tag{5}, Offload: []Tag{5}})
+	require.NoError(t, err)
+	done, _ := sim.EventDone(work)
+	assert.True(t, done, "the sleep waited for stream 2")
+	require.NoError(t, e.CheckInvariants())
+}
+
 // A tag's draining spans (handles lent within its share) are unmapped at
 // the sleep, and their handles released with their owners'.
 func TestSleepReleasesDrainingMappings(t *testing.T) {

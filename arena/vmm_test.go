@@ -200,12 +200,18 @@ func (h *vmmHarness) free(p uintptr, s Stream) {
 		// A free ordered on another stream than the block's is correct
 		// only once that stream is ordered after the block's own (the
 		// stream-ordered contract; goalloc's cache always frees on the
-		// block's own stream). The simulated device has no cross-stream
-		// wait, so the block's stream completes here. Without this the
-		// check below blames the engine for the program's missing wait:
-		// earlier work of the block's stream, which the block's own
-		// stream-ordered reuse rightly skipped, looked pending to s.
-		h.d.Complete(b.stream)
+		// block's own stream): s waits for an event recorded on the
+		// block's stream now, as torch's wait_stream does. Without this
+		// the check below blames the engine for the program's missing
+		// wait. Completing the block's stream instead is not enough: a
+		// stream completes only up to its first wait for a busy one, and
+		// what s took back of its own free then looked unordered after
+		// the work the block's stream waited for.
+		ev, err := h.d.NewEvent()
+		require.NoError(h.t, err)
+		require.NoError(h.t, h.d.RecordEvent(ev, b.stream))
+		require.NoError(h.t, h.d.StreamWaitEvent(s, ev))
+		require.NoError(h.t, h.d.DestroyEvent(ev))
 	}
 	// The block was used on s up to here.
 	h.d.Launch(s)
@@ -373,8 +379,10 @@ func TestVMMRandomOps(t *testing.T) {
 	// complete; a span of a segment of anyStream's taken by another
 	// stream; 36, in an earlier placement: the pieces of a lent span took
 	// an event of the borrower's, which coalescing then kept over an event
-	// of the segment's stream that it did not cover): run every time.
-	for _, seed := range []int64{28, 36, 49, 52, 74, 141} {
+	// of the segment's stream that it did not cover; 281: a sleep unmapped
+	// a span another stream had taken in the segment, before that stream's
+	// work on it completed): run every time.
+	for _, seed := range []int64{28, 36, 49, 52, 74, 141, 281} {
 		if seed > seeds {
 			list = append(list, seed)
 		}
