@@ -214,7 +214,7 @@ func (e *vmmSegments) checkSpanState(g *vmmSegment, sp segSpan, id spanID, t *ch
 		if sp.event == 0 || sp.event == unrecorded {
 			return fmt.Errorf("pending span %#x has no event", sp.base)
 		}
-		if sp.freedOn == g.stream {
+		if sp.stream == g.stream {
 			return fmt.Errorf("pending span %#x was freed on its segment's stream", sp.base)
 		}
 		t.held[sp.event]++

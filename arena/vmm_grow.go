@@ -516,7 +516,7 @@ func (e *vmmSegments) commit(f fill, n uint64, pays []segPay) uintptr {
 // it lies (takeComplete) while that use runs.
 func (e *vmmSegments) placeLive(f fill, n uint64, lent bool) {
 	g := f.g
-	live := segSpan{base: f.start, size: n, state: spanLive}
+	live := segSpan{base: f.start, size: n, state: spanLive, stream: g.stream}
 	// next: the span the live one goes before.
 	next := g.spanAt(f.start)
 	if f.left != noSpan {

@@ -39,9 +39,11 @@ type segSpan struct {
 	// older): when it was recorded, or, unrecorded, when the span was
 	// freed; 0 with event 0.
 	seq uint64
-	// freedOn is a pending span's stream of the free, never its segment's:
-	// that stream may take it again at once (takeOwnPending).
-	freedOn Stream
+	// stream: live, the stream it serves (step 1 may place a request in
+	// another stream's segment; Sleep waits for each); pending, the stream
+	// of the free, never its segment's, which may take it again at once
+	// (takeOwnPending).
+	stream Stream
 }
 
 func (sp *segSpan) end() uintptr { return sp.base + uintptr(sp.size) }
@@ -203,7 +205,7 @@ func (e *vmmSegments) AllocTagged(size uint64, s Stream, tag Tag) (uintptr, erro
 func (e *vmmSegments) takeOwn(n uint64, key shareKey) (uintptr, bool) {
 	if st := e.share(key); st != nil {
 		if j := st.free.search(freeKey{size: n}); j < len(st.free) {
-			return e.take(st, st.free[j], n), true
+			return e.take(st, st.free[j], n, key.s), true
 		}
 	}
 	return 0, false
@@ -280,7 +282,7 @@ func (e *vmmSegments) takeOwnPending(n uint64, key shareKey) (uintptr, bool) {
 	var bestSize uint64
 	for i, r := range e.pending {
 		sp := r.g.span(r.id)
-		if sp.freedOn == key.s && r.g.tag == key.tag && !r.g.asleep && sp.size >= n && (best < 0 || sp.size < bestSize) {
+		if sp.stream == key.s && r.g.tag == key.tag && !r.g.asleep && sp.size >= n && (best < 0 || sp.size < bestSize) {
 			best, bestSize = i, sp.size
 		}
 	}
@@ -289,17 +291,16 @@ func (e *vmmSegments) takeOwnPending(n uint64, key shareKey) (uintptr, bool) {
 	}
 	r := e.pending[best]
 	g := r.g
-	g.addGuest(key.s)
 	sp := g.span(r.id)
 	base, ev := sp.base, sp.event
 	if sp.size > n {
 		// The rest keeps the span's place in the list (it is as old) and
 		// its event, the only holder still.
-		rest := segSpan{base: base + uintptr(n), size: sp.size - n, state: spanPending, event: ev, freedOn: key.s}
-		*sp = segSpan{base: base, size: n, state: spanLive}
+		rest := segSpan{base: base + uintptr(n), size: sp.size - n, state: spanPending, event: ev, stream: key.s}
+		*sp = segSpan{base: base, size: n, state: spanLive, stream: key.s}
 		e.pending[best] = segRef{g, g.insert(g.next(r.id), rest)}
 	} else {
-		*sp = segSpan{base: base, size: n, state: spanLive}
+		*sp = segSpan{base: base, size: n, state: spanLive, stream: key.s}
 		e.dropEvent(ev)
 		e.pending = slices.Delete(e.pending, best, best+1)
 	}
@@ -346,8 +347,7 @@ func (e *vmmSegments) takeComplete(n uint64, key shareKey) (uintptr, bool, error
 	if best == nil {
 		return 0, false, nil
 	}
-	best.segs[bestKey.order].addGuest(key.s)
-	return e.take(best, bestKey, n), true, nil
+	return e.take(best, bestKey, n, key.s), true, nil
 }
 
 // firstComplete is the first of st's free spans of at least n bytes and at
@@ -385,11 +385,11 @@ func (e *vmmSegments) share(key shareKey) *segStream {
 	return st
 }
 
-// take places n bytes at the head of the free span k of the stream st
-// (step 1): the rest stays free, with the event of its last use. A
+// take places n bytes for stream s at the head of the free span k of the
+// share st (step 1): the rest stays free, with the event of its last use. A
 // request of a granule or more, in a span with a granule to spare, starts
 // on the span's first granule boundary instead (granuleStart).
-func (e *vmmSegments) take(st *segStream, k freeKey, n uint64) uintptr {
+func (e *vmmSegments) take(st *segStream, k freeKey, n uint64, s Stream) uintptr {
 	g := st.segs[k.order]
 	sp := g.span(k.id)
 	if at := e.granuleStart(k.base, sp.size, n); at != k.base {
@@ -409,13 +409,13 @@ func (e *vmmSegments) take(st *segStream, k freeKey, n uint64) uintptr {
 	if sp.size > n {
 		// The rest keeps the span's place in the index, moved to its size.
 		rest := segSpan{base: k.base + uintptr(n), size: sp.size - n, state: spanFree, event: sp.event, seq: sp.seq}
-		*sp = segSpan{base: k.base, size: n, state: spanLive}
+		*sp = segSpan{base: k.base, size: n, state: spanLive, stream: s}
 		r := g.insert(g.next(k.id), rest)
 		g.free.replace(k, freeKey{size: rest.size, base: rest.base, order: g.order, id: r})
 	} else {
 		e.unindex(g, k.id)
 		e.dropEvent(sp.event)
-		*sp = segSpan{base: k.base, size: n, state: spanLive}
+		*sp = segSpan{base: k.base, size: n, state: spanLive, stream: s}
 	}
 	e.byBase.Put(k.base, segRef{g, k.id})
 	e.live += n
@@ -490,7 +490,7 @@ func (e *vmmSegments) Free(va uintptr, s Stream, done bool) error {
 		}
 		return nil
 	}
-	sp.state, sp.event, sp.freedOn = spanPending, ev, s
+	sp.state, sp.event, sp.stream = spanPending, ev, s
 	e.pending = append(e.pending, r)
 	return nil
 }

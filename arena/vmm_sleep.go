@@ -36,9 +36,9 @@
 //     that can copy (HostCopier).
 //  2. Fences: every segment with unrecorded free spans gets its event
 //     (fenceAll); then an event is recorded on each stream of the tags'
-//     segments, on each other stream a segment's spans served (its
-//     guests: step 1 places a request in another stream's free span), and
-//     on each stream the caller names (other users of live blocks:
+//     segments, on each other stream a live span of theirs serves (step 1
+//     places a request in another stream's free span), and on each stream
+//     the caller names (other users of live blocks:
 //     record_stream), after all the work queued there so far.
 //  3. Offload: the live spans of the tags to offload, in address order, are
 //     copied to the offload area (offloadArea, vmm_offload.go): pinned host
@@ -209,9 +209,9 @@ func (e *vmmSegments) Sleep(req SleepRequest) (SleepReport, error) {
 	segs := e.segmentsOf(req.Tags, false)
 	var streams []Stream
 	for _, g := range segs {
-		streams = append(append(streams, g.stream), g.guests...)
+		streams = append(streams, g.stream)
 	}
-	fences, err := e.recordNow(append(streams, req.Streams...))
+	fences, err := e.recordNow(append(append(streams, e.liveStreams(segs)...), req.Streams...))
 	if err != nil {
 		return SleepReport{}, err
 	}
@@ -322,6 +322,20 @@ func (e *vmmSegments) recordNow(streams []Stream) ([]Event, error) {
 		out = append(out, ev)
 	}
 	return out, nil
+}
+
+// liveStreams is the streams the live spans of segs serve, each once: a
+// request may lie in another stream's segment (step 1).
+func (e *vmmSegments) liveStreams(segs []*vmmSegment) []Stream {
+	var out []Stream
+	for _, g := range segs {
+		for id := g.first; id != noSpan; id = g.next(id) {
+			if sp := g.span(id); sp.state == spanLive && sp.stream != g.stream && !slices.Contains(out, sp.stream) {
+				out = append(out, sp.stream)
+			}
+		}
+	}
+	return out
 }
 
 // spanEvents is the recorded events of the spans of segs that are not

@@ -3,10 +3,7 @@
 
 package arena
 
-import (
-	"fmt"
-	"slices"
-)
+import "fmt"
 
 // spanID names a span of a segment: its node among the segment's nodes,
 // which stays the span's while the span lasts (splitting or coalescing
@@ -31,10 +28,6 @@ type spanNode struct {
 type vmmSegment struct {
 	stream Stream
 	tag    Tag
-	// guests are the other streams whose requests it has served
-	// (takeComplete, takeOwnPending): their work may use its live spans,
-	// so Sleep records an event on each as on stream's.
-	guests []Stream
 	// asleep: the segment's tag is asleep (vmm_sleep.go): it holds only
 	// live spans and no handle, but where a failed release left some.
 	asleep bool
@@ -65,13 +58,6 @@ type vmmSegment struct {
 }
 
 func (g *vmmSegment) end() uintptr { return g.base + uintptr(g.size) }
-
-// addGuest notes that a span of g now serves stream s.
-func (g *vmmSegment) addGuest(s Stream) {
-	if s != g.stream && !slices.Contains(g.guests, s) {
-		g.guests = append(g.guests, s)
-	}
-}
 
 // key is the share g belongs to.
 func (g *vmmSegment) key() shareKey { return shareKey{g.stream, g.tag} }
