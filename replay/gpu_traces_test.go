@@ -22,7 +22,7 @@ import (
 // Serving and the RL rollout keep KV caches placed among activations that
 // die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
-var gpuTraces = []string{"checkpoint-vmm", "moe-vmm", "rollout-vmm", "serving-vmm"}
+var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm"}
 
 func TestSimulatorPredictsTheGPU(t *testing.T) {
 	for _, name := range gpuTraces {
@@ -64,6 +64,26 @@ func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
 	kv := r.FreeEndsAtPeak[0]
 	assert.Equal(t, arena.FreeEnds{LiveSize: 48_857_088, LiveSpans: 23, Bytes: 50_692_096}, kv)
 	assert.Less(t, kv.Bytes, uint64(kv.LiveSpans)*arena.DefaultVMMHandle/4, "a quarter of a handle each, at most")
+}
+
+// FSDP's repeat 2: the compute stream's logits, placed in a free span of
+// the all-gather stream's segment (step 1), were pending there once freed
+// until the GPU reached the free, and the next step's logits were created
+// beside them: on the H200 that run held 1.13x with 2.40 GiB pending at
+// its peak, as this history replays with the device 10 ms behind before
+// takeOwnPending (arena/vmm_segments.go), which gives the stream its own
+// pending free back. The GPU run that recorded the history, its host
+// slowed by the recording, held 1.009x.
+func TestFSDPStreamTakesBackItsPendingLogits(t *testing.T) {
+	tr, err := Open("../traces/checkpoint-r2-vmm.jsonl.gz")
+	require.NoError(t, err)
+	dev, err := arena.NewSimVMM(0, 140<<30)
+	require.NoError(t, err)
+	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
+	require.NoError(t, err)
+	require.NotNil(t, r.HeldAtPeak)
+	assert.Zero(t, r.HeldAtPeak.Pending, "nothing pending at the peak")
+	assert.Less(t, r.Ratio, 1.02)
 }
 
 // FSDP's all-gather stream may run far behind the compute stream (its
