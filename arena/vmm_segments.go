@@ -267,9 +267,10 @@ func (e *vmmSegments) adoptPending(key shareKey) {
 
 // takeOwnPending places n bytes in the smallest pending span of at least
 // n bytes that key's stream freed (in another stream's segment of key's
-// tag, which it took with takeComplete): the stream's later work is
-// ordered after its own free, so it may use the span again at once, as a
-// free span of its own; only other streams wait for the free's event. The
+// tag, where step 1 placed it or the program freed it on key's stream):
+// the stream's later work is ordered after its own free, so it may use the
+// span again at once, as a free span of its own; only other streams wait
+// for the free's event. The
 // rest of the span stays pending with that event. Step 3's last resort
 // before creating memory: without it, a stream that took another's
 // complete span and freed it created as much again beside it while the GPU

@@ -38,8 +38,8 @@
 //     (fenceAll); then an event is recorded on each stream of the tags'
 //     segments, on each other stream a live span of theirs serves (step 1
 //     places a request in another stream's free span), and on each stream
-//     the caller names (other users of live blocks:
-//     record_stream), after all the work queued there so far.
+//     the caller names (other users of live blocks: record_stream), after
+//     all the work queued there so far.
 //  3. Offload: the live spans of the tags to offload, in address order, are
 //     copied to the offload area (offloadArea, vmm_offload.go): pinned host
 //     memory prepared at the first sleep that needs it and kept for the
