@@ -53,13 +53,7 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 // on a granule (granuleStart, arena/vmm_segments.go), most touch the 3
 // their size needs, so little of a handle is left beside each.
 func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
-	tr, err := Open("../traces/serving-vmm.jsonl.gz")
-	require.NoError(t, err)
-	dev, err := arena.NewSimVMM(0, 140<<30)
-	require.NoError(t, err)
-	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
-	require.NoError(t, err)
-	require.NotNil(t, r.HeldAtPeak)
+	r := replayTenMillisBehind(t, "serving-vmm")
 	require.NotEmpty(t, r.FreeEndsAtPeak)
 	kv := r.FreeEndsAtPeak[0]
 	assert.Equal(t, arena.FreeEnds{LiveSize: 48_857_088, LiveSpans: 23, Bytes: 50_692_096}, kv)
@@ -75,15 +69,22 @@ func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
 // pending free back. The GPU run that recorded the history, its host
 // slowed by the recording, held 1.009x.
 func TestFSDPStreamTakesBackItsPendingLogits(t *testing.T) {
-	tr, err := Open("../traces/checkpoint-r2-vmm.jsonl.gz")
+	r := replayTenMillisBehind(t, "checkpoint-r2-vmm")
+	assert.Zero(t, r.HeldAtPeak.Pending, "nothing pending at the peak")
+	assert.Less(t, r.Ratio, 1.02)
+}
+
+// replayTenMillisBehind replays traces/NAME.jsonl.gz on the simulated VMM
+// device 10 ms behind the host (goalloc replay --device-lag 10ms).
+func replayTenMillisBehind(t *testing.T, name string) *Result {
+	tr, err := Open("../traces/" + name + ".jsonl.gz")
 	require.NoError(t, err)
 	dev, err := arena.NewSimVMM(0, 140<<30)
 	require.NoError(t, err)
 	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
 	require.NoError(t, err)
 	require.NotNil(t, r.HeldAtPeak)
-	assert.Zero(t, r.HeldAtPeak.Pending, "nothing pending at the peak")
-	assert.Less(t, r.Ratio, 1.02)
+	return r
 }
 
 // FSDP's all-gather stream may run far behind the compute stream (its
