@@ -324,8 +324,27 @@ def section_train(doc: dict[str, Any], workload: str, label: str, unit: str, hea
     if apart:
         lines += ["", f"—: no throughput ratio for {', '.join(apart)}: native's runs of the same repeats come from "
                       "other suites, not interleaved with these."]
+    lines += per_repeat_table(doc, workload, configs)
     miss = miss_latency_table(doc, workload, [c for c in configs if is_goalloc(c)])
     return lines + ([""] + miss if miss else [])
+
+
+def live_ratio(config: str, result: dict[str, Any]) -> Optional[float]:
+    """A run's peak device memory (memory_of_record) over its peak live."""
+    return ratio(number(memory_of_record(config, result)), number(dig(result, "allocator", "allocated_peak")))
+
+
+def per_repeat_table(doc: dict[str, Any], workload: str, configs: list[str]) -> list[str]:
+    """Peak memory over peak live by repeat: a repeat draws the same shapes
+    in every configuration, so a column compares the allocators on one
+    run's shapes where the medians mix several (nothing with one repeat)."""
+    by = {c: by_repeat(doc, workload, c, live_ratio) for c in configs}
+    reps = sorted({k for v in by.values() for k in v if isinstance(k, int)})
+    if len(reps) < 2:
+        return []
+    rows = [[c] + [fmt(by[c].get(k), 4) for k in reps] for c in configs]
+    return ["", "Peak device memory ÷ peak live, by repeat (the same shapes across a column):", ""] + \
+        table(["config"] + [f"repeat {k}" for k in reps], rows)
 
 
 def timed_driver(result: dict[str, Any], key: str) -> Optional[float]:

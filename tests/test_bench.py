@@ -757,6 +757,20 @@ def test_render_tables_and_goals():
     assert "Cache-miss latency: not reported" in text
 
 
+def test_render_per_repeat_ratios():
+    doc = fake_doc()
+    for r in doc["runs"]:
+        if r["config"] == "goalloc-vmm" and r["repeat"] == 1:
+            r["result"]["allocator"]["allocated_peak"] = 5 * GiB  # repeat 1 drew other shapes
+    text = render.render(doc)
+    assert "Peak device memory ÷ peak live, by repeat" in text
+    assert "| config | repeat 0 | repeat 1 | repeat 2 |" in text
+    assert "| goalloc-vmm | 1.0200 | 2.0400 | 1.0200 |" in text  # pool_reserved_max_read over allocated_peak
+    assert "| native | 1.2000 | 1.2000 | 1.2000 |" in text  # max reserved over allocated_peak
+    doc["runs"] = [r for r in doc["runs"] if r["repeat"] == 0]
+    assert "by repeat" not in render.render(doc)  # one repeat: the medians say it all
+
+
 LLAMA_CONFIGS = ("native", "expandable", "async", "goalloc", "goalloc-vmm")
 
 
