@@ -22,7 +22,7 @@ import (
 // Serving and the RL rollout keep KV caches placed among activations that
 // die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
-var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm"}
+var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm", "serving-r1-vmm"}
 
 func TestSimulatorPredictsTheGPU(t *testing.T) {
 	for _, name := range gpuTraces {
