@@ -6,6 +6,7 @@ package arena
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 )
 
@@ -104,6 +105,10 @@ type segPay struct {
 	id    spanID
 	bytes uint64
 	drain bool
+	// pending: the span is a pending one the request's stream freed
+	// itself (lendOwnPending); the pieces a drain leaves of it stay
+	// pending, with the free's event, and events is unused.
+	pending bool
 	// A drain leaves up to two free pieces of the span, before and after
 	// the draining granules; each takes an event recorded now on the
 	// span's stream, or, lent to another stream, is unrecorded.
@@ -141,12 +146,15 @@ func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) 
 	if err != nil {
 		return 0, err
 	}
-	if adopt && gr.paid < gr.f.need {
-		if va, ok := e.takeOwnPending(n, key); ok {
-			e.unpay(gr.pays)
-			return va, nil
+	if gr.paid < gr.f.need {
+		if adopt {
+			if va, ok := e.takeOwnPending(n, key); ok {
+				e.unpay(gr.pays)
+				return va, nil
+			}
 		}
-		if e.adoptable(key) {
+		e.lendOwnPending(gr)
+		if adopt && gr.paid < gr.f.need && e.adoptable(key) {
 			e.unpay(gr.pays)
 			e.adoptPending(key)
 			return 0, errAdopted
@@ -165,6 +173,7 @@ func (e *vmmSegments) grow(n uint64, key shareKey, adopt bool) (uintptr, error) 
 		if gr, err = e.plan(n, key, true); err != nil {
 			return 0, err
 		}
+		e.lendOwnPending(gr)
 		if err := e.afford(gr); err != nil {
 			e.unpay(gr.pays)
 			return 0, err
@@ -309,6 +318,43 @@ func (e *vmmSegments) lend(gr *growth, later []segRef) error {
 		gr.paid += take
 	}
 	return nil
+}
+
+// lendOwnPending is step 3's last lender before memory is created: the
+// pending spans the request's stream freed itself, in other streams'
+// segments of its tag, the largest first, lend the handles of their whole
+// granules' tail, as its own free spans still in use do (lend). No wait is
+// needed: the stream's later work is ordered after its own free, so after
+// every use of the old VA. The tail drains where it lies until the free's
+// event completes, and the pieces left stay pending with that event.
+// takeOwnPending, which moves nothing, serves a request that one such span
+// holds whole; this serves one larger than each: FSDP's logits, freed on
+// the compute stream in the all-gather stream's segment and asked for
+// again, larger, while the GPU ran behind, were otherwise created anew
+// beside their pending predecessor.
+func (e *vmmSegments) lendOwnPending(gr *growth) {
+	if gr.s == anyStream || gr.paid >= gr.f.need {
+		return
+	}
+	var cands []segRef
+	for _, r := range e.pending {
+		if sp := r.g.span(r.id); sp.stream == gr.s && r.g.tag == gr.tag && !r.g.asleep && e.wholeBytes(r) > 0 {
+			cands = append(cands, r)
+		}
+	}
+	sort.SliceStable(cands, func(a, b int) bool { return e.wholeBytes(cands[a]) > e.wholeBytes(cands[b]) })
+	for _, c := range cands {
+		if gr.paid >= gr.f.need {
+			break
+		}
+		_, hi := e.whole(c.g.span(c.id))
+		take := min(e.wholeBytes(c), gr.f.need-gr.paid)
+		for va := hi - uintptr(take); va < hi; va += uintptr(e.gran) {
+			gr.borrowed = append(gr.borrowed, c.g.handles[(va-c.g.base)/uintptr(e.gran)])
+		}
+		gr.pays = append(gr.pays, segPay{g: c.g, id: c.id, bytes: take, drain: true, pending: true})
+		gr.paid += take
+	}
 }
 
 // recordPieces gives each piece of p's span, of s's own, left free around
@@ -559,30 +605,34 @@ func (e *vmmSegments) placeLive(f fill, n uint64, lent bool) {
 // drain makes the tail of the whole granules of p's free span draining:
 // still mapped, its handles now owned by the span they were just mapped
 // into as well. The draining granules keep the free's event; the pieces
-// of the span before and after them, if any, stay free with p.events.
+// of the span before and after them, if any, stay free with p.events, or,
+// of a pending span, pending with its event (which they then share).
 func (e *vmmSegments) drain(p segPay) {
 	g := p.g
 	sp := *g.span(p.id)
 	_, hi := e.whole(&sp)
 	tail := segSpan{base: hi - uintptr(p.bytes), size: p.bytes, state: spanDraining, event: sp.event, seq: sp.seq}
-	var pieces [3]segSpan
-	np, k, at := 0, 0, 0 // at: the tail's place among the pieces
-	if tail.base > sp.base {
+	piece := func(base uintptr, size uint64, k int) segSpan {
+		if p.pending {
+			e.holdEvent(sp.event)
+			return segSpan{base: base, size: size, state: spanPending, event: sp.event, seq: sp.seq, stream: sp.stream}
+		}
 		e.seq++
-		pieces[np] = segSpan{base: sp.base, size: uint64(tail.base - sp.base), state: spanFree, event: p.events[k], seq: e.seq}
 		if p.events[k] == unrecorded {
 			g.unfenced++
 		}
+		return segSpan{base: base, size: size, state: spanFree, event: p.events[k], seq: e.seq}
+	}
+	var pieces [3]segSpan
+	np, k, at := 0, 0, 0 // at: the tail's place among the pieces
+	if tail.base > sp.base {
+		pieces[np] = piece(sp.base, uint64(tail.base-sp.base), k)
 		np, k, at = np+1, k+1, 1
 	}
 	pieces[np] = tail
 	np++
 	if hi < sp.end() {
-		e.seq++
-		pieces[np] = segSpan{base: hi, size: uint64(sp.end() - hi), state: spanFree, event: p.events[k], seq: e.seq}
-		if p.events[k] == unrecorded {
-			g.unfenced++
-		}
+		pieces[np] = piece(hi, uint64(sp.end()-hi), k)
 		np++
 	}
 	e.unindex(g, p.id)
@@ -593,6 +643,18 @@ func (e *vmmSegments) drain(p segPay) {
 	}
 	for j := 0; j < np; j++ {
 		e.index(g, ids[j])
+	}
+	if p.pending {
+		// The pieces take the span's place in the pending list (they are as
+		// old), the tail goes to the draining one.
+		i := slices.Index(e.pending, segRef{g, p.id})
+		var refs []segRef
+		for j := 0; j < np; j++ {
+			if j != at {
+				refs = append(refs, segRef{g, ids[j]})
+			}
+		}
+		e.pending = slices.Replace(e.pending, i, i+1, refs...)
 	}
 	for va := tail.base; va < tail.end(); va += uintptr(e.gran) {
 		e.drainMaps[g.handles[(va-g.base)/uintptr(e.gran)]]++

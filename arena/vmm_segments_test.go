@@ -282,6 +282,46 @@ func TestSegmentsStreamTakesBackItsOwnPendingFree(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
+// A request larger than every pending span its stream freed: the largest
+// lends its whole granules (no wait: the stream's later work follows its
+// own free), which drain where they lie; the pieces beside them stay
+// pending with the free's event; only the rest is created.
+func TestSegmentsStreamLendsItsOwnPendingFree(t *testing.T) {
+	e, phys, sim := segmentsOnly(t, 1<<30, 0)
+	_, err := e.Alloc(1*mib, 1) // stays: the span below starts inside a granule
+	require.NoError(t, err)
+	p, err := e.Alloc(8*mib, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 1, true))
+	q, err := e.Alloc(8*mib, 2)
+	require.NoError(t, err)
+	require.Equal(t, p, q, "stream 1's complete span serves stream 2 where it lies")
+	sim.Launch(2)
+	require.NoError(t, e.Free(q, 2, false)) // pending in stream 1's segment
+	g := e.streams[shareKey{s: 1}].segs[0]
+	require.Equal(t, [][3]uint64{{0, 1, spanLive}, {1, 8, spanPending}, {9, 1, spanFree}}, spanStates(g))
+	require.EqualValues(t, 10*mib, e.Held())
+	creates := phys.Calls["cuMemCreate"]
+
+	r, err := e.Alloc(12*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 16*mib, e.Held(), "the pending span's three whole granules lend; three are created")
+	assert.Equal(t, creates+3, phys.Calls["cuMemCreate"])
+	assert.Zero(t, phys.Calls["cuStreamWaitEvent"], "its own free needs no wait")
+	assert.Equal(t, [][3]uint64{{0, 1, spanLive}, {1, 1, spanPending}, {2, 6, spanDraining}, {8, 1, spanPending}, {9, 1, spanFree}},
+		spanStates(g), "the lent granules drain until stream 2 reaches its free")
+	require.NoError(t, e.CheckInvariants())
+	x, err := e.Alloc(1*mib, 3)
+	require.NoError(t, err)
+	assert.NotEqual(t, p, x, "the pieces are stream 2's pending frees, not stream 3's")
+
+	sim.Complete(2)
+	require.NoError(t, e.Free(r, 2, true))
+	require.NoError(t, e.Trim(0))
+	require.NoError(t, e.CheckInvariants())
+	assert.EqualValues(t, 4*mib, e.Held(), "the drain is over: only the granules of the two live spans stay")
+}
+
 // During a capture the wait is refused: the pending span stays pending and
 // the request creates memory instead.
 func TestSegmentsNoAdoptionWhileCapturing(t *testing.T) {

@@ -131,3 +131,24 @@ func TestAllGatherStreamFarBehind(t *testing.T) {
 	assert.Zero(t, step.HeldAtPeak.Pending)
 	assert.Less(t, step.Ratio, 1.01)
 }
+
+// FSDP's repeat 0 at 217622e on the H200 held 1.024x, 1.5 GiB of it
+// pending at the peak: the compute stream's logits, freed in the
+// all-gather stream's segment, were pending while the GPU ran the compute
+// stream behind, and the next step's logits, larger, were created beside
+// them (too large for takeOwnPending). With the compute stream 50 ms
+// behind this history held the same; the stream's own pending free now
+// lends its granules to the growth (lendOwnPending, arena/vmm_grow.go),
+// which drain where they lay until the GPU reaches the free.
+func TestComputeStreamBehindLendsItsPendingLogits(t *testing.T) {
+	tr, err := Open("../traces/checkpoint-vmm.jsonl.gz")
+	require.NoError(t, err)
+	dev, err := arena.NewSimVMM(0, 140<<30)
+	require.NoError(t, err)
+	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000, StreamLag: map[arena.Stream]int64{0: 50_000}})
+	require.NoError(t, err)
+	require.NotNil(t, r.HeldAtPeak)
+	assert.Zero(t, r.HeldAtPeak.Pending, "nothing pending at the peak")
+	assert.Positive(t, r.HeldAtPeak.Draining, "the lent granules drain where they lay")
+	assert.Less(t, r.Ratio, 1.01)
+}
