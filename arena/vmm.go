@@ -167,17 +167,18 @@
 //     predecessor while the GPU ran behind. The pending spans s freed
 //     itself then lend the handles of their whole granules for what is
 //     still missing, the largest first, as its own free spans still in
-//     use do, with no wait either: the tail drains where it lies and the
-//     pieces beside it stay pending (the next step's logits, larger than
-//     the pending ones, were created beside them). If some is still
-//     missing while s's segments hold pending spans, s waits for the
-//     events of their frees, they become its free spans, and the request
-//     starts again at step 1: FSDP's all-gather stream, whose work waits
-//     for the compute stream's, may run far behind it, and the compute
-//     stream's segments held its frees pending while the compute stream
-//     created memory beside them. Only what nothing free can pay for is
-//     created, so held memory grows only when nothing held is free. A
-//     span whose last use may still run is never unmapped.
+//     use do, with no wait either (unless s is being captured): the tail
+//     drains where it lies and the pieces beside it stay pending (the
+//     next step's logits, larger than the pending ones, were created
+//     beside them). If some is still missing while s's segments hold
+//     pending spans, s waits for the events of their frees, they become
+//     its free spans, and the request starts again at step 1: FSDP's
+//     all-gather stream, whose work waits for the compute stream's, may
+//     run far behind it, and the compute stream's segments held its frees
+//     pending while the compute stream created memory beside them. Only
+//     what nothing free can pay for is created, so held memory grows only
+//     when nothing held is free. A span whose last use may still run is
+//     never unmapped.
 //  4. When the cap cannot be met even after that, or held would pass the
 //     device's memory, a fill that extended free spans (step 2) gives way
 //     to new granules alone, which those spans' whole granules may then

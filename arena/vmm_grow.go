@@ -342,6 +342,16 @@ func (e *vmmSegments) lendOwnPending(gr *growth) {
 			cands = append(cands, r)
 		}
 	}
+	if len(cands) == 0 {
+		return
+	}
+	// A stream being captured queues nothing now: the graph's replays,
+	// wherever they are launched, are not ordered after its earlier work,
+	// so nothing lends to it (its own free spans still in use do not
+	// either: the events of their pieces cannot be recorded).
+	if st, err := e.drv.CaptureStatus(gr.s); err != nil || st != CaptureNone {
+		return
+	}
 	sort.SliceStable(cands, func(a, b int) bool { return e.wholeBytes(cands[a]) > e.wholeBytes(cands[b]) })
 	for _, c := range cands {
 		if gr.paid >= gr.f.need {

@@ -246,20 +246,30 @@ func TestSegmentsAdoptOnlyWhatWouldBeCreated(t *testing.T) {
 	require.NoError(t, e.CheckInvariants())
 }
 
+// pendingFreeOfStream2 has stream 2 take n bytes of stream 1's complete
+// free memory where it lies (step 1) and free them while it is busy: a
+// span pending in stream 1's segment, freed by stream 2. It returns its
+// address.
+func pendingFreeOfStream2(t *testing.T, e *vmmSegments, sim *Sim, n uint64) uintptr {
+	t.Helper()
+	p, err := e.Alloc(n, 1)
+	require.NoError(t, err)
+	require.NoError(t, e.Free(p, 1, true))
+	q, err := e.Alloc(n, 2)
+	require.NoError(t, err)
+	require.Equal(t, p, q, "stream 1's complete span serves stream 2 where it lies")
+	sim.Launch(2)
+	require.NoError(t, e.Free(q, 2, false))
+	return p
+}
+
 // A stream that took another's complete span and freed it takes it back
 // at once, rather than create memory beside it: its later work is ordered
 // after its own free. Only the rest stays pending, and no other stream
 // takes that.
 func TestSegmentsStreamTakesBackItsOwnPendingFree(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 0)
-	p, err := e.Alloc(8*mib, 1)
-	require.NoError(t, err)
-	require.NoError(t, e.Free(p, 1, true))
-	q, err := e.Alloc(8*mib, 2)
-	require.NoError(t, err)
-	require.Equal(t, p, q, "stream 1's complete span serves stream 2 where it lies")
-	sim.Launch(2)
-	require.NoError(t, e.Free(q, 2, false)) // pending in stream 1's segment
+	p := pendingFreeOfStream2(t, e, sim, 8*mib)
 	creates := phys.Calls["cuMemCreate"]
 	r, err := e.Alloc(6*mib, 2)
 	require.NoError(t, err)
@@ -290,14 +300,7 @@ func TestSegmentsStreamLendsItsOwnPendingFree(t *testing.T) {
 	e, phys, sim := segmentsOnly(t, 1<<30, 0)
 	_, err := e.Alloc(1*mib, 1) // stays: the span below starts inside a granule
 	require.NoError(t, err)
-	p, err := e.Alloc(8*mib, 1)
-	require.NoError(t, err)
-	require.NoError(t, e.Free(p, 1, true))
-	q, err := e.Alloc(8*mib, 2)
-	require.NoError(t, err)
-	require.Equal(t, p, q, "stream 1's complete span serves stream 2 where it lies")
-	sim.Launch(2)
-	require.NoError(t, e.Free(q, 2, false)) // pending in stream 1's segment
+	p := pendingFreeOfStream2(t, e, sim, 8*mib)
 	g := e.streams[shareKey{s: 1}].segs[0]
 	require.Equal(t, [][3]uint64{{0, 1, spanLive}, {1, 8, spanPending}, {9, 1, spanFree}}, spanStates(g))
 	require.EqualValues(t, 10*mib, e.Held())
@@ -320,6 +323,27 @@ func TestSegmentsStreamLendsItsOwnPendingFree(t *testing.T) {
 	require.NoError(t, e.Trim(0))
 	require.NoError(t, e.CheckInvariants())
 	assert.EqualValues(t, 4*mib, e.Held(), "the drain is over: only the granules of the two live spans stay")
+}
+
+// A stream being captured borrows nothing of its pending frees: what the
+// graph does runs at its replays, not after the stream's earlier work.
+func TestSegmentsCapturedStreamLendsNoPendingFree(t *testing.T) {
+	sim := NewSim(0, 1<<30)
+	sim.SetManual(true)
+	gate := &captureGate{PhysDriver: NewFakePhys(sim, 1<<30, simVMMGranule)}
+	e, err := newVMMSegments(gate, 1<<30, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.Close() })
+	pendingFreeOfStream2(t, e, sim, 8*mib)
+	gate.underway.Store(true)
+	sim.SetCapture(2, CaptureActive)
+	_, err = e.Alloc(12*mib, 2)
+	require.NoError(t, err)
+	assert.EqualValues(t, 20*mib, e.Held(), "all of it created")
+	assert.Equal(t, [][3]uint64{{0, 8, spanPending}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
+	sim.SetCapture(2, CaptureNone)
+	gate.underway.Store(false)
+	require.NoError(t, e.CheckInvariants())
 }
 
 // During a capture the wait is refused: the pending span stays pending and
