@@ -338,7 +338,7 @@ func (e *vmmSegments) lendOwnPending(gr *growth) {
 	}
 	var cands []segRef
 	for _, r := range e.pending {
-		if sp := r.g.span(r.id); sp.stream == gr.s && r.g.tag == gr.tag && !r.g.asleep && e.wholeBytes(r) > 0 {
+		if ownPending(r, shareKey{gr.s, gr.tag}) && e.wholeBytes(r) > 0 {
 			cands = append(cands, r)
 		}
 	}

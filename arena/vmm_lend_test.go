@@ -84,12 +84,7 @@ func TestSegmentsGrowthTakesItsOwnFreeMemoryFirst(t *testing.T) {
 // captured stream may not wait for an event recorded outside the
 // capture): what is missing is created, and stream 1's memory stays.
 func TestSegmentsLendAcrossStreamsNotDuringACapture(t *testing.T) {
-	sim := NewSim(0, 1<<30)
-	sim.SetManual(true)
-	gate := &captureGate{PhysDriver: NewFakePhys(sim, 1<<30, simVMMGranule)}
-	e, err := newVMMSegments(gate, 1<<30, 0)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = e.Close() })
+	e, gate, sim := segmentsBehindGate(t)
 	p, err := e.Alloc(8*mib, 1)
 	require.NoError(t, err)
 	sim.Launch(1)

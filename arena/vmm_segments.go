@@ -282,8 +282,7 @@ func (e *vmmSegments) takeOwnPending(n uint64, key shareKey) (uintptr, bool) {
 	best := -1
 	var bestSize uint64
 	for i, r := range e.pending {
-		sp := r.g.span(r.id)
-		if sp.stream == key.s && r.g.tag == key.tag && !r.g.asleep && sp.size >= n && (best < 0 || sp.size < bestSize) {
+		if sp := r.g.span(r.id); ownPending(r, key) && sp.size >= n && (best < 0 || sp.size < bestSize) {
 			best, bestSize = i, sp.size
 		}
 	}
@@ -308,6 +307,14 @@ func (e *vmmSegments) takeOwnPending(n uint64, key shareKey) (uintptr, bool) {
 	e.byBase.Put(base, r)
 	e.live += n
 	return base, true
+}
+
+// ownPending says whether the pending span r names was freed by key's
+// stream, in a segment of key's tag that is awake: one the stream may use
+// again with no wait (takeOwnPending, lendOwnPending), its later work
+// being ordered after its own free.
+func ownPending(r segRef, key shareKey) bool {
+	return r.g.span(r.id).stream == key.s && r.g.tag == key.tag && !r.g.asleep
 }
 
 // takeComplete is step 1's second half: the smallest free span of at

@@ -21,6 +21,19 @@ func segmentsOnly(t *testing.T, capacity, limit uint64) (*vmmSegments, *FakePhys
 	return e, phys, sim
 }
 
+// segmentsBehindGate is segmentsOnly (1 GiB, no cap) behind the capture
+// gate that a VMM device puts between its placement and the driver, for
+// tests of what the placement does while a capture is underway.
+func segmentsBehindGate(t *testing.T) (*vmmSegments, *captureGate, *Sim) {
+	sim := NewSim(0, 1<<30)
+	sim.SetManual(true)
+	gate := &captureGate{PhysDriver: NewFakePhys(sim, 1<<30, simVMMGranule)}
+	e, err := newVMMSegments(gate, 1<<30, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.Close() })
+	return e, gate, sim
+}
+
 // spanStates lists the spans of a segment as (offset in MiB, size in MiB,
 // state) triples, for comparisons.
 func spanStates(g *vmmSegment) [][3]uint64 {
@@ -328,16 +341,11 @@ func TestSegmentsStreamLendsItsOwnPendingFree(t *testing.T) {
 // A stream being captured borrows nothing of its pending frees: what the
 // graph does runs at its replays, not after the stream's earlier work.
 func TestSegmentsCapturedStreamLendsNoPendingFree(t *testing.T) {
-	sim := NewSim(0, 1<<30)
-	sim.SetManual(true)
-	gate := &captureGate{PhysDriver: NewFakePhys(sim, 1<<30, simVMMGranule)}
-	e, err := newVMMSegments(gate, 1<<30, 0)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = e.Close() })
+	e, gate, sim := segmentsBehindGate(t)
 	pendingFreeOfStream2(t, e, sim, 8*mib)
 	gate.underway.Store(true)
 	sim.SetCapture(2, CaptureActive)
-	_, err = e.Alloc(12*mib, 2)
+	_, err := e.Alloc(12*mib, 2)
 	require.NoError(t, err)
 	assert.EqualValues(t, 20*mib, e.Held(), "all of it created")
 	assert.Equal(t, [][3]uint64{{0, 8, spanPending}}, spanStates(e.streams[shareKey{s: 1}].segs[0]))
