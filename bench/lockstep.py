@@ -3,6 +3,7 @@
 
     python3 bench/lockstep.py OUTDIR --pair native,goalloc-vmm --workload resnet50 \\
         [--repeats 8] [--first-repeat 0] [--budget 480] [--pin-threads 1,2,3,4] [bench/suite.py options ...]
+    python3 bench/lockstep.py OUTDIR --pair goalloc-vmm,goalloc-vmm.h4 --variant h4=vmm_handle:4M ...
     python3 bench/lockstep.py report OUTDIR/lockstep.json [MORE.json ...]
 
 Host-bound steps drift with the host, so runs made one after another compare
@@ -240,12 +241,17 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, ar
     p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)  # the processes train on the CPU
     args, rest = p.parse_known_args(argv)
     pair = [c.strip() for c in args.pair.split(",")]
-    if len(pair) != 2 or any(c not in suite.CONFIGS for c in pair):
-        p.error(f"--pair {args.pair!r}: want two of {', '.join(suite.CONFIGS)}, comma-separated")
+    vp = argparse.ArgumentParser(add_help=False)
+    vp.add_argument("--variant", action="append", default=[])
+    named = list(suite.CONFIGS) + [f"goalloc-vmm.{v.partition('=')[0]}" for v in vp.parse_known_args(rest)[0].variant]
+    if len(pair) != 2 or any(c not in named for c in pair):
+        p.error(f"--pair {args.pair!r}: want two of {', '.join(named)}, comma-separated "
+                "(goalloc-vmm.LABEL: a --variant LABEL=CONF)")
     if args.budget <= 0:
         p.error("--budget must be positive")
     args.pair = pair
-    sargs = suite.parse_args([args.outdir, "--workloads", args.workload, "--train-configs", ",".join(sorted(set(pair))),
+    configs = sorted({c for c in pair if c in suite.CONFIGS}) or ["goalloc-vmm"]  # variants: bench/suite.py adds them
+    sargs = suite.parse_args([args.outdir, "--workloads", args.workload, "--train-configs", ",".join(configs),
                               "--repeats", str(args.repeats), "--first-repeat", str(args.first_repeat), *rest])
     sargs.sample_ms = 0.0  # two processes on one device: mem_get_info cannot tell them apart
     return args, sargs

@@ -47,7 +47,7 @@ for i in range(8):
     log.append({"shape": [32, 160 + 8 * (i % 3)], "seconds": time.perf_counter() - t0, "units": 32, "timed": i >= 2})
     log[-1]["turn"] = turns.done()
 turns.finish()
-res = {"ok": True, "config": args.config, "repeat": args.repeat,
+res = {"ok": True, "config": args.config, "repeat": args.repeat, "conf": os.environ.get("GOALLOC_CONF", ""),
        "result": {"unit": "images", "step_log": log}}
 json.dump(res, open(args.out, "w"))
 '''
@@ -170,8 +170,19 @@ def test_compare_needs_the_same_steps():
     assert c["step_median"] == 2.0 and c["throughput"] == 2.0
 
 
+def test_a_variant_of_goalloc_vmm_is_one_side(tmp_path: Path):
+    p, doc = run_lockstep(tmp_path, "--pair", "goalloc-vmm,goalloc-vmm.h4", "--variant", "h4=vmm_handle:4M",
+                          "--repeats", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (pair,) = doc["pairs"]
+    assert pair["status"] == "ok"
+    confs = {s["config"]: s["meta"]["conf"] for s in pair["sides"]}
+    assert "vmm_handle:4M" in confs["goalloc-vmm.h4"] and "vmm_handle" not in confs["goalloc-vmm"], confs
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pair", "native"], "want two of"),
+    (["--pair", "goalloc-vmm,goalloc-vmm.h4"], "want two of"),
     (["--pair", "native,tcmalloc"], "want two of"),
     (["--pair", "native,goalloc", "--budget", "0"], "--budget must be positive"),
     (["--pair", "native,goalloc", "--resnet-batch", "64", "32"], "MIN 64 is above MAX 32"),
