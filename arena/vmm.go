@@ -68,9 +68,9 @@
 //     a fresh VA range per miss backed by whatever handles were free
 //     ("ranges", now retired), made several calls a miss; a segment per
 //     stream, carved and grown in place, makes most misses with none.
-//   - Handles are large (DefaultVMMHandle): fewer of them, so fewer calls,
-//     for the price of memory wasted where free memory meets live memory,
-//     since only whole handles move.
+//   - Handles are larger than the driver's granularity (DefaultVMMHandle):
+//     fewer of them, so fewer calls, for the price of memory wasted where
+//     free memory meets live memory, since only whole handles move.
 //   - Events are polled, never waited on by the host: memory whose last
 //     use may still run is never unmapped, and another stream gets it
 //     only by waiting for it on the device (step 3).
@@ -386,10 +386,13 @@ type VMMLayout struct {
 // DefaultVMMHandle is the handle size when none is named. The driver's
 // calls cost per handle, not per byte, cuMemSetAccess most of all, so
 // larger handles make fewer calls; but larger handles waste more where
-// free memory meets live memory, since only whole handles move. 16 MiB
-// makes several times fewer calls than the driver's 2 MiB granularity for
-// a few thousandths more memory held (BENCHMARKS.md has the figures).
-const DefaultVMMHandle = 16 << 20
+// free memory meets live memory, since only whole handles move. At 16 MiB
+// a serving loop's KV cache, its tensors placed among activations that die
+// soon after, held 1.09x of its live peak in the free ends of their
+// handles; 4 MiB holds every recorded workload within 1.03x, for about
+// four times the maps of 16 MiB, which its runs did not show in their
+// speed (BENCHMARKS.md has the figures).
+const DefaultVMMHandle = 4 << 20
 
 // Check is the one check of a layout.
 func (l VMMLayout) Check() error {

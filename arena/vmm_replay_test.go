@@ -236,8 +236,9 @@ func (d *placementHash) Free(p uintptr, size uint64, s arena.Stream) error {
 // release before the segments' spans became a list (01ce892): work on the
 // placement's speed or shape must not move a byte. A change meant to place
 // differently updates these figures, and says why: 289e547 started requests
-// of a granule or more on a granule boundary (granuleStart). (The retired ranges
-// placement had rows here too, until it was removed.)
+// of a granule or more on a granule boundary (granuleStart). The rows name their handle size: the
+// default's rows were of 16 MiB handles, the default until it became 4 MiB.
+// (The retired ranges placement had rows here too, until it was removed.)
 func TestVMMPlacementsAreUnchanged(t *testing.T) {
 	if testing.Short() {
 		t.Skip("replays both bundled traces eight times")
@@ -247,13 +248,13 @@ func TestVMMPlacementsAreUnchanged(t *testing.T) {
 		layout      arena.VMMLayout
 		sum, peak   uint64
 	}{
-		{"gpt2", "backend:vmm", arena.VMMLayout{}, 0xd5c2f71a7a325a90, 25585254400},
-		{"gpt2", "backend:vmm,large_cache:0", arena.VMMLayout{}, 0xfa12df64304278e4, 26826768384},
-		{"gpt2", "backend:vmm,miss_release:false", arena.VMMLayout{}, 0x74da56cb871fe821, 25635586048},
+		{"gpt2", "backend:vmm", arena.VMMLayout{Handle: 16 << 20}, 0xd5c2f71a7a325a90, 25585254400},
+		{"gpt2", "backend:vmm,large_cache:0", arena.VMMLayout{Handle: 16 << 20}, 0xfa12df64304278e4, 26826768384},
+		{"gpt2", "backend:vmm,miss_release:false", arena.VMMLayout{Handle: 16 << 20}, 0x74da56cb871fe821, 25635586048},
 		{"gpt2", "backend:vmm", arena.VMMLayout{Handle: 2 << 20}, 0x86bbe1b07c0a6a6c, 25438453760},
-		{"resnet50", "backend:vmm", arena.VMMLayout{}, 0xa44b1aaa5a958104, 5972688896},
-		{"resnet50", "backend:vmm,large_cache:0", arena.VMMLayout{}, 0xe155f522909f52a5, 5972688896},
-		{"resnet50", "backend:vmm,miss_release:false", arena.VMMLayout{}, 0xad33aa4573160469, 6123683840},
+		{"resnet50", "backend:vmm", arena.VMMLayout{Handle: 16 << 20}, 0xa44b1aaa5a958104, 5972688896},
+		{"resnet50", "backend:vmm,large_cache:0", arena.VMMLayout{Handle: 16 << 20}, 0xe155f522909f52a5, 5972688896},
+		{"resnet50", "backend:vmm,miss_release:false", arena.VMMLayout{Handle: 16 << 20}, 0xad33aa4573160469, 6123683840},
 		{"resnet50", "backend:vmm", arena.VMMLayout{Handle: 2 << 20}, 0xeefc91b49dba741f, 5951717376},
 	} {
 		t.Run(fmt.Sprintf("%s/%s/%+v", tc.trace, tc.conf, tc.layout), func(t *testing.T) {

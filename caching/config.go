@@ -104,7 +104,7 @@ var confKeys = map[string]string{
 	"vmm_placement":     "retired: backend:vmm places every request in segments (one per stream, grown in place); segments is still taken, for old configurations, and changes nothing; ranges, the other placement, was removed",
 	"front":             "true to let goalloc's C++ class for PyTorch reuse a freed block for the next request of its size and stream without calling Go, and pass frees to Go in batches",
 	"yield_every":       "how often a thread calling goalloc's C++ class for PyTorch yields to Go's scheduler, a duration below 10ms such as 9ms, or 0 for never (the default)",
-	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 16M (raised to the device's granularity where smaller)",
+	"vmm_handle":        "the size of backend:vmm's physical handles, a power of two such as 4M, the default (raised to the device's granularity where smaller)",
 }
 
 // ConfigKeys lists the keys GOALLOC_CONF takes with what each means.

@@ -32,7 +32,7 @@ func TestBackendSelection(t *testing.T) {
 	require.True(t, isVMM, "backend:vmm gives the VMM device")
 	u, err := dev.PoolUsage()
 	require.NoError(t, err)
-	assert.EqualValues(t, arena.DefaultVMMHandle, u.ReservedCurrent, "3 MiB is held as one handle (16 MiB, the default)")
+	assert.EqualValues(t, arena.DefaultVMMHandle, u.ReservedCurrent, "3 MiB is held as one handle (4 MiB, the default)")
 	l.free(p, 3<<20, 1, 0)
 	require.NoError(t, dev.CheckInvariants())
 

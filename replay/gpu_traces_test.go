@@ -22,6 +22,14 @@ import (
 // Serving and the RL rollout keep KV caches placed among activations that
 // die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
+// newGPUTraceDevice is a simulated H200 of the handles the histories were
+// recorded under: 16 MiB, the default then.
+func newGPUTraceDevice(t *testing.T) *arena.SimVMM {
+	dev, err := arena.NewSimVMMWith(0, 140<<30, arena.VMMLayout{Handle: 16 << 20})
+	require.NoError(t, err)
+	return dev
+}
+
 var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm", "serving-r1-vmm"}
 
 func TestSimulatorPredictsTheGPU(t *testing.T) {
@@ -35,14 +43,34 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 			lags = lags[1:]
 		}
 		for _, lag := range lags {
-			dev, err := arena.NewSimVMM(0, 140<<30)
-			require.NoError(t, err)
+			dev := newGPUTraceDevice(t)
 			r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: lag})
 			require.NoError(t, err, name)
 			assert.InDelta(t, 1, float64(r.PeakReservedBytes)/float64(gpu), 0.01,
 				"%s, device %d µs behind: the simulated device held %d bytes at most, the GPU %d", name, lag, r.PeakReservedBytes, gpu)
 			assert.Zero(t, r.OOMs)
 		}
+	}
+}
+
+// The default handles hold every history within 1.03 of its peak live
+// bytes, the device 10 ms behind: the memory goal on the harsh workloads.
+// Serving's repeat 1 is why the default is 4 MiB: its KV cache's tensors,
+// 1.43 handles of 16 MiB each and placed among activations that die soon
+// after, each sat between free ends of their handles at the peak (1.08
+// with 16 MiB handles, 1.09 on the H200).
+func TestDefaultHandlesHoldEachHistoryWithinTheGoal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("replays the six histories once more")
+	}
+	for _, name := range gpuTraces {
+		tr, err := Open("../traces/" + name + ".jsonl.gz")
+		require.NoError(t, err, name)
+		dev, err := arena.NewSimVMM(0, 140<<30)
+		require.NoError(t, err)
+		r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
+		require.NoError(t, err, name)
+		assert.LessOrEqual(t, float64(r.PeakReservedBytes)/float64(r.PeakLiveBytes), 1.03, name)
 	}
 }
 
@@ -57,7 +85,7 @@ func TestServingFreeEndsBesideTheKVCache(t *testing.T) {
 	require.NotEmpty(t, r.FreeEndsAtPeak)
 	kv := r.FreeEndsAtPeak[0]
 	assert.Equal(t, arena.FreeEnds{LiveSize: 48_857_088, LiveSpans: 23, Bytes: 50_692_096}, kv)
-	assert.Less(t, kv.Bytes, uint64(kv.LiveSpans)*arena.DefaultVMMHandle/4, "a quarter of a handle each, at most")
+	assert.Less(t, kv.Bytes, uint64(kv.LiveSpans)*(16<<20)/4, "a quarter of a handle each, at most")
 }
 
 // FSDP's repeat 2: the compute stream's logits, placed in a free span of
@@ -79,8 +107,7 @@ func TestFSDPStreamTakesBackItsPendingLogits(t *testing.T) {
 func replayTenMillisBehind(t *testing.T, name string) *Result {
 	tr, err := Open("../traces/" + name + ".jsonl.gz")
 	require.NoError(t, err)
-	dev, err := arena.NewSimVMM(0, 140<<30)
-	require.NoError(t, err)
+	dev := newGPUTraceDevice(t)
 	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
 	require.NoError(t, err)
 	require.NotNil(t, r.HeldAtPeak)
@@ -108,8 +135,7 @@ func TestAllGatherStreamFarBehind(t *testing.T) {
 	}
 	require.NotZero(t, allGather, "the trace has FSDP's all-gather stream")
 	replay := func(lags map[arena.Stream]int64) *Result {
-		dev, err := arena.NewSimVMM(0, 140<<30)
-		require.NoError(t, err)
+		dev := newGPUTraceDevice(t)
 		r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000, StreamLag: lags})
 		require.NoError(t, err)
 		require.NotNil(t, r.HeldAtPeak)
@@ -143,8 +169,7 @@ func TestAllGatherStreamFarBehind(t *testing.T) {
 func TestComputeStreamBehindLendsItsPendingLogits(t *testing.T) {
 	tr, err := Open("../traces/checkpoint-vmm.jsonl.gz")
 	require.NoError(t, err)
-	dev, err := arena.NewSimVMM(0, 140<<30)
-	require.NoError(t, err)
+	dev := newGPUTraceDevice(t)
 	r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000, StreamLag: map[arena.Stream]int64{0: 50_000}})
 	require.NoError(t, err)
 	require.NotNil(t, r.HeldAtPeak)

@@ -24,11 +24,12 @@ def device_holds(nbytes: int) -> int:
     """What the simulated device's backend (goalloc's default unless
     GOALLOC_CONF names one) holds for nbytes of goalloc's segments and blocks
     taken on one stream, so what memory_reserved() reports: backend:vmm packs
-    them and maps 16 MiB handles (vmm_handle's default) around them, the
-    stream-ordered pool (backend:async) maps 32 MiB chunks."""
+    them and maps handles of vmm_handle's size (4 MiB by default) around them,
+    the stream-ordered pool (backend:async) maps 32 MiB chunks."""
     import goalloc
 
-    unit = (16 << 20) if "backend:vmm" in goalloc.config()["conf"] else (32 << 20)
+    conf = dict(kv.split(":", 1) for kv in goalloc.config()["conf"].split(","))
+    unit = int(conf.get("vmm_handle", 4 << 20)) if conf.get("backend") == "vmm" else (32 << 20)
     return -(-nbytes // unit) * unit
 
 

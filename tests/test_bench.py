@@ -234,7 +234,7 @@ def test_goalloc_vmm_figures_on_the_simulated_device():
     out = json.loads(run_python(code).stdout)
     assert "backend:vmm" in out["conf"] and "quiet:true" in out["conf"]
     assert out["source"] == "goalloc.memory_stats"
-    assert out["pool"] == 16 << 20 and out["live"] >= 5 << 19  # one 16 MiB handle (the default) for 2.5 MiB
+    assert out["pool"] == 4 << 20 and out["live"] >= 5 << 19  # one 4 MiB handle (the default) for 2.5 MiB
     assert out["allocs"] >= 1
     if out["reported"]:
         assert out["lat"]["count"] >= 1 and out["lat"]["p50"] <= out["lat"]["p99"] <= out["lat"]["max"]

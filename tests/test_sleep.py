@@ -1,5 +1,5 @@
 """Memory tags, sleep and wake through the Python package, on the simulated
-device (backend:vmm, the default, with 16 MiB handles): memory_tag nests
+device (backend:vmm, the default, with 4 MiB handles): memory_tag nests
 per thread, sleep and wake_up say what they did and memory_reserved()
 follows, and every refusal is its own exception with the library's
 message. Contents restored byte for byte are the Go tests' (the simulated

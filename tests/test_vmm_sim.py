@@ -55,7 +55,7 @@ from goalloc import _lib
 L = _lib.lib()
 malloc = getattr(L, "goalloc_malloc", None) or L.my_malloc
 STREAM, MiB = 0x1000, 1 << 20
-goalloc.configure("backend:vmm,quiet:true,%s")
+goalloc.configure("backend:vmm,quiet:true" + %r)
 goalloc.set_memory_fraction(120 * MiB / (8 << 30), 0)
 got = [malloc(40 * MiB, 0, STREAM) for _ in range(4)]
 for p in got:
@@ -67,11 +67,13 @@ print(json.dumps({"got": [bool(p) for p in got], "whole": bool(whole)}))
 
 
 def test_a_cap_fills_to_the_handle_size():
-    # 2 MiB handles: the cap's 120 MiB map whole, as PyTorch's test wants.
-    out = json.loads(run_python(textwrap.dedent(CAP_FILL % "vmm_handle:2M")).stdout)
-    assert out == {"got": [True, True, True, False], "whole": True}
-    # 16 MiB handles (the default): the third tensor's last 8 MiB, and 120 MiB
-    # in one piece, would need a handle past the cap, which is never passed
-    # (the README's limitation).
-    out = json.loads(run_python(textwrap.dedent(CAP_FILL % "vmm_handle:16M")).stdout)
+    # 2 MiB handles, and 4 MiB ones (the default): the cap's 120 MiB map
+    # whole, as PyTorch's test wants.
+    for conf in (",vmm_handle:2M", ""):
+        out = json.loads(run_python(textwrap.dedent(CAP_FILL % conf)).stdout)
+        assert out == {"got": [True, True, True, False], "whole": True}, conf
+    # 16 MiB handles: the third tensor's last 8 MiB, and 120 MiB in one
+    # piece, would need a handle past the cap, which is never passed (the
+    # README's limitation).
+    out = json.loads(run_python(textwrap.dedent(CAP_FILL % ",vmm_handle:16M")).stdout)
     assert out == {"got": [True, True, False, False], "whole": False}

@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   init(1);
-  const unsigned long long n = 40ull << 20;  // more than two 16 MiB handles
+  const unsigned long long n = 40ull << 20;  // several handles (of 4 MiB, the default)
   void* p = cmalloc(static_cast<ssize_t>(n), 0, nullptr);
   EXPECT(p != nullptr, "malloc");
 

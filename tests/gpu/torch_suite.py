@@ -54,13 +54,13 @@ NOT_RUN = "not run"
 EXCEPTIONS: dict[str, str] = {
     "TestCuda::test_graph_memory_stats_and_use_result_after_destroy_graph":
         "asserts PyTorch's own segment sizes (2 MiB small buffers, 20 MiB large buffers, 2 MiB rounding) in "
-        "memory_stats deltas; goalloc carves 256-448 KiB small segments and maps 16 MiB handles",
+        "memory_stats deltas; goalloc carves 256-448 KiB small segments and maps 4 MiB handles",
     "TestCuda::test_graph_two_successive":
         "asserts that sharing a graph pool saves exactly one of PyTorch's 2 MiB small-buffer segments of reserved "
         "memory (the test marks the check as specific to PyTorch's allocator)",
     "TestCudaMallocAsync::test_max_split_expandable":
-        "fills a 120 MiB cap to the byte; goalloc maps whole 16 MiB handles and never passes a cap, so the last "
-        "8 MiB under it stay unmapped (GOALLOC_CONF=vmm_handle:2M fills it)",
+        "fills a 120 MiB cap to the byte; goalloc maps whole handles and never passes a cap: with 16 MiB handles "
+        "the last 8 MiB under it stayed unmapped; 4 MiB ones, the default since, fill it on the simulated device",
 }
 
 
