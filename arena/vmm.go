@@ -390,8 +390,8 @@ type VMMLayout struct {
 // a serving loop's KV cache, its tensors placed among activations that die
 // soon after, held 1.09x of its live peak in the free ends of their
 // handles; 4 MiB holds every recorded workload within 1.03x, for about
-// four times the maps of 16 MiB, which its runs did not show in their
-// speed (BENCHMARKS.md has the figures).
+// four times the maps of 16 MiB, at a speed that runs side by side could
+// not tell from 16 MiB's (BENCHMARKS.md has the figures).
 const DefaultVMMHandle = 4 << 20
 
 // Check is the one check of a layout.

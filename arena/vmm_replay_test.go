@@ -236,8 +236,8 @@ func (d *placementHash) Free(p uintptr, size uint64, s arena.Stream) error {
 // release before the segments' spans became a list (01ce892): work on the
 // placement's speed or shape must not move a byte. A change meant to place
 // differently updates these figures, and says why: 289e547 started requests
-// of a granule or more on a granule boundary (granuleStart). The rows name their handle size: the
-// default's rows were of 16 MiB handles, the default until it became 4 MiB.
+// of a granule or more on a granule boundary (granuleStart). Each row names
+// its handle size: the 16 MiB rows were the default's until 4 MiB became it.
 // (The retired ranges placement had rows here too, until it was removed.)
 func TestVMMPlacementsAreUnchanged(t *testing.T) {
 	if testing.Short() {

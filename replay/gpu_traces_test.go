@@ -22,6 +22,8 @@ import (
 // Serving and the RL rollout keep KV caches placed among activations that
 // die soon after, so they hold free ends of handles beside live tensors.
 // Under -short (make test) each trace is replayed 10 ms behind only.
+var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm", "serving-r1-vmm"}
+
 // newGPUTraceDevice is a simulated H200 of the handles the histories were
 // recorded under: 16 MiB, the default then.
 func newGPUTraceDevice(t *testing.T) *arena.SimVMM {
@@ -29,8 +31,6 @@ func newGPUTraceDevice(t *testing.T) *arena.SimVMM {
 	require.NoError(t, err)
 	return dev
 }
-
-var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm", "serving-r1-vmm"}
 
 func TestSimulatorPredictsTheGPU(t *testing.T) {
 	for _, name := range gpuTraces {
@@ -60,9 +60,6 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 // after, each sat between free ends of their handles at the peak (1.08
 // with 16 MiB handles, 1.09 on the H200).
 func TestDefaultHandlesHoldEachHistoryWithinTheGoal(t *testing.T) {
-	if testing.Short() {
-		t.Skip("replays the six histories once more")
-	}
 	for _, name := range gpuTraces {
 		tr, err := Open("../traces/" + name + ".jsonl.gz")
 		require.NoError(t, err, name)
