@@ -18,6 +18,9 @@ import (
 type FakeKernel struct {
 	mu    sync.Mutex
 	procs map[int32]*fakeProc
+	// openLimit is the most descriptors a process may have open, the
+	// standard streams included (RLIMIT_NOFILE); 0: no limit.
+	openLimit int
 }
 
 type fakeProc struct {
@@ -46,6 +49,14 @@ func (k *FakeKernel) Exit(pid int32) {
 	delete(k.procs, pid)
 }
 
+// SetOpenLimit makes every process's open descriptors, the standard
+// streams included, at most n (RLIMIT_NOFILE); 0 lifts the limit.
+func (k *FakeKernel) SetOpenLimit(n int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.openLimit = n
+}
+
 // OpenFDs is how many descriptors process pid has open.
 func (k *FakeKernel) OpenFDs(pid int32) int {
 	k.mu.Lock()
@@ -66,10 +77,13 @@ func (k *FakeKernel) proc(pid int32) *fakeProc {
 	return p
 }
 
-func (k *FakeKernel) open(pid int32, s *fakeShared) int32 {
+func (k *FakeKernel) open(pid int32, s *fakeShared) (int32, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	p := k.proc(pid)
+	if k.openLimit > 0 && 3+len(p.fds) >= k.openLimit {
+		return 0, fmt.Errorf("fakephys: process %d: too many open files (%d)", pid, k.openLimit)
+	}
 	// The lowest free number, as the kernel gives: a closed number is
 	// given again, which is what makes a stale handle name other memory.
 	fd := int32(3)
@@ -77,7 +91,7 @@ func (k *FakeKernel) open(pid int32, s *fakeShared) int32 {
 		fd++
 	}
 	p.fds[fd] = s
-	return fd
+	return fd, nil
 }
 
 func (k *FakeKernel) close(pid, fd int32) error {
@@ -155,7 +169,7 @@ func (f *FakePhys) ExportHandle(h PhysHandle) (int32, error) {
 	if fh.data == nil {
 		fh.data = fakeBytes{}
 	}
-	return f.kernel.open(f.pid, &fakeShared{size: fh.size, data: fh.data, dev: fh.dev}), nil
+	return f.kernel.open(f.pid, &fakeShared{size: fh.size, data: fh.data, dev: fh.dev})
 }
 
 // CloseExported closes a descriptor of f's process.

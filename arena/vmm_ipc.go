@@ -164,14 +164,18 @@ func newSharePhys(d PhysDriver, s PhysSharer) *sharePhys {
 	return &sharePhys{PhysDriver: d, sharer: s, fds: map[PhysHandle]int32{}}
 }
 
-// export is h's descriptor, exported at its first share.
+// export is h's descriptor, exported at its first share. A failure names
+// the descriptors this process already holds for shared handles: one stays
+// open per handle shared, so a process that shares many GiB can run out of
+// open files, which the driver's error does not say.
 func (p *sharePhys) export(h PhysHandle) (int32, error) {
 	if fd, ok := p.fds[h]; ok {
 		return fd, nil
 	}
 	fd, err := p.sharer.ExportHandle(h)
 	if err != nil {
-		return 0, err
+		return 0, fmt.Errorf("%w (this process holds %d descriptors of shared handles, one per handle until "+
+			"it is released; if that is its open-files limit, raise it (ulimit -n) or vmm_handle)", err, len(p.fds))
 	}
 	p.fds[h] = fd
 	return fd, nil

@@ -260,3 +260,34 @@ func TestIPCImportOtherHandleSizes(t *testing.T) {
 	_, err = snd.importIPC(y)
 	assert.ErrorContains(t, err, "not a multiple")
 }
+
+// One descriptor stays open per handle shared: a process at its open-files
+// limit cannot share more, and the error says how many it holds and what
+// to raise; the block, the pool and the descriptors already open stay as
+// they were, and go with the handles.
+func TestIPCExportPastTheOpenFilesLimit(t *testing.T) {
+	k := NewFakeKernel()
+	k.SetOpenLimit(3 + 4) // the standard streams and four descriptors
+	snd, sp := ipcProcess(t, k, 100, 0)
+	p := ipcAlloc(t, snd, 6*mib)
+	_, err := snd.exportIPC(p, 6*mib) // three handles
+	require.NoError(t, err)
+	q := ipcAlloc(t, snd, 6*mib)
+	_, err = snd.exportIPC(q, 6*mib) // three more: the second is refused
+	require.ErrorContains(t, err, "too many open files")
+	require.ErrorContains(t, err, "holds 4 descriptors of shared handles")
+	require.ErrorContains(t, err, "ulimit -n")
+	assert.Equal(t, 4, k.OpenFDs(100))
+	require.NoError(t, snd.checkInvariants())
+
+	k.SetOpenLimit(0)
+	_, err = snd.exportIPC(q, 6*mib)
+	require.NoError(t, err, "shared once descriptors are available")
+	for _, b := range []uintptr{p, q} {
+		require.NoError(t, snd.free(b, 6*mib, Stream(1)))
+	}
+	require.NoError(t, snd.synchronize(func() error { return nil }))
+	require.NoError(t, snd.trim(0))
+	assert.Zero(t, sp.Handles())
+	assert.Zero(t, k.OpenFDs(100), "every descriptor closed with its handle")
+}
