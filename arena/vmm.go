@@ -386,12 +386,12 @@ type VMMLayout struct {
 // DefaultVMMHandle is the handle size when none is named. The driver's
 // calls cost per handle, not per byte, cuMemSetAccess most of all, so
 // larger handles make fewer calls; but larger handles waste more where
-// free memory meets live memory, since only whole handles move. At 16 MiB
-// a serving loop's KV cache, its tensors placed among activations that die
-// soon after, held 1.09x of its live peak in the free ends of their
-// handles; 4 MiB holds every recorded workload within 1.03x, for about
-// four times the maps of 16 MiB, at a speed that runs side by side could
-// not tell from 16 MiB's (BENCHMARKS.md has the figures).
+// free memory meets live memory, since only whole handles move: a tensor
+// that outlives the activations placed around it keeps the free ends of
+// its first and last handles, so a serving loop's KV cache, a tensor per
+// layer, holds up to two handles' ends per layer. 4 MiB keeps those ends
+// small for four times the maps of 16 MiB where memory grows
+// (BENCHMARKS.md, "Harsh workloads", has the figures behind the choice).
 const DefaultVMMHandle = 4 << 20
 
 // Check is the one check of a layout.

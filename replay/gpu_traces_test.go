@@ -55,10 +55,9 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 
 // The default handles hold every history within 1.03 of its peak live
 // bytes, the device 10 ms behind: the memory goal on the harsh workloads.
-// Serving's repeat 1 is why the default is 4 MiB: its KV cache's tensors,
-// 1.43 handles of 16 MiB each and placed among activations that die soon
-// after, each sat between free ends of their handles at the peak (1.08
-// with 16 MiB handles, 1.09 on the H200).
+// Serving's repeat 1 is the one 16 MiB handles miss: its KV cache's
+// tensors, placed among activations that die soon after, each sit between
+// free ends of their handles at the peak.
 func TestDefaultHandlesHoldEachHistoryWithinTheGoal(t *testing.T) {
 	for _, name := range gpuTraces {
 		tr, err := Open("../traces/" + name + ".jsonl.gz")
