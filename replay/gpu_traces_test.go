@@ -26,10 +26,17 @@ import (
 // Under -short (make test) each trace is replayed 10 ms behind only.
 var gpuTraces = []string{"checkpoint-vmm", "checkpoint-r2-vmm", "moe-vmm", "rollout-vmm", "serving-vmm", "serving-r1-vmm"}
 
-// newGPUTraceDevice is a simulated H200 of the handles the histories were
-// recorded under: 16 MiB, the default then.
+// recordedLayout is the handles the histories were recorded under: 16
+// MiB, the default then.
+var recordedLayout = arena.VMMLayout{Handle: 16 << 20}
+
+// newGPUTraceDevice is a simulated H200 of recordedLayout.
 func newGPUTraceDevice(t *testing.T) *arena.SimVMM {
-	dev, err := arena.NewSimVMMWith(0, 140<<30, arena.VMMLayout{Handle: 16 << 20})
+	return newGPUTraceDeviceWith(t, recordedLayout)
+}
+
+func newGPUTraceDeviceWith(t *testing.T, l arena.VMMLayout) *arena.SimVMM {
+	dev, err := arena.NewSimVMMWith(0, 140<<30, l)
 	require.NoError(t, err)
 	return dev
 }
@@ -60,12 +67,11 @@ func TestSimulatorPredictsTheGPU(t *testing.T) {
 			layout arena.VMMLayout
 			gpu    uint64
 		}{
-			{arena.VMMLayout{Handle: 16 << 20}, tr.Header.GoallocReservedPeak},
+			{recordedLayout, tr.Header.GoallocReservedPeak},
 			{arena.VMMLayout{}, gpuHeldWithDefaultHandles[name]},
 		} {
 			for _, lag := range lags {
-				dev, err := arena.NewSimVMMWith(0, 140<<30, handles.layout)
-				require.NoError(t, err)
+				dev := newGPUTraceDeviceWith(t, handles.layout)
 				r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: lag})
 				require.NoError(t, err, name)
 				assert.InDelta(t, 1, float64(r.PeakReservedBytes)/float64(handles.gpu), 0.01,
@@ -86,9 +92,7 @@ func TestDefaultHandlesHoldEachHistoryWithinTheGoal(t *testing.T) {
 	for _, name := range gpuTraces {
 		tr, err := Open("../traces/" + name + ".jsonl.gz")
 		require.NoError(t, err, name)
-		dev, err := arena.NewSimVMM(0, 140<<30)
-		require.NoError(t, err)
-		r, err := Replay(tr, dev, Options{Conf: "backend:vmm", DeviceLag: 10_000})
+		r, err := Replay(tr, newGPUTraceDeviceWith(t, arena.VMMLayout{}), Options{Conf: "backend:vmm", DeviceLag: 10_000})
 		require.NoError(t, err, name)
 		assert.LessOrEqual(t, float64(r.PeakReservedBytes)/float64(r.PeakLiveBytes), 1.03, name)
 	}
